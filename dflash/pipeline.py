@@ -1,0 +1,299 @@
+"""The pipelined trainer: prefetcher -> target worker(s) -> hidden queue -> drafter.
+
+    prefetcher thread      data_load                       (tokenized, length-bucketed batches)
+    target worker thread   model_forward -> pack_hidden -> cpu_copy_enqueue   (one per target device)
+    drafter (this thread)  queue_get -> drafter_forward -> backward -> optimizer_step
+
+Rules kept here (DESIGN.md, "The pipeline and its stages"):
+- no host waits on device work in the loop: the device->host copy of packed hidden states
+  runs on a side stream into pinned, pre-allocated buffers and is announced by a CUDA
+  event; the drafter makes *its stream* wait on that event; a buffer goes back to the pool
+  only once the drafter's copy out of it has finished (an event, polled with query());
+- every stage is a `tel.stage` with the same trace key per batch, so one batch's stages,
+  on any thread or device, land in one trace; losses are read back deferred;
+- an error in any thread stops all of them promptly and is re-raised here.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .hidden_queue import Closed, HiddenQueue
+from .progress import Progress
+from .trainer import pack, target_features, unpack
+
+
+@dataclass
+class HiddenItem:
+    batch: object
+    packed: torch.Tensor        # valid tokens only; host (pinned) or on the drafter's device
+    ready: object = None        # CUDA event: the copy into `packed` is complete
+    release: object = None      # callable(done_event): give the staging buffer back
+    worker: str = ""
+
+
+class PinnedPool:
+    """Pre-allocated pinned staging buffers, reused; a buffer is free again once the
+    consumer's event says its copy out of it has completed."""
+
+    def __init__(self, n: int, numel: int, dtype):
+        self._free = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(n)]
+        self._busy: list[tuple[torch.Tensor, object]] = []
+        self._lock = threading.Lock()
+
+    def take(self, stop: threading.Event) -> torch.Tensor:
+        while not stop.is_set():
+            with self._lock:
+                for i, (buf, ev) in enumerate(self._busy):
+                    if ev is not None and ev.query():
+                        self._busy.pop(i)
+                        self._free.append(buf)
+                        break
+                if self._free:
+                    return self._free.pop()
+            time.sleep(0.0005)
+        raise Closed
+
+    def give_back(self, buf, done_event) -> None:
+        with self._lock:
+            self._busy.append((buf, done_event))
+
+
+class Pipeline:
+    def __init__(self, ctx):
+        self.ctx, self.cfg, self.tel = ctx, ctx.cfg, ctx.tel
+        p = self.cfg.pipeline
+        self.delay = p.inject_delay
+        self.hq = HiddenQueue(p.queue_size, p.min_ready)
+        self.batches: queue.Queue = queue.Queue(maxsize=p.prefetch)
+        self.stop = threading.Event()
+        self.errors: list[tuple[str, BaseException]] = []
+        self.threads: list[threading.Thread] = []
+        self.drafter_device = ctx.step.device
+        self._register_metrics()
+
+    # -- metrics read by the telemetry thread (callbacks never touch a worker) ------------
+    def _register_metrics(self):
+        tel, hq = self.tel, self.hq
+        rank = {"rank": self.ctx.rank}
+        tel.observable_gauge("dflash.queue.depth", lambda: [(hq.depth(), rank)], unit="{batch}",
+                             description="hidden-state batches waiting for the drafter")
+        tel.observable_gauge("dflash.queue.min_ready_ratio", lambda: [(hq.depth() / hq.min_ready, rank)],
+                             unit="1", description="queue depth / min_ready (>= 1: drafter can start at once)")
+        tel.observable_gauge("dflash.queue.producer_blocked", lambda: [(hq.blocked_s, rank)], unit="s",
+                             description="total time target workers waited on a full queue")
+        tel.observable_gauge("dflash.queue.consumer_starved", lambda: [(hq.starved_s, rank)], unit="s",
+                             description="total time the drafter waited on an empty queue")
+        if self.drafter_device.type == "cuda":
+            dev = self.drafter_device
+
+            def alloc():
+                s = torch.cuda.memory_stats(dev)  # host-side counters: no sync
+                a = {"device": str(dev)} | rank
+                return [(s.get("allocated_bytes.all.current", 0), a | {"kind": "allocated"}),
+                        (s.get("reserved_bytes.all.current", 0), a | {"kind": "reserved"}),
+                        (s.get("allocated_bytes.all.peak", 0), a | {"kind": "peak_allocated"})]
+            tel.observable_gauge("dflash.cuda.memory", alloc, unit="By", description="CUDA caching allocator")
+
+    def _sleep(self, stage):
+        if self.delay.get(stage):
+            time.sleep(self.delay[stage])
+
+    def _guard(self, name, fn, *args):
+        def run():
+            try:
+                fn(*args)
+            except Closed:
+                pass
+            except BaseException as e:  # any failure ends the whole run
+                self.errors.append((name, e))
+                self.shutdown_workers()
+        t = threading.Thread(target=run, name=name, daemon=True)
+        self.threads.append(t)
+        return t
+
+    def shutdown_workers(self):
+        self.stop.set()
+        self.hq.close()
+
+    # -- prefetcher ----------------------------------------------------------------------
+    def prefetch(self):
+        stream = self.ctx.batch_stream()
+        idx = self.ctx.start_step
+        tel, rank = self.tel, self.ctx.rank
+        while not self.stop.is_set() and idx < self.cfg.train.steps:
+            with tel.stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=rank,
+                           batch_id=idx, step=idx) as s:
+                b = next(stream)
+                b.index = idx
+                s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                self._sleep("data_load")
+            tel.record("dflash.batch.padding_ratio", 1 - b.tokens / (len(b.lengths) * b.padded_len))
+            for n in b.lengths:
+                tel.record("dflash.batch.sequence_length", n)
+            while not self.stop.is_set():
+                try:
+                    self.batches.put(b, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            idx += 1
+        for _ in range(len(self.cfg.pipeline.target_devices)):  # one end marker per worker
+            while not self.stop.is_set():
+                try:
+                    self.batches.put(None, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+
+    # -- target worker -------------------------------------------------------------------
+    def target_worker(self, wid: int, done: list):
+        ctx, tel = self.ctx, self.tel
+        tgt = ctx.targets[wid]
+        dev = torch.device(tgt.device)
+        worker = f"target{wid}"
+        cuda = dev.type == "cuda"
+        staging = cuda and self.drafter_device != dev
+        side = torch.cuda.Stream(dev) if cuda else None
+        pool = None
+        if staging:
+            H = tgt.config.get_text_config().hidden_size * len(ctx.layer_ids)
+            numel = self.cfg.train.batch_size * self.cfg.data.max_len * H
+            pool = PinnedPool(self.cfg.pipeline.queue_size + 2, numel, tgt.dtype)
+        try:
+            while not self.stop.is_set():
+                try:
+                    b = self.batches.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if b is None:
+                    break
+                key = ("batch", b.index)
+                a = dict(worker=worker, device=str(dev), rank=ctx.rank, batch_id=b.index, step=b.index,
+                         tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                cur = torch.cuda.current_stream(dev) if cuda else None
+                with tel.stage("model_forward", trace=key, stream=cur, **a):
+                    feats = target_features(tgt, b, ctx.layer_ids, dev)
+                    self._sleep("model_forward")
+                with tel.stage("pack_hidden", trace=key, stream=cur, **a):
+                    packed = pack(feats, b.lengths)
+                    self._sleep("pack_hidden")
+                with tel.stage("cpu_copy_enqueue", trace=key, **a) as s:
+                    item = HiddenItem(batch=b, packed=packed, worker=worker)
+                    if staging:
+                        buf = pool.take(self.stop)
+                        host = buf[: packed.numel()].view(packed.shape)
+                        side.wait_stream(cur)          # the copy must see the finished pack
+                        with torch.cuda.stream(side):
+                            host.copy_(packed, non_blocking=True)
+                            packed.record_stream(side)  # allocator: don't reuse before the copy ran
+                            ev = torch.cuda.Event()
+                            ev.record(side)
+                        item.packed, item.ready = host, ev
+                        item.release = lambda done_ev, buf=buf: pool.give_back(buf, done_ev)
+                    elif cuda:  # same device: hand over the tensor, ordered by an event
+                        ev = torch.cuda.Event()
+                        ev.record(cur)
+                        item.ready = ev
+                    self._sleep("cpu_copy_enqueue")
+                    blocked = self.hq.put(b.index, item)
+                    s.set(blocked_s=round(blocked, 6))
+                    if blocked > self.cfg.pipeline.stall_threshold_s:
+                        s.event("queue_full", wait_s=round(blocked, 6))
+                tel.add("dflash.queue.producer_blocked_seconds", blocked, worker=worker)
+                tel.add("dflash.worker.batches", 1, worker=worker)
+                tel.add("dflash.worker.tokens", b.tokens, worker=worker)
+        finally:
+            done.append(wid)
+            if len(done) == len(self.cfg.pipeline.target_devices):
+                self.hq.producers_done()
+
+    # -- drafter (runs on the calling thread) --------------------------------------------
+    def drafter_loop(self):
+        ctx, tel, st = self.ctx, self.tel, self.ctx.step
+        dev = self.drafter_device
+        cuda = dev.type == "cuda"
+        bar = Progress(ctx)
+        thr = self.cfg.pipeline.stall_threshold_s
+        try:
+            while st.step < self.cfg.train.steps and not ctx.stop.is_set() and not self.stop.is_set():
+                step = st.step
+                key = ("batch", step)
+                a = dict(worker="drafter0", device=str(dev), rank=ctx.rank, batch_id=step, step=step)
+                with tel.stage("queue_get", trace=key, **a) as s:
+                    item, waited = self.hq.get(step)
+                    s.set(wait_s=round(waited, 6), queue_depth=self.hq.depth())
+                    if waited > thr:
+                        s.event("stall", cause="queue_empty", wait_s=round(waited, 6))
+                tel.add("dflash.queue.consumer_starved_seconds", waited, worker="drafter0")
+                b = item.batch
+                a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                cur = torch.cuda.current_stream(dev) if cuda else None
+                with tel.stage("drafter_forward", trace=key, stream=cur, **a):
+                    if item.ready is not None:
+                        cur.wait_event(item.ready)     # device-side wait, the host moves on
+                    x = item.packed.to(dev, non_blocking=True)
+                    if item.release is not None:
+                        done = torch.cuda.Event()
+                        done.record(cur)
+                        item.release(done)
+                    loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
+                    self._sleep("drafter_forward")
+                with tel.stage("backward", trace=key, stream=cur, **a):
+                    st.backward(loss)
+                    self._sleep("backward")
+                with tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
+                    gnorm, nonfinite = st.optimizer_step(loss)
+                    self._sleep("optimizer_step")
+                ctx.tokens += b.tokens
+                tel.add("dflash.tokens", b.tokens, worker="drafter0")
+                tel.add("dflash.train.steps", 1, worker="drafter0")
+                self._record(step, loss, acc, gnorm, nonfinite)
+                bar.update(b.tokens)
+                if self.cfg.train.save_every and st.step % self.cfg.train.save_every == 0:
+                    from .train import save
+                    save(ctx)
+        finally:
+            bar.close()
+
+    def _record(self, step, loss, acc, gnorm, nonfinite):
+        before = len(self.ctx.history)
+        nf_before = len(self.ctx.nonfinite)
+        self.ctx.record(step, loss, acc, gnorm, nonfinite)
+        for s, l, ac, g in self.ctx.history[before:]:
+            self.tel.record("dflash.train.loss", l)
+            self.tel.record("dflash.train.grad_norm", g)
+        for s in self.ctx.nonfinite[nf_before:]:  # known only now (deferred read): mark the batch
+            self.tel.add("dflash.train.nonfinite_steps", 1)
+            with self.tel.stage("skipped_step", trace=("batch", s), worker="drafter0", step=s) as sp:
+                sp.event("nonfinite_loss", step=s, action="update skipped")
+
+    # -- orchestration -------------------------------------------------------------------
+    def run(self):
+        done: list = []
+        self._guard("prefetch", self.prefetch).start()
+        for wid in range(len(self.cfg.pipeline.target_devices)):
+            self._guard(f"target{wid}", self.target_worker, wid, done).start()
+        try:
+            self.drafter_loop()
+        except Closed:
+            pass
+        finally:
+            self.shutdown_workers()
+            for t in self.threads:
+                t.join(timeout=5.0)
+        if self.errors:
+            name, err = self.errors[0]
+            raise WorkerError(f"worker {name} failed: {type(err).__name__}: {err}") from err
+
+
+class WorkerError(RuntimeError):
+    pass
+
+
+def run_pipelined(ctx) -> None:
+    Pipeline(ctx).run()

@@ -1,0 +1,74 @@
+"""Conversations -> (optionally target-regenerated) training samples + held-out prompts.
+
+Regeneration lets the target write the assistant turns itself: a drafter must learn the
+*target's* distribution, and for tiny random targets ShareGPT's human text has nothing
+to do with what they predict. Regenerated conversations are cached on disk, keyed by
+everything that determines them, so a second run skips the generation.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import data as data_mod
+from .config import Config
+
+
+@dataclass
+class Prepared:
+    samples: list            # data.Sample, training split
+    eval_convs: list         # held-out conversations (prompts for eval)
+    regenerated: bool
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash")
+
+
+def should_regenerate(cfg: Config) -> bool:
+    if cfg.data.regenerate == "auto":
+        return cfg.model.target.startswith("tiny-")
+    return cfg.data.regenerate == "on"
+
+
+def split(cfg: Config):
+    convs = data_mod.load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations,
+                                        seed=cfg.train.seed)
+    return data_mod.split_heldout(convs, eval_fraction=cfg.data.eval_fraction, seed=cfg.train.seed)
+
+
+def _regen_cached(cfg: Config, target, tokenizer, convs, device) -> list:
+    arch = hashlib.sha256(target.config.to_json_string().encode()).hexdigest()
+    key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch,
+                      "convs": hashlib.sha256(json.dumps(convs).encode()).hexdigest(),
+                      "new": cfg.data.regen_max_new_tokens, "prompt": cfg.data.regen_max_prompt_len,
+                      "v": 1}, sort_keys=True)
+    path = cache_dir() / "regenerated" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
+    if path.is_file():
+        return json.loads(path.read_text())
+    print(f"regenerating {len(convs)} responses with the target (cached for next time)", file=sys.stderr)
+    out = data_mod.regenerate(target, tokenizer, convs, max_new_tokens=cfg.data.regen_max_new_tokens,
+                              max_prompt_len=cfg.data.regen_max_prompt_len, device=device)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(out))
+    os.replace(tmp, path)
+    return out
+
+
+def prepare(cfg: Config, target, tokenizer, device="cpu") -> Prepared:
+    train_convs, eval_convs = split(cfg)
+    regen = should_regenerate(cfg)
+    if regen:
+        train_convs = _regen_cached(cfg, target, tokenizer, train_convs, device)
+    samples = data_mod.build_samples(tokenizer, train_convs, max_len=cfg.data.max_len,
+                                     min_loss_tokens=2 * cfg.model.block_size)
+    if not samples:
+        raise data_mod.DatasetError(
+            f"no training samples left after filtering (need >= {2 * cfg.model.block_size} response tokens "
+            f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len")
+    return Prepared(samples=samples, eval_convs=eval_convs, regenerated=regen)

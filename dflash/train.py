@@ -1,0 +1,213 @@
+"""`dflash train`: set up, run the loop (pipelined or reference), checkpoint, summarise."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import checkpoint as ckpt
+from . import data as data_mod
+from . import distributed as dist_mod
+from . import target as target_mod
+from .config import Config, dump, resolve_dtype
+from .prepare import prepare
+from .readback import DeferredScalars
+from .trainer import Batch, DrafterStep, build_drafter
+
+
+@dataclass
+class RunContext:
+    """Everything a loop needs; built once by `setup`."""
+    cfg: Config
+    tel: object
+    target: object
+    tokenizer: object
+    layer_ids: list[int]
+    step: DrafterStep
+    samples: list
+    eval_convs: list
+    out: Path
+    rank: int = 0
+    world_size: int = 1
+    start_step: int = 0
+    history: list = field(default_factory=list)      # (step, loss, acc, grad_norm)
+    readback: DeferredScalars = field(default_factory=DeferredScalars)
+    stop: threading.Event = field(default_factory=threading.Event)   # Ctrl-C: finish the step, save
+    tokens: int = 0
+    nonfinite: list = field(default_factory=list)    # steps whose update was skipped
+    targets: list = field(default_factory=list)      # one target replica per target worker
+
+    @property
+    def nonfinite_steps(self) -> int:
+        return len(self.nonfinite)
+
+    def batch_stream(self):
+        """Deterministic batches of this rank; skips what a resumed run already consumed."""
+        shard = self.samples[self.rank::self.world_size]
+        it = data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
+                              pad_id=self.tokenizer.pad_token_id, start=self.start_step)
+        for i, d in enumerate(it, start=self.start_step):
+            b = Batch.from_dict(d)
+            b.index = i  # the step that consumes it: one global batch = every rank's share
+            yield b
+
+    def record(self, step: int, loss, acc, gnorm, nonfinite):
+        """Called on the drafter thread after each optimizer step: no host read here."""
+        # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
+        self.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
+        for s, v in self.readback.ready():
+            self._log(s, v)
+
+    def _log(self, s, v):
+        self.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
+        if v["nonfinite"]:
+            self.nonfinite.append(s)
+
+    def finish_readback(self):
+        for s, v in self.readback.drain_blocking():
+            self._log(s, v)
+
+
+def _make_telemetry(cfg: Config, out: Path, rank: int, world_size: int, run_id: str):
+    import otel
+
+    if not cfg.telemetry.enabled:
+        return otel.Telemetry.disabled()
+    tdir = out / "telemetry" / (f"rank{rank}" if world_size > 1 else "")
+    gpus = sorted({torch.device(d).index or 0 for d in cfg.pipeline.target_devices + cfg.pipeline.drafter_devices
+                   if d.startswith("cuda")}) or None
+    return otel.Telemetry.from_env(
+        service_name="dflash", run_id=run_id, file_dir=str(tdir),
+        resource_attributes={"rank": rank, "world_size": world_size, "dflash.target": cfg.model.target},
+        console=rank == 0, console_interval_s=cfg.telemetry.console_interval_s or None,
+        mode=cfg.telemetry.mode, gpu_indices=gpus)
+
+
+def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
+    out = Path(cfg.out)
+    rank, world, run_id = dist_mod.init_from_env(cfg, out)
+    out.mkdir(parents=True, exist_ok=True)
+    if tel is None:
+        tel = _make_telemetry(cfg, out, rank, world, run_id)
+    tdevs = [_local(d) for d in cfg.pipeline.target_devices]
+    tdev = tdevs[0]
+    ddev = _local(cfg.pipeline.drafter_devices[rank % len(cfg.pipeline.drafter_devices)])
+    if ddev.startswith("cuda") or tdev.startswith("cuda"):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    torch.manual_seed(cfg.train.seed)
+    target, tok = target_mod.load_target(cfg.model.target, device=tdev, dtype=resolve_dtype(cfg, tdev),
+                                         seed=cfg.model.target_seed)
+    L = target_mod.num_layers(target)
+    layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+    prep = prepare(cfg, target, tok, device=tdev)
+
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if ddev != tdev:  # the drafter device holds its own frozen copies of embedding / lm_head
+        import copy
+        embed, head = copy.deepcopy(embed).to(ddev), copy.deepcopy(head).to(ddev)
+    start, history, tokens = 0, [], 0
+    if resume:
+        drafter, _ = ckpt.load_drafter(out / "checkpoint", device=ddev, dtype=torch.float32)
+        tstate, jstate = ckpt.load_training_state(out / "checkpoint")
+    else:
+        drafter = build_drafter(cfg, target, tok, layer_ids).to(ddev)
+    ddp = dist_mod.wrap_ddp(drafter, ddev) if world > 1 else None
+    step = DrafterStep(cfg, drafter, embed, head, ddev, ddp=ddp)
+    if resume:
+        step.load_state(tstate)
+        start, tokens = tstate["step"], jstate.get("tokens", 0)
+        history = [tuple(h) for h in jstate.get("history", [])]
+    ctx = RunContext(cfg=cfg, tel=tel, target=target, tokenizer=tok, layer_ids=layer_ids, step=step,
+                     samples=prep.samples, eval_convs=prep.eval_convs, out=out, rank=rank, world_size=world,
+                     start_step=start, history=history, tokens=tokens)
+    import copy
+    replicas = {tdev: target}
+    for d in tdevs:  # one frozen replica per target device; workers on one device share it
+        replicas.setdefault(d, copy.deepcopy(target).to(d))
+    ctx.targets = [replicas[d] for d in tdevs]
+    return ctx
+
+
+def _local(dev: str) -> str:
+    """Plain `cuda` under torchrun means this rank's GPU (LOCAL_RANK)."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
+
+
+def save(ctx: RunContext) -> None:
+    if ctx.rank != 0:
+        return
+    state = {"step": ctx.step.step, "tokens": ctx.tokens, "history": ctx.history}
+    with ctx.tel.stage("checkpoint", worker="drafter0", step=ctx.step.step):
+        ckpt.save(ctx.out / "checkpoint", ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
+                  training_state=ctx.step.state())
+
+
+def run_eval(ctx: RunContext, label: str) -> dict:
+    from .evaluate import evaluate
+
+    e = ctx.cfg.eval
+    res = evaluate(ctx.target, ctx.step.drafter.to(ctx.target.device), ctx.tokenizer, ctx.eval_convs,
+                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len)
+    print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
+          f"{res['prompts']} prompts, lossless={res['lossless']})", file=sys.stderr)
+    return res
+
+
+def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
+    from .loop import run_reference
+    from .pipeline import run_pipelined
+
+    ctx = setup(cfg, resume=resume)
+    dump(cfg, ctx.out / "config.yaml") if ctx.rank == 0 else None
+    summary: dict = {}
+    prev = signal.getsignal(signal.SIGINT)
+
+    def on_sigint(signum, frame):  # first Ctrl-C: stop after the current step and save
+        if ctx.stop.is_set():
+            raise KeyboardInterrupt
+        print("\ninterrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        ctx.stop.set()
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, on_sigint)
+    try:
+        if eval_before_after:
+            summary["eval_before"] = run_eval(ctx, "before training")
+        t0 = time.perf_counter()
+        tokens0, step0 = ctx.tokens, ctx.step.step
+        loop = run_pipelined if cfg.pipeline.pipelined else run_reference
+        loop(ctx)
+        ctx.finish_readback()
+        wall = time.perf_counter() - t0
+        save(ctx)
+        steps_done = ctx.step.step - step0
+        losses = [h[1] for h in ctx.history]
+        summary.update({
+            "steps": ctx.step.step, "steps_this_run": steps_done, "tokens": ctx.tokens,
+            "tokens_this_run": ctx.tokens - tokens0, "wall_s": round(wall, 3),
+            "tokens_per_s": round((ctx.tokens - tokens0) / wall, 1) if wall > 0 else 0.0,
+            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+            "acc_last": ctx.history[-1][2] if ctx.history else None,
+            "loss_history": [[h[0], round(h[1], 6)] for h in ctx.history],
+            "nonfinite_steps": ctx.nonfinite_steps, "interrupted": ctx.stop.is_set(),
+            "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
+            "world_size": ctx.world_size, "train_samples": len(ctx.samples),
+        })
+        if eval_before_after:
+            summary["eval_after"] = run_eval(ctx, "after training")
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, prev)
+        ctx.tel.shutdown(timeout_s=2.0)
+        summary["telemetry"] = ctx.tel.summary()
+        dist_mod.shutdown()
+    if ctx.rank == 0:
+        (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,146 @@
+"""The pieces of one training step, shared by the reference loop and the pipeline.
+
+Target side:  model_forward (capture layers) -> pack_hidden (valid tokens only)
+Drafter side: unpack -> drafter_forward (anchors, one-pass block forward, loss)
+              -> backward -> optimizer_step (clip, AdamW, cosine schedule)
+
+Every function here is free of host reads of device tensors: loss, accuracy and grad
+norm come back as device tensors and are read later (see readback.py).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from . import target as target_mod
+from .config import Config
+from .drafter import DFlashDrafter, DrafterConfig, loss_weights, sample_anchors, weighted_block_loss
+
+
+@dataclass
+class Batch:
+    """A tokenized batch on the host, with the metadata every stage's span carries."""
+    index: int                 # global batch id: the trace key
+    input_ids: torch.Tensor    # [B, S] right-padded
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    lengths: list[int]         # valid tokens per sequence (host ints: packing needs no sync)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def padded_len(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Batch":
+        return cls(index=d["batch_index"], input_ids=d["input_ids"], attention_mask=d["attention_mask"],
+                   loss_mask=d["loss_mask"], lengths=d["attention_mask"].sum(1).tolist())
+
+
+def target_features(target, batch: Batch, layer_ids, device) -> torch.Tensor:
+    """model_forward: one target forward, selected layers concatenated: [B, S, n*H]."""
+    ids = batch.input_ids.to(device, non_blocking=True)
+    am = batch.attention_mask.to(device, non_blocking=True)
+    return target_mod.capture_hidden(target, ids, am, layer_ids)
+
+
+def pack(features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """pack_hidden: keep valid tokens only -> [sum(lengths), n*H]; host ints, no nonzero()."""
+    return torch.cat([features[i, :n] for i, n in enumerate(lengths)], dim=0)
+
+
+def unpack(packed: torch.Tensor, lengths: list[int], padded_len: int) -> torch.Tensor:
+    out = packed.new_zeros(len(lengths), padded_len, packed.shape[-1])
+    start = 0
+    for i, n in enumerate(lengths):
+        out[i, :n] = packed[start:start + n]
+        start += n
+    return out
+
+
+def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
+    vocab_rows = target.get_input_embeddings().weight.shape[0]
+    mask_id, _ = target_mod.choose_mask_token_id(tokenizer, vocab_rows)
+    dcfg = DrafterConfig.from_target(
+        target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
+        num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
+    torch.manual_seed(cfg.train.seed)
+    return DFlashDrafter(dcfg)
+
+
+def cosine_with_warmup(total_steps: int, warmup_ratio: float):
+    warm = max(1, int(round(total_steps * warmup_ratio)))
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        prog = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
+    return f
+
+
+class DrafterStep:
+    """Owns the trainable drafter, its optimizer and schedule on one device."""
+
+    def __init__(self, cfg: Config, drafter: DFlashDrafter, embed, lm_head, device, ddp=None):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.drafter = drafter
+        self.model = ddp or drafter  # what forward/backward go through (DDP wrapper or not)
+        self.embed, self.lm_head = embed, lm_head
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95),
+                                     weight_decay=cfg.train.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, cosine_with_warmup(max(1, cfg.train.steps), cfg.train.warmup_ratio))
+        self.weights = loss_weights(cfg.model.block_size).to(self.device)[1:]
+        self.step = 0
+
+    def forward(self, features: torch.Tensor, batch: Batch):
+        """drafter_forward: returns (loss, accuracy) device tensors."""
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        lm = batch.loss_mask.to(self.device, non_blocking=True)
+        # anchors depend only on (seed, batch id): the same whichever worker or loop runs it
+        g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + batch.index)
+        anchors, valid = sample_anchors(batch.loss_mask, self.cfg.train.num_anchors,
+                                        self.cfg.model.block_size, generator=g)
+        anchors, valid = anchors.to(self.device), valid.to(self.device)
+        dt = next(self.drafter.parameters()).dtype
+        logits, labels = self.model(features.to(dt), ids, anchors, valid, self.embed, self.lm_head)
+        Bk = self.cfg.model.block_size
+        pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
+        label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)
+        return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
+
+    def backward(self, loss: torch.Tensor):
+        loss.backward()
+
+    def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, then step only when loss and grad norm are finite — decided on the device
+        (no host read): a non-finite step zeroes the update through torch.where."""
+        params = [p for p in self.drafter.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
+        finite = torch.isfinite(loss) & torch.isfinite(gnorm)
+        for p in params:  # a non-finite step contributes nothing (grads -> 0)
+            p.grad.mul_(finite.to(p.grad.dtype))
+            p.grad.nan_to_num_(0.0, 0.0, 0.0)
+        if self.cfg.train.steps > 0:
+            self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return gnorm.detach(), ~finite
+
+    def state(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, st: dict):
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.step = st["step"]
+        torch.set_rng_state(st["torch_rng"])

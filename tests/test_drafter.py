@@ -1,0 +1,105 @@
+"""The drafter's one-pass training forward must equal how inference runs each block."""
+import torch
+from torch import nn
+
+from dflash.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
+                            weighted_block_loss)
+
+H, V, BK = 64, 101, 8
+
+
+def make(layers=2, seed=0):
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, vocab_size=V, target_layer_ids=[0, 2, 3],
+                        mask_token_id=V - 1, num_hidden_layers=layers, block_size=BK)
+    d = DFlashDrafter(cfg).double()
+    embed = nn.Embedding(V, H).double()
+    head = nn.Linear(H, V, bias=False).double()
+    return d, embed, head
+
+
+def inference_logits(d, embed, head, feats, ids, p):
+    """One block exactly as spec decoding builds it: context < p from a cache, anchor ids[p]."""
+    ctx = d.fuse(feats[:, :p])
+    kv = d.context_kv(ctx, torch.arange(p)[None])
+    blk = torch.full((1, BK), d.cfg.mask_token_id)
+    blk[0, 0] = ids[0, p]
+    h = d.blocks_hidden(embed(blk), (p + torch.arange(BK))[None], kv, None)
+    return head(h[:, 1:])
+
+
+def test_one_pass_training_forward_matches_per_block_inference():
+    d, embed, head = make()
+    S = 40
+    torch.manual_seed(1)
+    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, S))
+    anchors = torch.tensor([[3, 9, 17, 30, S - BK]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
+    for j, p in enumerate(anchors[0].tolist()):
+        ref = inference_logits(d, embed, head, feats, ids, p)
+        assert torch.allclose(logits[0, j], ref[0], atol=1e-5), f"block at anchor {p} differs"
+        assert labels[0, j].tolist() == ids[0, p + 1:p + BK].tolist()  # slot k predicts p+k
+
+
+def test_block_mask_semantics():
+    anchors = torch.tensor([[2, 5]])
+    m = DFlashDrafter.block_mask(anchors, torch.tensor([[True, True]]), S=10, Bk=3)[0, 0]
+    assert m.shape == (6, 10 + 6)
+    for q in range(6):
+        blk, p = q // 3, anchors[0, q // 3].item()
+        ctx = m[q, :10].nonzero().flatten().tolist()
+        assert ctx == list(range(p)), "context must be strictly before the anchor"
+        own = m[q, 10:].nonzero().flatten().tolist()
+        assert own == [blk * 3 + i for i in range(3)], "whole own block (bidirectional), no other block"
+
+
+def test_future_context_and_other_blocks_do_not_leak():
+    d, embed, head = make(layers=1)
+    S = 32
+    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, S))
+    anchors, valid = torch.tensor([[4, 12]]), torch.tensor([[True, True]])
+    base, _ = d.train_forward(feats, ids, anchors, valid, embed, head)
+    f2, i2 = feats.clone(), ids.clone()
+    f2[:, 12:] += 5.0          # context at/after anchor 12 is invisible to block 1
+    i2[0, 4] = (i2[0, 4] + 1) % (V - 1)  # block 0's anchor token changes: block 1 must not care
+    out, _ = d.train_forward(f2, i2, anchors, valid, embed, head)
+    assert torch.allclose(out[0, 1], base[0, 1], atol=1e-9)
+    assert not torch.allclose(out[0, 0], base[0, 0])
+    # a change in the block's own context does matter (so the test can fail)
+    f3 = feats.clone(); f3[:, 11] += 5.0
+    out3, _ = d.train_forward(f3, ids, anchors, valid, embed, head)
+    assert not torch.allclose(out3[0, 1], base[0, 1])
+
+
+def test_loss_weights_and_decay():
+    w = loss_weights(16)
+    assert w[0] == 0 and w[1] == 1.0
+    assert torch.isclose(w[8], torch.exp(torch.tensor(-7 / 7.0)))
+    assert torch.isclose(loss_weights(8)[5], torch.exp(torch.tensor(-4 / 4.0)))
+    assert torch.isclose(loss_weights(10)[6], torch.exp(torch.tensor(-5 / 5.0)))
+
+
+def test_weighted_loss_ignores_masked_slots():
+    logits = torch.randn(1, 1, 3, 7)
+    labels = torch.tensor([[[1, 2, 3]]])
+    w = torch.tensor([1.0, 0.5, 0.25])
+    full, _ = weighted_block_loss(logits, labels, torch.tensor([[True]]), torch.ones(1, 1, 3), w)
+    ce = torch.nn.functional.cross_entropy(logits[0, 0], labels[0, 0], reduction="none")
+    assert torch.isclose(full, (ce * w).sum() / w.sum())
+    masked, _ = weighted_block_loss(logits, labels, torch.tensor([[True]]), torch.tensor([[[1.0, 0, 0]]]), w)
+    assert torch.isclose(masked, ce[0])
+
+
+def test_sample_anchors_respects_loss_mask_and_bounds():
+    lm = torch.zeros(2, 30, dtype=torch.long)
+    lm[0, 10:25] = 1
+    g = torch.Generator().manual_seed(0)
+    a, v = sample_anchors(lm, 8, 8, generator=g)
+    for p, ok in zip(a[0].tolist(), v[0].tolist()):
+        if ok:
+            assert 10 <= p <= 22 and p <= 30 - 8
+    assert v[0].sum() == 8 and v[1].sum() == 0  # second sequence has no response tokens
