@@ -27,6 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--drafter-devices", help="comma list, e.g. cuda:2 (default cpu)")
     t.add_argument("--inject-delay", action="append", default=[], metavar="STAGE=SECONDS",
                    help="sleep in a stage: a tool for testing dashboards, alerts and stall reports")
+    t.add_argument("--inject-fault", action="append", default=[], metavar="STAGE=STEP",
+                   help="raise in a stage at a step: a tool for testing the failure path")
     t.add_argument("--no-telemetry", action="store_true")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
 
@@ -43,13 +45,10 @@ def _train(a) -> int:
     from .config import load_config
     from .train import train
 
-    delays = {}
-    for item in a.inject_delay:
-        stage, _, secs = item.partition("=")
-        delays[stage] = secs
     flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
              "pipeline.target_devices": a.target_devices, "pipeline.drafter_devices": a.drafter_devices,
-             "pipeline.inject_delay": ",".join(f"{k}={v}" for k, v in delays.items()) or None,
+             "pipeline.inject_delay": ",".join(a.inject_delay) or None,
+             "pipeline.inject_fault": ",".join(a.inject_fault) or None,
              "pipeline.pipelined": False if a.reference else None,
              "telemetry.enabled": False if a.no_telemetry else None,
              "telemetry.wandb": True if a.wandb else None}

@@ -51,6 +51,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     seed: int = 0
     save_every: int = 0                  # 0: only at the end
+    stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
     log_every: int = 10
 
 
@@ -71,6 +72,7 @@ class PipelineConfig:
     prefetch: int = 8
     stall_threshold_s: float = 0.05      # queue_get waits longer than this get a span event
     inject_delay: dict[str, float] = field(default_factory=dict)  # STAGE -> seconds (testing)
+    inject_fault: dict[str, int] = field(default_factory=dict)    # STAGE -> step at which it raises (testing)
 
 
 @dataclass
@@ -242,6 +244,9 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)})")
         if secs < 0:
             raise ConfigError(f"--inject-delay {stage}={secs}: expected seconds >= 0")
+    for stage, step in p.inject_fault.items():
+        if stage not in STAGES:
+            raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")
     if cfg.telemetry.mode not in ("process", "thread"):
         raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
     try:

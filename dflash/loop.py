@@ -5,44 +5,42 @@ updates => the same loss trajectory) and the fallback for debugging.
 """
 from __future__ import annotations
 
-import time
-
+from .faults import inject
 from .progress import Progress
 from .trainer import pack, target_features, unpack
 
 
 def run_reference(ctx) -> None:
     cfg, tel, st = ctx.cfg, ctx.tel, ctx.step
-    delay = cfg.pipeline.inject_delay
     dev = str(st.device)
     batches = ctx.batch_stream()
     bar = Progress(ctx)
     try:
-        while st.step < cfg.train.steps and not ctx.stop.is_set():
+        while ctx.more_steps():
             step = st.step
             common = dict(worker="main", rank=ctx.rank, step=step)
             with tel.stage("data_load", **common) as s:
                 b = next(batches)
                 s.set(batch_id=b.index, tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
-                _sleep(delay, "data_load")
+                inject(cfg.pipeline, "data_load", step)
             attrs = dict(common, device=dev, batch_id=b.index, tokens=b.tokens)
             key = ("batch", b.index)
             with tel.stage("model_forward", trace=key, **attrs):
                 feats = target_features(ctx.target, b, ctx.layer_ids, ctx.target.device)
-                _sleep(delay, "model_forward")
+                inject(cfg.pipeline, "model_forward", step)
             with tel.stage("pack_hidden", trace=key, **attrs):
                 packed = pack(feats, b.lengths)
-                _sleep(delay, "pack_hidden")
+                inject(cfg.pipeline, "pack_hidden", step)
             with tel.stage("drafter_forward", trace=key, **attrs):
                 feats = unpack(packed.to(st.device), b.lengths, b.padded_len)
                 loss, acc = st.forward(feats, b)
-                _sleep(delay, "drafter_forward")
+                inject(cfg.pipeline, "drafter_forward", step)
             with tel.stage("backward", trace=key, **attrs):
                 st.backward(loss)
-                _sleep(delay, "backward")
+                inject(cfg.pipeline, "backward", step)
             with tel.stage("optimizer_step", trace=("step", step), links=[key], **attrs):
                 gnorm, nonfinite = st.optimizer_step(loss)
-                _sleep(delay, "optimizer_step")
+                inject(cfg.pipeline, "optimizer_step", step)
             ctx.tokens += b.tokens
             ctx.record(step, loss, acc, gnorm, nonfinite)
             bar.update(b.tokens)
@@ -53,6 +51,3 @@ def run_reference(ctx) -> None:
         bar.close()
 
 
-def _sleep(delay: dict, stage: str) -> None:
-    if delay.get(stage):
-        time.sleep(delay[stage])

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .faults import inject
 from .hidden_queue import Closed, HiddenQueue
 from .progress import Progress
 from .trainer import pack, target_features, unpack
@@ -67,7 +68,6 @@ class Pipeline:
     def __init__(self, ctx):
         self.ctx, self.cfg, self.tel = ctx, ctx.cfg, ctx.tel
         p = self.cfg.pipeline
-        self.delay = p.inject_delay
         self.hq = HiddenQueue(p.queue_size, p.min_ready)
         self.batches: queue.Queue = queue.Queue(maxsize=p.prefetch)
         self.stop = threading.Event()
@@ -99,9 +99,8 @@ class Pipeline:
                         (s.get("allocated_bytes.all.peak", 0), a | {"kind": "peak_allocated"})]
             tel.observable_gauge("dflash.cuda.memory", alloc, unit="By", description="CUDA caching allocator")
 
-    def _sleep(self, stage):
-        if self.delay.get(stage):
-            time.sleep(self.delay[stage])
+    def _inject(self, stage, step=None):
+        inject(self.cfg.pipeline, stage, step)
 
     def _guard(self, name, fn, *args):
         def run():
@@ -131,7 +130,7 @@ class Pipeline:
                 b = next(stream)
                 b.index = idx
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
-                self._sleep("data_load")
+                self._inject("data_load", idx)
             tel.record("dflash.batch.padding_ratio", 1 - b.tokens / (len(b.lengths) * b.padded_len))
             for n in b.lengths:
                 tel.record("dflash.batch.sequence_length", n)
@@ -178,10 +177,10 @@ class Pipeline:
                 cur = torch.cuda.current_stream(dev) if cuda else None
                 with tel.stage("model_forward", trace=key, stream=cur, **a):
                     feats = target_features(tgt, b, ctx.layer_ids, dev)
-                    self._sleep("model_forward")
+                    self._inject("model_forward", b.index)
                 with tel.stage("pack_hidden", trace=key, stream=cur, **a):
                     packed = pack(feats, b.lengths)
-                    self._sleep("pack_hidden")
+                    self._inject("pack_hidden", b.index)
                 with tel.stage("cpu_copy_enqueue", trace=key, **a) as s:
                     item = HiddenItem(batch=b, packed=packed, worker=worker)
                     if staging:
@@ -199,7 +198,7 @@ class Pipeline:
                         ev = torch.cuda.Event()
                         ev.record(cur)
                         item.ready = ev
-                    self._sleep("cpu_copy_enqueue")
+                    self._inject("cpu_copy_enqueue", b.index)
                     blocked = self.hq.put(b.index, item)
                     s.set(blocked_s=round(blocked, 6))
                     if blocked > self.cfg.pipeline.stall_threshold_s:
@@ -220,12 +219,13 @@ class Pipeline:
         bar = Progress(ctx)
         thr = self.cfg.pipeline.stall_threshold_s
         try:
-            while st.step < self.cfg.train.steps and not ctx.stop.is_set() and not self.stop.is_set():
+            while ctx.more_steps() and not self.stop.is_set():
                 step = st.step
                 key = ("batch", step)
                 a = dict(worker="drafter0", device=str(dev), rank=ctx.rank, batch_id=step, step=step)
                 with tel.stage("queue_get", trace=key, **a) as s:
                     item, waited = self.hq.get(step)
+                    self._inject("queue_get", step)
                     s.set(wait_s=round(waited, 6), queue_depth=self.hq.depth())
                     if waited > thr:
                         s.event("stall", cause="queue_empty", wait_s=round(waited, 6))
@@ -242,13 +242,13 @@ class Pipeline:
                         done.record(cur)
                         item.release(done)
                     loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
-                    self._sleep("drafter_forward")
+                    self._inject("drafter_forward", step)
                 with tel.stage("backward", trace=key, stream=cur, **a):
                     st.backward(loss)
-                    self._sleep("backward")
+                    self._inject("backward", step)
                 with tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
                     gnorm, nonfinite = st.optimizer_step(loss)
-                    self._sleep("optimizer_step")
+                    self._inject("optimizer_step", step)
                 ctx.tokens += b.tokens
                 tel.add("dflash.tokens", b.tokens, worker="drafter0")
                 tel.add("dflash.train.steps", 1, worker="drafter0")

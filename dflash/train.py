@@ -48,6 +48,11 @@ class RunContext:
     def nonfinite_steps(self) -> int:
         return len(self.nonfinite)
 
+    def more_steps(self) -> bool:
+        t = self.cfg.train
+        end = min(t.steps, t.stop_after) if t.stop_after else t.steps
+        return self.step.step < end and not self.stop.is_set()
+
     def batch_stream(self):
         """Deterministic batches of this rank; skips what a resumed run already consumed."""
         shard = self.samples[self.rank::self.world_size]
@@ -94,8 +99,6 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     out = Path(cfg.out)
     rank, world, run_id = dist_mod.init_from_env(cfg, out)
     out.mkdir(parents=True, exist_ok=True)
-    if tel is None:
-        tel = _make_telemetry(cfg, out, rank, world, run_id)
     tdevs = [_local(d) for d in cfg.pipeline.target_devices]
     tdev = tdevs[0]
     ddev = _local(cfg.pipeline.drafter_devices[rank % len(cfg.pipeline.drafter_devices)])
@@ -107,6 +110,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     prep = prepare(cfg, target, tok, device=tdev)
+    if tel is None:  # after data prep: the profile's wall time is the training's
+        tel = _make_telemetry(cfg, out, rank, world, run_id)
 
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     if ddev != tdev:  # the drafter device holds its own frozen copies of embedding / lm_head

@@ -1,0 +1,54 @@
+"""Training end to end on a tiny target: resume is exact, the pipeline equals the
+reference loop, and a trained drafter beats the untrained one on tau."""
+import json
+
+import pytest
+
+from helpers import TINY, last_json, run_dflash
+
+
+def _summary(run):
+    return json.loads((run / "summary.json").read_text())
+
+
+def test_resume_continues_bit_for_bit(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    run_dflash("train", "--out", full, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY)
+    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+               "--set", "train.stop_after=3")
+    assert _summary(part)["steps"] == 3
+    ck = part / "checkpoint"
+    assert {"config.json", "model.safetensors", "training_state.pt"} <= {f.name for f in ck.iterdir()}
+    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+               "--resume")
+    a, b = _summary(full)["loss_history"], _summary(part)["loss_history"]
+    assert [s for s, _ in b] == list(range(6))
+    assert a == b, "resumed run must follow the uninterrupted loss trajectory exactly"
+
+
+def test_pipelined_matches_reference_loop(tmp_path):
+    ref, pipe = tmp_path / "ref", tmp_path / "pipe"
+    run_dflash("train", "--out", ref, "--target", "tiny-llama", "--steps", 5, "--no-telemetry", "--reference", *TINY)
+    run_dflash("train", "--out", pipe, "--target", "tiny-llama", "--steps", 5, "--no-telemetry", *TINY,
+               "--set", "pipeline.queue_size=2", "--set", "pipeline.min_ready=2")
+    a, b = _summary(ref), _summary(pipe)
+    assert b["pipelined"] and not a["pipelined"]
+    assert a["loss_history"] == b["loss_history"]
+    assert a["tokens"] == b["tokens"]
+
+
+@pytest.mark.slow
+def test_training_raises_tau_well_above_untrained(tmp_path):
+    base, trained = tmp_path / "base", tmp_path / "trained"
+    run_dflash("train", "--out", base, "--target", "tiny-qwen3", "--steps", 0, "--no-telemetry", *TINY)
+    p = run_dflash("eval", "--checkpoint", base / "checkpoint", "--json")
+    before = last_json(p.stdout)
+    assert {"acceptance_length", "block_size", "prompts", "histogram", "lossless"} <= set(before)
+    run_dflash("train", "--out", trained, "--target", "tiny-qwen3", "--steps", 120, "--no-telemetry", *TINY)
+    after = last_json(run_dflash("eval", "--checkpoint", trained / "checkpoint", "--json").stdout)
+    s = _summary(trained)
+    assert s["loss_last"] < s["loss_first"]
+    assert before["lossless"] and after["lossless"]
+    assert before["acceptance_length"] < 1.5
+    assert after["acceptance_length"] > before["acceptance_length"] + 1.0, (before, after)
+    assert sum(after["histogram"].values()) > 0 and after["block_size"] == 8
