@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int)
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
     e.add_argument("--no-lossless-check", action="store_true")
+
+    from .cli_analysis import add_analysis_commands
+    add_analysis_commands(sub)  # stalls, timeline
     return p
 
 
@@ -62,7 +65,7 @@ def _train(a) -> int:
         print(f"done: {s['steps']} steps, {s['tokens']} tokens in {s['wall_s']:.1f}s "
               f"({s['tokens_per_s']:.0f} tok/s), loss {s['loss_first']} -> {s['loss_last']}; "
               f"checkpoint in {cfg.out}/checkpoint", file=sys.stderr)
-    return 0
+    return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
 
 
 def _eval(a) -> int:
@@ -102,7 +105,8 @@ def main(argv=None) -> int:
 
     a = _parser().parse_args(argv)
     try:
-        return {"train": _train, "eval": _eval}[a.cmd](a)
+        from .cli_analysis import COMMANDS
+        return ({"train": _train, "eval": _eval} | COMMANDS)[a.cmd](a)
     except ConfigError as e:
         print(f"dflash {a.cmd}: error: {e}", file=sys.stderr)
         return 2

@@ -150,6 +150,15 @@ class Pipeline:
                     continue
 
     # -- target worker -------------------------------------------------------------------
+    def _next_batch(self):
+        t0 = time.perf_counter()
+        while not self.stop.is_set():
+            try:
+                return self.batches.get(timeout=0.1), time.perf_counter() - t0
+            except queue.Empty:
+                continue
+        return None, time.perf_counter() - t0
+
     def target_worker(self, wid: int, done: list):
         ctx, tel = self.ctx, self.tel
         tgt = ctx.targets[wid]
@@ -165,15 +174,13 @@ class Pipeline:
             pool = PinnedPool(self.cfg.pipeline.queue_size + 2, numel, tgt.dtype)
         try:
             while not self.stop.is_set():
-                try:
-                    b = self.batches.get(timeout=0.1)
-                except queue.Empty:
-                    continue
+                b, data_wait = self._next_batch()  # data_wait: idle cause `data_wait` (prefetcher behind)
                 if b is None:
                     break
                 key = ("batch", b.index)
                 a = dict(worker=worker, device=str(dev), rank=ctx.rank, batch_id=b.index, step=b.index,
-                         tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                         tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len,
+                         data_wait_s=round(data_wait, 6))
                 cur = torch.cuda.current_stream(dev) if cuda else None
                 with tel.stage("model_forward", trace=key, stream=cur, **a):
                     feats = target_features(tgt, b, ctx.layer_ids, dev)

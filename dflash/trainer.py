@@ -70,7 +70,16 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
     torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(dcfg)
+    drafter = DFlashDrafter(dcfg)
+    # Start the drafter's final norm at the target's: the frozen lm_head then sees hidden
+    # states on the scale it was trained for (with unit weights SmolLM2's first loss is ~75,
+    # not ~ln V, and early steps are spent just rescaling).
+    norm = getattr(target.base_model, "norm", None)
+    w = getattr(norm, "weight", None)
+    if w is not None and w.shape == drafter.norm.weight.shape:
+        with torch.no_grad():
+            drafter.norm.weight.copy_(w.float())
+    return drafter
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):

@@ -117,3 +117,26 @@ def test_two_rank_torchrun_trains_and_both_ranks_report(tmp_path):
         fwd = [s for s in spans if s["name"] == "model_forward" and s["attributes"]["batch_id"] == step]
         assert {s["resource"]["rank"] for s in fwd} == {0, 1}
         assert len({s["trace_id"] for s in fwd}) == 1
+
+
+def test_ctrl_c_saves_checkpoint_and_exits_quickly(tmp_path):
+    import signal
+
+    run = tmp_path / "run"
+    env = dict(os.environ) | NO_OTEL_ENV
+    p = subprocess.Popen([sys.executable, "-m", "dflash", "train", "--out", str(run), "--target", "tiny-llama",
+                          "--steps", "200", *TINY, "--inject-delay", "backward=0.2"],
+                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list((run / "telemetry").glob("traces.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)  # training has started once stage spans are being written
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    t0 = time.monotonic()
+    _, err = p.communicate(timeout=60)
+    assert time.monotonic() - t0 < 15, "Ctrl-C must stop the run within seconds"
+    assert p.returncode == 130, err[-2000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["steps"] < 200
+    state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == summary["steps"]

@@ -1,0 +1,286 @@
+"""`dflash stalls`: why was a worker idle? Busy fraction and idle by cause per worker, the
+stages of a typical step, and the longest stalls with the trace ids to open in Jaeger.
+
+Spans come from the run's file sink (every rank's traces.jsonl) or from a Jaeger query
+API; both become otel.filesink.read_spans-style dicts. The attribution itself is
+otel.idle with the default rules (they name this pipeline's stages).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from pathlib import Path
+
+from otel.filesink import read_spans
+from otel.idle import BUSY, DEFAULT_RULES, attribute_idle
+
+from .config import ConfigError
+
+# The prefetcher runs ahead by design: its waits are not device idle, so they are kept out
+# of the top-stalls list (its busy fraction is still reported).
+NOT_STALLS = frozenset({"prefetch"})
+
+
+# ------------------------------------------------------------------ loading
+
+def load_run(run_dir) -> list[dict]:
+    """All ranks' spans of a run directory; ConfigError (one line, exit 2) if there are none."""
+    run = Path(run_dir)
+    if not run.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory")
+    files = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
+    if not files:
+        raise ConfigError(f"{run_dir}: no telemetry (expected {run}/telemetry/traces.jsonl or "
+                          f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry?)")
+    spans = [s for f in files for s in read_spans(str(f))]
+    if not spans:
+        raise ConfigError(f"{run_dir}: telemetry holds no spans")
+    return spans
+
+
+def _jaeger_value(tag):
+    v, t = tag.get("value"), tag.get("type", "string")
+    if t == "int64":
+        return int(v)
+    if t == "float64":
+        return float(v)
+    if t == "bool":
+        return v if isinstance(v, bool) else str(v).lower() == "true"
+    return v
+
+
+# Tags Jaeger adds when it translates OTLP; they are not span attributes.
+_JAEGER_INTERNAL = frozenset({"span.kind", "internal.span.format", "otel.status_code",
+                              "otel.status_description", "otel.scope.name", "otel.scope.version",
+                              "otel.library.name", "otel.library.version", "error"})
+
+
+def _tags(tags) -> dict:
+    return {t["key"]: _jaeger_value(t) for t in tags or [] if t["key"] not in _JAEGER_INTERNAL}
+
+
+def jaeger_to_spans(doc: dict) -> list[dict]:
+    """Jaeger query API JSON ({"data": [trace, ...]}) -> read_spans-style span dicts."""
+    out = []
+    for trace in doc.get("data") or []:
+        procs = {pid: {**_tags(p.get("tags")), "service.name": p.get("serviceName")}
+                 for pid, p in (trace.get("processes") or {}).items()}
+        for sp in trace.get("spans") or []:
+            refs = sp.get("references") or []
+            parent = next((r["spanID"] for r in refs if r.get("refType") == "CHILD_OF"), "")
+            start = int(sp["startTime"]) * 1000
+            tags = {t["key"]: t for t in sp.get("tags") or []}
+            status = {"code": 2} if _jaeger_value(tags.get("error", {"value": False, "type": "bool"})) else {}
+            events = []
+            for log in sp.get("logs") or []:
+                fields = _tags(log.get("fields"))
+                events.append({"name": fields.pop("event", "log"), "time_ns": int(log["timestamp"]) * 1000,
+                               "attributes": fields})
+            out.append({
+                "name": sp["operationName"],
+                "trace_id": sp["traceID"].zfill(32), "span_id": sp["spanID"].zfill(16),
+                "parent_span_id": parent.zfill(16) if parent else "",
+                "start_ns": start, "end_ns": start + int(sp["duration"]) * 1000,
+                "attributes": _tags(sp.get("tags")), "events": events,
+                "links": [{"trace_id": r["traceID"].zfill(32), "span_id": r["spanID"].zfill(16), "attributes": {}}
+                          for r in refs if r.get("refType") == "FOLLOWS_FROM"],
+                "status": status, "resource": dict(procs.get(sp.get("processID"), {})),
+            })
+    return out
+
+
+def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, timeout_s: float = 30.0) -> list[dict]:
+    base = url.rstrip("/")
+    if not base.endswith("/api/traces"):
+        base += "/api/traces"
+    q = urllib.parse.urlencode({"service": service, "limit": limit})
+    try:
+        with urllib.request.urlopen(f"{base}?{q}", timeout=timeout_s) as r:
+            doc = json.load(r)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--jaeger {url}: cannot read traces: {e}") from None
+    spans = jaeger_to_spans(doc)
+    if not spans:
+        raise ConfigError(f"--jaeger {url}: no traces for service {service!r}")
+    return spans
+
+
+def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None, list[dict]]:
+    """Spans of one run: `run_id`, else the most recent one (a resumed run directory or a
+    Jaeger backend can hold several)."""
+    by_run = defaultdict(list)
+    for s in spans:
+        by_run[s.get("resource", {}).get("run.id")].append(s)
+    if run_id is not None:
+        if run_id not in by_run:
+            raise ConfigError(f"--run-id {run_id}: not found (runs: {', '.join(map(str, by_run))})")
+        return run_id, by_run[run_id]
+    rid = max(by_run, key=lambda r: max(s["end_ns"] for s in by_run[r]))
+    return rid, by_run[rid]
+
+
+# ------------------------------------------------------------------ analysis
+
+def worker_of(span):
+    """(rank, worker) for stage spans; None for roots and anything not run by a worker."""
+    a = span.get("attributes") or {}
+    w = a.get("worker")
+    if w is None:
+        return None
+    rank = a.get("rank", (span.get("resource") or {}).get("rank", 0))
+    return (int(rank), str(w))
+
+
+def worker_order(key):
+    """Pipeline order: rank, then prefetch -> targets -> drafters -> anything else."""
+    kind = next((i for i, p in enumerate(("prefetch", "target", "drafter")) if key[1].startswith(p)), 3)
+    return (key[0], kind, key[1])
+
+
+def worker_label(key) -> str:
+    return f"rank{key[0]}/{key[1]}"
+
+
+def parse_window(text: str | None):
+    """'START:END' seconds from run start (either side may be empty) -> (start, end) or None."""
+    if not text:
+        return None
+    try:
+        a, b = text.split(":")
+        lo = float(a) if a.strip() else 0.0
+        hi = float(b) if b.strip() else float("inf")
+    except ValueError:
+        raise ConfigError(f"--window {text}: expected START:END in seconds, e.g. 1.5:4") from None
+    if lo < 0 or hi <= lo:
+        raise ConfigError(f"--window {text}: expected 0 <= START < END")
+    return lo, hi
+
+
+def run_start_ns(spans) -> int:
+    return min(s["start_ns"] for s in spans if worker_of(s) is not None)
+
+
+def window_ns(spans, window):
+    if window is None:
+        return None
+    t0 = run_start_ns(spans)
+    hi = t0 + int(window[1] * 1e9) if window[1] != float("inf") else max(s["end_ns"] for s in spans)
+    return t0 + int(window[0] * 1e9), hi
+
+
+def attribute(spans, window=None, rules=DEFAULT_RULES):
+    """(per-worker snapshot, per-worker segments) over the run or a window (seconds)."""
+    return attribute_idle(spans, rules, window=window_ns(spans, window), worker_of=worker_of, segments=True)
+
+
+def _typical_step(spans, t0):
+    traces = defaultdict(list)
+    for s in spans:
+        if worker_of(s) is not None and "batch_id" in s["attributes"]:
+            traces[s["trace_id"]].append(s)
+    traces = {t: ss for t, ss in traces.items() if len(ss) > 1}
+    if not traces:
+        return None
+    dur = {t: max(s["end_ns"] for s in ss) - min(s["start_ns"] for s in ss) for t, ss in traces.items()}
+    order = sorted(dur, key=lambda t: (dur[t], t))
+    tid = order[(len(order) - 1) // 2]           # the (lower) median
+    ss = sorted(traces[tid], key=lambda s: (s["start_ns"], s["end_ns"]))
+    begin = ss[0]["start_ns"]
+    stages, reached = [], begin
+    for s in ss:
+        stages.append({"stage": s["name"], "worker": worker_label(worker_of(s)),
+                       "offset_s": (s["start_ns"] - begin) / 1e9,
+                       "duration_s": (s["end_ns"] - s["start_ns"]) / 1e9,
+                       # time the batch sat between its previous stage and this one
+                       "wait_before_s": max(0, s["start_ns"] - reached) / 1e9})
+        reached = max(reached, s["end_ns"])
+    return {"trace_id": tid, "batch_id": ss[0]["attributes"].get("batch_id"), "traces": len(order),
+            "duration_s": dur[tid] / 1e9, "start_s": (begin - t0) / 1e9,
+            "median_duration_s": statistics.median(dur.values()) / 1e9, "stages": stages}
+
+
+def _top_stalls(segments, t0, top):
+    out = []
+    for key, segs in segments.items():
+        if key[1] in NOT_STALLS:
+            continue
+        for a, b, cause, stage, span in segs:
+            if cause == BUSY:
+                continue
+            out.append({"trace_id": span["trace_id"], "worker": key[1], "rank": key[0], "cause": cause,
+                        "duration_s": (b - a) / 1e9, "stage": stage,
+                        "batch_id": span["attributes"].get("batch_id"), "start_s": (a - t0) / 1e9})
+    out.sort(key=lambda x: -x["duration_s"])
+    return out[:top]
+
+
+def analyze(spans, top: int = 10, window=None, rules=DEFAULT_RULES, run_id=None, source="") -> dict:
+    snap, segments = attribute(spans, window, rules)
+    t0 = run_start_ns(spans)
+    workers = []
+    for key in sorted(snap, key=worker_order):
+        d = snap[key]
+        idle = {c: v for c, v in d["idle_s"].items()}
+        top_cause = max(idle, key=idle.get) if any(idle.values()) else None
+        workers.append({"worker": key[1], "rank": key[0], "label": worker_label(key),
+                        "busy_fraction": d["busy_fraction"], "busy_s": d["busy_s"], "wall_s": d["wall_s"],
+                        "idle_s": idle, "top_idle_cause": top_cause})
+    ranks = {w["rank"] for w in workers}
+    return {"run_id": run_id, "source": source, "ranks": len(ranks),
+            "window_s": list(window) if window else None,
+            "wall_s": (max(s["end_ns"] for s in spans) - t0) / 1e9,
+            "workers": workers, "critical_path": _typical_step(spans, t0),
+            "top_stalls": _top_stalls(segments, t0, top)}
+
+
+# ------------------------------------------------------------------ text
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:8.1f}ms" if s < 10 else f"{s:8.2f}s "
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"dflash stalls: run {rep['run_id']} ({rep['source']}), {rep['ranks']} rank(s), "
+             f"{len(rep['workers'])} workers, {rep['wall_s']:.2f}s"
+             + (f", window {rep['window_s'][0]:g}:{rep['window_s'][1]:g}s" if rep["window_s"] else "")]
+    causes = [c for c in DEFAULT_RULES.causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
+    lines += ["", "idle time by cause (seconds)",
+              f"  {'worker':<16}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
+    for w in rep["workers"]:
+        lines.append(f"  {w['label']:<16}{w['busy_fraction']:>7.1%}{w['wall_s']:>9.3f}"
+                     + "".join(f"{w['idle_s'].get(c, 0):>12.3f}" for c in causes)
+                     + f"   {w['top_idle_cause'] or '-'}")
+    cp = rep["critical_path"]
+    if cp:
+        lines += ["", f"typical step: batch {cp['batch_id']}, {cp['duration_s'] * 1e3:.1f} ms end to end "
+                      f"(median of {cp['traces']} batch traces), trace {cp['trace_id']}",
+                  f"  {'offset':>10}{'duration':>11}{'waited':>11}  {'worker':<16}stage"]
+        for s in cp["stages"]:
+            lines.append(f"  {'+' + format(s['offset_s'] * 1e3, '.1f') + 'ms':>10}{_ms(s['duration_s']):>11}"
+                         f"{_ms(s['wait_before_s']) if s['wait_before_s'] >= 1e-4 else '':>11}"
+                         f"  {s['worker']:<16}{s['stage']}")
+    lines += ["", "top stalls (open the trace id in Jaeger)",
+              f"  {'duration':>10}  {'cause':<12}{'worker':<16}{'stage':<18}{'batch':>6}{'at':>9}  trace id"]
+    for s in rep["top_stalls"]:
+        where = s["stage"] if s["cause"] not in ("host", "data_wait") else f"before {s['stage']}"
+        lines.append(f"  {_ms(s['duration_s']):>10}  {s['cause']:<12}{worker_label((s['rank'], s['worker'])):<16}"
+                     f"{where:<18}{s['batch_id'] if s['batch_id'] is not None else '-':>6}"
+                     f"{s['start_s']:>8.2f}s  {s['trace_id']}")
+    if not rep["top_stalls"]:
+        lines.append("  (none)")
+    return "\n".join(lines)
+
+
+def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None):
+    """(run_id, spans, source) from a run directory or a Jaeger query API."""
+    if jaeger:
+        spans, source = load_jaeger(jaeger, service, limit), f"jaeger {jaeger}"
+    else:
+        spans, source = load_run(run_dir), f"{run_dir}"
+    rid, spans = select_run(spans, run_id)
+    if not any(worker_of(s) is not None for s in spans):
+        raise ConfigError(f"{source}: no stage spans (spans without a worker attribute only)")
+    return rid, spans, source
