@@ -19,6 +19,8 @@ def add_analysis_commands(sub) -> None:
     s.add_argument("--jaeger", metavar="URL", help="read spans from a Jaeger query API, e.g. http://127.0.0.1:16686")
     s.add_argument("--service", default="dflash", help="service name to query in Jaeger (default dflash)")
     s.add_argument("--limit", type=int, default=1000, help="traces to fetch from Jaeger (default 1000)")
+    s.add_argument("--lookback", type=float, default=48.0, metavar="HOURS",
+                   help="Jaeger query range: the last HOURS (default 48)")
     s.add_argument("--top", type=int, default=10, metavar="N", help="stalls to list (default 10)")
 
     t = sub.add_parser("timeline", help="per-worker Gantt of stages and stalls (PNG, Perfetto JSON)")
@@ -33,10 +35,10 @@ def _stalls(a) -> int:
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")
-    if a.top < 0 or a.limit < 1:
-        raise ConfigError("--top must be >= 0 and --limit >= 1")
+    if a.top < 0 or a.limit < 1 or a.lookback <= 0:
+        raise ConfigError("--top must be >= 0, --limit >= 1 and --lookback > 0")
     window = parse_window(a.window)
-    rid, spans, source = load(a.run_dir, a.jaeger, a.service, a.limit, a.run_id)
+    rid, spans, source = load(a.run_dir, a.jaeger, a.service, a.limit, a.run_id, a.lookback)
     rep = analyze(spans, top=a.top, window=window, run_id=rid, source=source)
     print(format_report(rep))
     if a.json:

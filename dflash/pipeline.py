@@ -131,23 +131,22 @@ class Pipeline:
                 b.index = idx
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 self._inject("data_load", idx)
+                t0 = time.perf_counter()
+                self._put_batch(b)
+                s.set(blocked_s=round(time.perf_counter() - t0, 6))  # ahead of the targets: healthy
             tel.record("dflash.batch.padding_ratio", 1 - b.tokens / (len(b.lengths) * b.padded_len))
             for n in b.lengths:
                 tel.record("dflash.batch.sequence_length", n)
-            while not self.stop.is_set():
-                try:
-                    self.batches.put(b, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
             idx += 1
         for _ in range(len(self.cfg.pipeline.target_devices)):  # one end marker per worker
-            while not self.stop.is_set():
-                try:
-                    self.batches.put(None, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            self._put_batch(None)
+
+    def _put_batch(self, b):
+        while not self.stop.is_set():
+            try:
+                return self.batches.put(b, timeout=0.1)
+            except queue.Full:
+                continue
 
     # -- target worker -------------------------------------------------------------------
     def _next_batch(self):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 import urllib.parse
 import urllib.request
 from collections import defaultdict
@@ -92,11 +93,15 @@ def jaeger_to_spans(doc: dict) -> list[dict]:
     return out
 
 
-def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, timeout_s: float = 30.0) -> list[dict]:
+def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h: float = 48.0,
+                timeout_s: float = 30.0) -> list[dict]:
     base = url.rstrip("/")
     if not base.endswith("/api/traces"):
         base += "/api/traces"
-    q = urllib.parse.urlencode({"service": service, "limit": limit})
+    # explicit range: the query service's default lookback is shorter than a training run
+    end_us = time.time_ns() // 1000
+    q = urllib.parse.urlencode({"service": service, "limit": limit,
+                                "start": end_us - int(lookback_h * 3600e6), "end": end_us})
     try:
         with urllib.request.urlopen(f"{base}?{q}", timeout=timeout_s) as r:
             doc = json.load(r)
@@ -252,7 +257,8 @@ def format_report(rep: dict) -> str:
     for w in rep["workers"]:
         lines.append(f"  {w['label']:<16}{w['busy_fraction']:>7.1%}{w['wall_s']:>9.3f}"
                      + "".join(f"{w['idle_s'].get(c, 0):>12.3f}" for c in causes)
-                     + f"   {w['top_idle_cause'] or '-'}")
+                     + (f"   {top} ({w['idle_s'][top] / w['wall_s']:.0%} of wall)"
+                        if (top := w["top_idle_cause"]) and w["wall_s"] else "   -"))
     cp = rep["critical_path"]
     if cp:
         lines += ["", f"typical step: batch {cp['batch_id']}, {cp['duration_s'] * 1e3:.1f} ms end to end "
@@ -274,10 +280,10 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None):
+def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None, lookback_h=48.0):
     """(run_id, spans, source) from a run directory or a Jaeger query API."""
     if jaeger:
-        spans, source = load_jaeger(jaeger, service, limit), f"jaeger {jaeger}"
+        spans, source = load_jaeger(jaeger, service, limit, lookback_h), f"jaeger {jaeger}"
     else:
         spans, source = load_run(run_dir), f"{run_dir}"
     rid, spans = select_run(spans, run_id)

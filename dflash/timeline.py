@@ -70,7 +70,9 @@ def write_png(spans, path, window=None, run_id=None) -> None:
         title += f", window {window[0]:g}-{window[1]:g} s"
     ax.set_title(title, fontsize=11)
     used = {stage for segs in segments.values() for *_, c, stage, _ in segs if c == BUSY}
-    causes = [c for c in CAUSE_COLORS if any(d["idle_s"].get(c) for d in snap.values())]
+    # a cause worth a legend entry is one you can see: >= 0.1% of the longest row
+    visible = 1e-3 * max((d["wall_s"] for d in snap.values()), default=0)
+    causes = [c for c in CAUSE_COLORS if any(d["idle_s"].get(c, 0) >= visible > 0 for d in snap.values())]
     handles = ([Patch(color=CAUSE_COLORS[c], label=f"idle: {c}") for c in causes]
                + [Patch(color=palette[s], label=s) for s in palette if s in used])
     ncol = min(len(handles), 7)
