@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int)
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
     e.add_argument("--no-lossless-check", action="store_true")
+    e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
 
     from .cli_analysis import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
@@ -61,10 +62,9 @@ def _train(a) -> int:
         from .config import ConfigError
         raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
-    if s.get("steps") is not None:
-        print(f"done: {s['steps']} steps, {s['tokens']} tokens in {s['wall_s']:.1f}s "
-              f"({s['tokens_per_s']:.0f} tok/s), loss {s['loss_first']} -> {s['loss_last']}; "
-              f"checkpoint in {cfg.out}/checkpoint", file=sys.stderr)
+    if s.get("steps") is not None and s.get("rank", 0) == 0:
+        from .report import print_summary
+        print_summary(s, cfg.out)
     return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
 
 
@@ -95,6 +95,9 @@ def _eval(a) -> int:
     print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
           f"(block {res['block_size']}, lossless={res['lossless']})")
     print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
+    if a.wandb:  # the run dir holds the checkpoint; bounded, falls back to RUN/wandb_fallback.jsonl
+        from .wandb_bridge import log_eval
+        log_eval(path.parent, res)
     if a.json:
         print(json.dumps(res))
     return 0

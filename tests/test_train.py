@@ -52,3 +52,20 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
     assert before["acceptance_length"] < 1.5
     assert after["acceptance_length"] > before["acceptance_length"] + 1.0, (before, after)
     assert sum(after["histogram"].values()) > 0 and after["block_size"] == 8
+
+
+def test_local_hf_model_dir_as_target(tmp_path):
+    """Any local Hugging Face model dir works as --target (here: a tiny Qwen3 saved to disk)."""
+    from dflash import target as T
+
+    model, tok = T.load_target("tiny-qwen3", seed=3)
+    mdir = tmp_path / "my-model"
+    model.save_pretrained(mdir)
+    tok.save_pretrained(mdir)
+    run = tmp_path / "run"
+    run_dflash("train", "--out", run, "--target", mdir, "--steps", 2, "--no-telemetry", *TINY,
+               "--set", "data.regenerate=on")
+    cfg = json.loads((run / "checkpoint" / "config.json").read_text())
+    assert cfg["target"] == str(mdir) and cfg["hidden_size"] == 256 and cfg["block_size"] == 8
+    res = last_json(run_dflash("eval", "--checkpoint", run / "checkpoint", "--json", "--prompts", 2).stdout)
+    assert res["lossless"] and res["prompts"] == 2

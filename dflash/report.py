@@ -1,0 +1,38 @@
+"""The readable end-of-run summary printed by `dflash train` (from summary.json's dict)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None:
+    con = console or Console(stderr=True, highlight=False)
+    t = Table(title=f"dflash train — {s.get('target')} — {out_dir}", show_header=False, title_justify="left")
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("steps", f"{s['steps']} ({s['steps_this_run']} this run{', interrupted' if s.get('interrupted') else ''})")
+    t.add_row("tokens", f"{s['tokens']:,} in {s['wall_s']:.1f} s = {s['tokens_per_s']:,.0f} tok/s "
+                        f"({'pipelined' if s.get('pipelined') else 'reference loop'}, world size {s.get('world_size', 1)})")
+    t.add_row("loss", f"{_fmt(s.get('loss_first'))} -> {_fmt(s.get('loss_last'))}"
+                      f"  (weighted block accuracy {_fmt(s.get('acc_last'))})")
+    if s.get("nonfinite_steps"):
+        t.add_row("skipped steps", f"{s['nonfinite_steps']} non-finite")
+    for label, key in (("tau before", "eval_before"), ("tau after", "eval_after")):
+        if key in s:
+            e = s[key]
+            hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
+            t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
+                             f"lossless={e['lossless']}; accepted+1 histogram {hist})")
+    for w in s.get("workers", []):
+        idle = w.get("idle_s", {})
+        top = max(idle, key=idle.get) if idle and max(idle.values()) > 0 else "-"
+        t.add_row(f"worker {w['worker']}", f"busy {w['busy_fraction']:.1%}, top idle cause: {top}")
+    h = (s.get("telemetry") or {}).get("health") or {}
+    if h:
+        t.add_row("telemetry", ", ".join(f"{k} {v}" for k, v in h.items()))
+    t.add_row("files", f"{out_dir}/checkpoint  {out_dir}/summary.json  {out_dir}/telemetry/")
+    con.print(t)
