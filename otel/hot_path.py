@@ -1,0 +1,189 @@
+"""What a worker thread pays: two perf_counter_ns readings and a tuple appended to its
+own list. No OpenTelemetry objects, no locks, no device syncs.
+
+Records (tuples; the first item says which kind):
+  (SPAN, name, t0_ns, t1_ns, trace_key, links, attrs, extra, events, cuda_pair, error)
+  (ADD, name, value, attrs)
+  (RECORD, name, value, attrs)
+The background thread drains each list with `items[:n]` then `del items[:n]`; both are
+atomic under the GIL and appends only touch the tail, so no lock is needed.
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from time import perf_counter_ns
+
+SPAN, ADD, RECORD = 0, 1, 2
+
+
+class ThreadBuffer:
+    __slots__ = ("items", "cap", "dropped", "dropped_points", "thread", "__weakref__")
+
+    def __init__(self, cap: int, thread: threading.Thread):
+        self.items: list = []
+        self.cap = cap
+        self.dropped = 0  # spans; written by the owning thread only
+        self.dropped_points = 0  # tel.add / tel.record values
+        self.thread = thread
+
+
+class BufferRegistry:
+    """One ThreadBuffer per thread, created on first use (the only locked step)."""
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self._tls = threading.local()
+        self._lock = threading.Lock()
+        self.buffers: list[ThreadBuffer] = []
+        self._dead_dropped = 0
+
+    def get(self) -> ThreadBuffer:
+        try:
+            return self._tls.buf
+        except AttributeError:
+            buf = ThreadBuffer(self.cap, threading.current_thread())
+            with self._lock:
+                self.buffers.append(buf)
+            self._tls.buf = buf
+            return buf
+
+    def drain(self) -> tuple[list, int]:
+        """All buffered records and the total drop count; forgets finished threads."""
+        out: list = []
+        with self._lock:
+            buffers = list(self.buffers)
+        dropped = self._dead_dropped
+        dead = []
+        for b in buffers:
+            items = b.items
+            n = len(items)
+            if n:
+                out.extend(items[:n])
+                del items[:n]
+            dropped += b.dropped
+            if not items and not b.thread.is_alive():
+                dead.append(b)
+        if dead:
+            with self._lock:
+                self._dead_dropped += sum(b.dropped for b in dead)
+                self.buffers = [b for b in self.buffers if b not in dead]
+        return out, dropped
+
+
+class CudaEventPool:
+    """Pre-allocated timing events; the hot path pops two, the background thread returns
+    them once resolved. deque.pop/append are atomic, so no lock. Empty pool -> the stage
+    keeps host timing only (counted in `exhausted`)."""
+
+    def __init__(self, size: int = 512, factory=None):
+        if factory is None:
+            import torch  # lazily: only code that passes a CUDA stream pays for torch
+
+            def factory():
+                return torch.cuda.Event(enable_timing=True)
+        self._free = deque(factory() for _ in range(size))
+        self.exhausted = 0
+
+    def take_pair(self):
+        try:
+            return self._free.pop(), self._free.pop()
+        except IndexError:
+            self.exhausted += 1
+            return None
+
+    def give_back(self, pair) -> None:
+        self._free.append(pair[0])
+        self._free.append(pair[1])
+
+
+class Stage:
+    """Context manager returned by tel.stage(); also the handle for set()/event().
+
+    Each Telemetry makes a subclass with `_tel` set and uses it *as* `tel.stage`: calling
+    the class directly saves one Python call per stage."""
+
+    __slots__ = ("_buf", "name", "trace", "links", "stream", "attrs", "t0", "extra", "events", "_cuda")
+    _tel = None
+
+    def __init__(self, name, trace=None, links=None, stream=None, **attrs):
+        try:
+            self._buf = self._tel._tls.buf
+        except AttributeError:
+            self._buf = self._tel._registry.get()
+        self.name = name
+        self.trace = trace
+        self.links = links
+        self.stream = stream
+        self.attrs = attrs
+        self.extra = None
+        self.events = None
+        self._cuda = None
+
+    def __enter__(self):
+        if self.stream is not None:
+            self._enter_cuda()
+        self.t0 = perf_counter_ns()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        t1 = perf_counter_ns()
+        if self._cuda is not None:
+            self._cuda[1].record(self.stream)
+        buf = self._buf
+        items = buf.items
+        if len(items) < buf.cap:
+            items.append((SPAN, self.name, self.t0, t1, self.trace, self.links, self.attrs,
+                          self.extra, self.events, self._cuda,
+                          None if exc_type is None else exc_type.__name__))
+        else:
+            buf.dropped += 1
+            if self._cuda is not None:
+                # nothing will resolve these events; they can be reused once complete,
+                # and re-recording an event is legal, so hand them straight back.
+                self._tel._cuda_pool_or_create().give_back(self._cuda)
+        return False
+
+    def _enter_cuda(self):
+        pair = self._tel._cuda_pool_or_create().take_pair()
+        if pair is not None:
+            pair[0].record(self.stream)
+            self._cuda = pair
+
+    def set(self, **attrs) -> None:
+        """Attributes known only once the stage ran (tokens, sizes, ...)."""
+        if self.extra is None:
+            self.extra = attrs
+        else:
+            self.extra.update(attrs)
+
+    def event(self, name: str, **attrs) -> None:
+        """A span event timestamped now."""
+        if self.events is None:
+            self.events = []
+        self.events.append((name, perf_counter_ns(), attrs))
+
+
+def bound_stage_class(tel) -> type:
+    return type("Stage", (Stage,), {"__slots__": (), "_tel": tel})
+
+
+class NullStage:
+    """The disabled layer's stage: one shared instance, does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        return False
+
+    def set(self, **attrs) -> None:
+        pass
+
+    def event(self, name: str, **attrs) -> None:
+        pass
+
+
+NULL_STAGE = NullStage()

@@ -1,0 +1,314 @@
+"""The facade: `Telemetry.from_env(...)`, `tel.stage(...)`, counters, histograms, gauges,
+summary/profile table, flush and shutdown. See docs/otel.md."""
+from __future__ import annotations
+
+import atexit
+import functools
+import os
+import secrets
+import sys
+import threading
+import time
+import weakref
+from urllib.parse import unquote
+
+from otel.hot_path import ADD, NULL_STAGE, RECORD, BufferRegistry, CudaEventPool, Stage, bound_stage_class
+from otel.profile import Profile, format_table
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+def _env_resource_attributes() -> dict:
+    out = {}
+    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
+        if "=" in item:
+            k, v = item.split("=", 1)
+            out[unquote(k.strip())] = unquote(v.strip())  # values are percent-encoded
+    return out
+
+
+class Telemetry:
+    """Use Telemetry.from_env(); the constructor takes already-resolved settings."""
+
+    enabled = True
+
+    def __init__(self, *, service_name, run_id, resource_attributes, file_dir, console,
+                 console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
+                 metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
+                 exporter_nice=19):
+        if mode not in ("process", "thread"):
+            raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
+        self.service_name = service_name
+        self.run_id = run_id
+        self.mode = mode
+        self.console = console
+        self.console_interval_s = console_interval_s
+        self.export_interval_s = export_interval_s
+        self.metric_export_interval_s = metric_export_interval_s
+        self.stage_metric = f"{service_name}.stage.duration"
+        self._registry = BufferRegistry(max_queue)
+        self._tls = self._registry._tls
+        self.stage = bound_stage_class(self)  # the hot path: tel.stage(...) builds a Stage
+        self._cuda_pool = None
+        self._cuda_pool_size = cuda_pool_size
+        self._cuda_lock = threading.Lock()
+        self._gauge_callbacks: dict = {}
+        self._instruments: dict = {}
+        self._new_instruments: dict = {}
+        self._inst_lock = threading.Lock()
+        self._profile = Profile()
+        self._t0 = time.monotonic()
+        self._t_end = None
+        self._closed = False
+
+        gpu_devices = None
+        if gpu_indices is not None:
+            from otel.nvml import resolve_devices
+            gpu_devices = resolve_devices(list(gpu_indices))
+        self.config = {
+            "service_name": service_name, "run_id": run_id,
+            "resource_attributes": {**resource_attributes, "service.name": service_name, "run.id": run_id},
+            "file_dir": file_dir, "metric_attributes": tuple(metric_attributes),
+            "metric_export_interval_s": metric_export_interval_s, "max_queue": max_queue,
+            "stage_metric": self.stage_metric, "gpu_devices": gpu_devices,
+            "export_timeout_s": export_timeout_s, "exporter_nice": exporter_nice,
+            "export_chunk": 512 if mode == "process" else 64,
+        }
+        from otel.background import BackgroundThread
+        self.config["epoch_offset_ns"] = BackgroundThread.epoch_offset_ns()
+        from otel.transport import InProcessTransport, ProcessTransport
+        self._transport = ProcessTransport(self.config) if mode == "process" else InProcessTransport(self.config)
+        self._bg = BackgroundThread(self, self._transport)
+        self._bg.start()
+        atexit.register(self.shutdown)
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (t := ref()) is not None and t._forget_after_fork())
+
+    def _forget_after_fork(self):
+        """In a forked child the background thread is gone: stop buffering, stay silent."""
+        self._closed = True
+        self.console = False
+        for buf in self._registry.buffers:
+            buf.cap = 0
+        self._registry.cap = 0
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_env(cls, service_name="dflash", run_id=None, resource_attributes=None, file_dir=None,
+                 console=True, console_interval_s=None, mode="process", gpu_indices=None,
+                 metric_attributes=("worker", "device"), export_interval_s=0.1,
+                 metric_export_interval_s=1.0, max_queue=65536, **options):
+        """Build the layer from the standard OTEL_* environment (see docs/otel.md).
+        Extra options: export_timeout_s (per export request, default 5), cuda_pool_size
+        (CUDA events pre-allocated, default 512), exporter_nice (niceness increment of the
+        exporter process, default 19: the lowest priority)."""
+        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+            return cls.disabled()
+        service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
+        run_id = str(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8))
+        attrs = {**_env_resource_attributes(), **(resource_attributes or {})}
+        return cls(service_name=service_name, run_id=run_id, resource_attributes=attrs,
+                   file_dir=file_dir, console=console, console_interval_s=console_interval_s,
+                   mode=mode, gpu_indices=gpu_indices, metric_attributes=metric_attributes,
+                   export_interval_s=export_interval_s,
+                   metric_export_interval_s=metric_export_interval_s, max_queue=max_queue, **options)
+
+    @staticmethod
+    def disabled() -> "DisabledTelemetry":
+        return DisabledTelemetry()
+
+    # ------------------------------------------------------------------ hot path
+    def stage(self, name, trace=None, links=None, stream=None, **attrs) -> Stage:
+        """`with tel.stage("model_forward", trace=("batch", 17), worker="t0") as st:`
+
+        (Each instance replaces this method by its own Stage subclass, same signature.)"""
+        return self.stage(name, trace, links, stream, **attrs)
+
+    def staged(self, name=None, **stage_kwargs):
+        """Decorator form: `@tel.staged("optimizer_step", worker="d0")`."""
+        def wrap(fn):
+            stage_name = name or fn.__qualname__
+
+            @functools.wraps(fn)
+            def inner(*args, **kwargs):
+                with self.stage(stage_name, **stage_kwargs):
+                    return fn(*args, **kwargs)
+            return inner
+        return wrap
+
+    def add(self, name, value=1, **attrs) -> None:
+        """Counter add: buffers a tuple; aggregated and exported off the hot path."""
+        try:
+            buf = self._tls.buf
+        except AttributeError:
+            buf = self._registry.get()
+        if len(buf.items) < buf.cap:
+            buf.items.append((ADD, name, value, attrs))
+        else:
+            buf.dropped_points += 1
+
+    def record(self, name, value, **attrs) -> None:
+        """Histogram record: buffers a tuple."""
+        try:
+            buf = self._tls.buf
+        except AttributeError:
+            buf = self._registry.get()
+        if len(buf.items) < buf.cap:
+            buf.items.append((RECORD, name, value, attrs))
+        else:
+            buf.dropped_points += 1
+
+    # ------------------------------------------------------------------ registration
+    def declare(self, name, kind="counter", unit="1", description="") -> None:
+        if kind not in ("counter", "histogram", "updown"):
+            raise ValueError(f"kind must be counter, histogram or updown, not {kind!r}")
+        self._register(name, (kind, unit, description))
+
+    def observable_gauge(self, name, callback, unit="1", description="") -> None:
+        """callback() -> iterable of (value, attrs); called in the background thread about
+        once per metric export; the values are shipped to the exporter."""
+        self._gauge_callbacks[name] = callback
+        self._register(name, ("gauge", unit, description))
+
+    def _register(self, name, spec):
+        with self._inst_lock:
+            self._instruments[name] = spec
+            self._new_instruments[name] = spec
+
+    def _take_new_instruments(self) -> dict:
+        with self._inst_lock:
+            new, self._new_instruments = self._new_instruments, {}
+        return new
+
+    def _cuda_pool_or_create(self) -> CudaEventPool:
+        if self._cuda_pool is None:
+            with self._cuda_lock:
+                if self._cuda_pool is None:
+                    self._cuda_pool = CudaEventPool(self._cuda_pool_size)
+        return self._cuda_pool
+
+    def _cuda_pool_or_none(self):
+        return self._cuda_pool
+
+    def prepare_cuda(self, pool_size=None, factory=None) -> None:
+        """Pre-allocate the CUDA event pool now (else: on the first stage with a stream).
+        `factory` makes the events (tests inject fakes)."""
+        with self._cuda_lock:
+            self._cuda_pool = CudaEventPool(pool_size or self._cuda_pool_size, factory)
+
+    # ------------------------------------------------------------------ reporting
+    def summary(self) -> dict:
+        bg = self._bg
+        wall = (self._t_end or time.monotonic()) - self._t0
+        with bg._lock:  # the profile changes inside cycles only
+            stages = self._profile.summary(wall)
+        st = self._transport.status()
+        parent_dropped_seen = st.get("parent_dropped", 0)
+        dropped_here = bg.hot_dropped + self._transport.dropped
+        health = {
+            "spans_recorded": bg.spans_recorded + st.get("root_spans", 0),
+            "spans_exported": st.get("spans_exported", 0),
+            "spans_dropped": dropped_here + st.get("spans_dropped", 0) - parent_dropped_seen,
+            "export_failures": st.get("export_failures", 0),
+        }
+        out = {"wall_s": wall, "stages": stages, "health": health}
+        notes = list(st.get("notes", []))
+        if self._cuda_pool is not None and self._cuda_pool.exhausted:
+            notes.append(f"CUDA event pool exhausted {self._cuda_pool.exhausted} times (host timing only)")
+        if getattr(self._transport, "_dead", False) and not self._closed:
+            notes.append("exporter process is gone: telemetry is being dropped")
+        points_dropped = sum(b.dropped_points for b in list(self._registry.buffers))
+        if points_dropped:
+            notes.append(f"{points_dropped} counter/histogram values dropped (full per-thread buffer)")
+        if notes:
+            out["notes"] = notes
+        return out
+
+    def profile_table(self) -> str:
+        return format_table(self.summary(), f"{self.service_name} telemetry profile ({self.mode} mode)")
+
+    # ------------------------------------------------------------------ lifecycle
+    def flush(self, timeout_s=2.0) -> bool:
+        """Drain and export what is buffered now, within the bound."""
+        if self._closed:
+            return False
+        deadline = time.monotonic() + timeout_s
+        if not self._bg.cycle(final=True, lock_timeout_s=timeout_s / 2):
+            return False
+        return self._transport.flush(max(deadline - time.monotonic(), 0.01))
+
+    def shutdown(self, timeout_s=2.0) -> None:
+        """Flush within the bound and stop; returns in time even if the collector is
+        unreachable. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        deadline = time.monotonic() + timeout_s
+        self._bg.stop(join_timeout_s=min(0.5, timeout_s * 0.25))
+        try:
+            self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=timeout_s * 0.25)
+        except Exception as e:
+            print(f"otel: final drain failed: {e!r}", file=sys.stderr)
+        self._t_end = time.monotonic()
+        self._transport.shutdown(max(deadline - time.monotonic(), 0.05))
+        if self.console:
+            print(self.profile_table(), file=sys.stderr, flush=True)
+        try:
+            atexit.unregister(self.shutdown)
+        except Exception:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+        return False
+
+
+class DisabledTelemetry:
+    """Same API, does nothing (OTEL_SDK_DISABLED=true, or Telemetry.disabled())."""
+
+    enabled = False
+    mode = "disabled"
+    run_id = "disabled"
+
+    def stage(self, name, trace=None, links=None, stream=None, **attrs):
+        return NULL_STAGE
+
+    def staged(self, name=None, **stage_kwargs):
+        return lambda fn: fn
+
+    def add(self, name, value=1, **attrs):
+        pass
+
+    def record(self, name, value, **attrs):
+        pass
+
+    def declare(self, name, kind="counter", unit="1", description=""):
+        pass
+
+    def observable_gauge(self, name, callback, unit="1", description=""):
+        pass
+
+    def prepare_cuda(self, pool_size=None, factory=None):
+        pass
+
+    def summary(self) -> dict:
+        return {"wall_s": 0.0, "stages": {}, "health": {"spans_recorded": 0, "spans_exported": 0,
+                                                       "spans_dropped": 0, "export_failures": 0}}
+
+    def profile_table(self) -> str:
+        return "telemetry disabled"
+
+    def flush(self, timeout_s=2.0) -> bool:
+        return True
+
+    def shutdown(self, timeout_s=2.0) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

@@ -1,0 +1,123 @@
+"""The exporter subprocess never outlives its parent; the profile table and summary."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+from otel_test_helpers import MODES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_exporter_child_dies_with_its_parent(tmp_path):
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import otel
+        tel = otel.Telemetry.from_env(file_dir={str(tmp_path)!r}, console=False)
+        print(tel._transport.proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        child_pid = int(parent.stdout.readline())
+        child = psutil.Process(child_pid)
+        assert child.is_running()
+        parent.send_signal(signal.SIGKILL)  # no atexit, no shutdown: only the pipe's EOF
+        parent.wait()
+        child.wait(timeout=10)  # raises psutil.TimeoutExpired if the child lingers
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+
+
+def test_spawned_from_stdin_script_works(tmp_path):
+    """subprocess + `python -m`, not multiprocessing spawn: works for code fed on stdin."""
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {ROOT!r})
+        import otel
+        tel = otel.Telemetry.from_env(file_dir={str(tmp_path)!r}, console=True)
+        with tel.stage("from_stdin"):
+            pass
+        tel.shutdown()
+    """)
+    out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "from_stdin" in out.stderr  # the console table at shutdown
+    from otel import filesink
+    assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["from_stdin"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_summary_and_profile_table(tmp_path, mode, make_tel, capfd):
+    tel = make_tel(mode=mode, file_dir=str(tmp_path), console=True, console_interval_s=0.2)
+    for i in range(20):
+        with tel.stage("fast"):
+            pass
+        with tel.stage("slow"):
+            time.sleep(0.005)
+    tel.flush(timeout_s=5.0)
+    time.sleep(0.35)
+    s = tel.summary()
+    assert set(s) >= {"wall_s", "stages", "health"}
+    slow = s["stages"]["slow"]
+    assert slow["count"] == 20
+    assert set(slow) == {"count", "total_s", "p50_s", "p95_s", "p99_s", "max_s", "share"}
+    assert 0.004 <= slow["p50_s"] <= slow["p95_s"] <= slow["p99_s"] <= slow["max_s"] < 0.1
+    assert slow["share"] == pytest.approx(slow["total_s"] / s["wall_s"])
+    assert s["stages"]["fast"]["p50_s"] < slow["p50_s"]
+    table = tel.profile_table()
+    assert "slow" in table and "p95" in table and "health: spans recorded 40" in table
+    tel.shutdown()
+    err = capfd.readouterr().err
+    assert err.count("telemetry profile") >= 2  # periodic + at shutdown
+
+
+def test_forked_child_neither_buffers_nor_holds_the_pipe(tmp_path, make_tel):
+    tel = make_tel(mode="process", file_dir=str(tmp_path))
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the forked child: stages are dropped silently, the pipe fd is closed
+        try:
+            with tel.stage("in_fork"):
+                pass
+            fd_closed = False
+            try:
+                os.fstat(tel._transport._fd)
+            except OSError:
+                fd_closed = True
+            os.write(w, b"1" if (fd_closed and not tel._registry.get().items) else b"0")
+        finally:
+            os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(r, 1) == b"1"
+    with tel.stage("in_parent"):
+        pass
+    tel.flush(timeout_s=10.0)
+    from otel import filesink
+    assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["in_parent"]
+
+
+def test_exporter_process_death_is_loud_and_never_blocks(tmp_path, make_tel, capfd):
+    tel = make_tel(mode="process", file_dir=str(tmp_path))
+    tel._transport.proc.kill()
+    tel._transport.proc.wait()
+    t0 = time.monotonic()
+    for _ in range(50):
+        for i in range(200):
+            with tel.stage("after_death"):
+                pass
+        time.sleep(0.01)
+    assert time.monotonic() - t0 < 10
+    deadline = time.monotonic() + 5
+    while not tel.summary().get("notes") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert any("exporter process is gone" in n for n in tel.summary()["notes"])
+    assert tel.summary()["health"]["spans_dropped"] > 0
+    assert "exporter process is gone" in capfd.readouterr().err
+    assert tel.flush(timeout_s=1.0) is False
