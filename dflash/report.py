@@ -27,10 +27,9 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
                              f"lossless={e['lossless']}; accepted+1 histogram {hist})")
-    for w in s.get("workers", []):
-        idle = w.get("idle_s", {})
-        top = max(idle, key=idle.get) if idle and max(idle.values()) > 0 else "-"
-        t.add_row(f"worker {w['worker']}", f"busy {w['busy_fraction']:.1%}, top idle cause: {top}")
+    for w in (s.get("telemetry") or {}).get("workers", []):
+        top = w.get("top_idle_cause") or "-"
+        t.add_row(f"worker {w['worker']}", f"busy {w['busy_fraction']:.1%} of {w['wall_s']:.1f} s, top idle cause: {top}")
     h = (s.get("telemetry") or {}).get("health") or {}
     if h:
         t.add_row("telemetry", ", ".join(f"{k} {v}" for k, v in h.items()))

@@ -88,6 +88,11 @@ class BackgroundThread:
                 self._resolve_cuda(raw, give_up_cuda)
             self.spans_recorded += len(raw)
             self.tel._profile.add_records(raw)
+            idle = self.tel._idle
+            if idle is not None:
+                idle.feed(raw)
+                for name, attrs, secs in idle.deltas(perf_counter_ns(), final):
+                    adds[(name, attrs)] = adds.get((name, attrs), 0) + secs
             batch = {"raw": raw, "adds": [(n, a, v) for (n, a), v in adds.items()], "records": hist}
             if final:
                 batch["final"] = True

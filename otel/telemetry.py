@@ -35,7 +35,7 @@ class Telemetry:
     def __init__(self, *, service_name, run_id, resource_attributes, file_dir, console,
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
-                 exporter_nice=19):
+                 exporter_nice=19, idle_attribution=True):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
@@ -57,6 +57,14 @@ class Telemetry:
         self._new_instruments: dict = {}
         self._inst_lock = threading.Lock()
         self._profile = Profile()
+        self._idle = None
+        if idle_attribution:  # live busy / idle-by-cause per worker (otel/idle_metrics.py)
+            from otel.idle_metrics import IdleMetrics
+            self._idle = IdleMetrics(service_name)
+            self._register(self._idle.busy_name, ("counter", "s", "Worker time inside compute stages."))
+            self._register(self._idle.idle_name, ("counter", "s", "Worker idle time by cause."))
+            self._gauge_callbacks[self._idle.fraction_name] = self._idle.fractions
+            self._register(self._idle.fraction_name, ("gauge", "1", "Worker busy time / wall time so far."))
         self._t0 = time.monotonic()
         self._t_end = None
         self._closed = False
@@ -212,6 +220,9 @@ class Telemetry:
             "export_failures": st.get("export_failures", 0),
         }
         out = {"wall_s": wall, "stages": stages, "health": health}
+        if self._idle is not None:
+            with bg._lock:
+                out["workers"] = self._idle.summary(final=self._closed)
         notes = list(st.get("notes", []))
         if self._cuda_pool is not None and self._cuda_pool.exhausted:
             notes.append(f"CUDA event pool exhausted {self._cuda_pool.exhausted} times (host timing only)")

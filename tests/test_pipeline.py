@@ -85,6 +85,16 @@ def test_slow_target_starves_drafter_with_queue_empty_cause(tmp_path):
     assert causes.count("queue_empty") >= 3, causes
     summary = json.loads((run / "summary.json").read_text())
     assert summary["telemetry"]["stages"]["queue_get"]["total_s"] > 1.0
+    # live idle attribution: exported as metrics and in the end-of-run summary
+    workers = {w["worker"]: w for w in summary["telemetry"]["workers"]}
+    assert workers["drafter0"]["top_idle_cause"] == "queue_empty"
+    assert workers["target0"]["busy_fraction"] > 0.9
+    from otel.filesink import read_metrics
+    idle = {}
+    for m in read_metrics(sorted((run / "telemetry").rglob("metrics.jsonl"))[0]):
+        if m["name"] == "dflash.worker.idle":  # cumulative sums: the last point is the total
+            idle[(m["attributes"]["worker"], m["attributes"]["cause"])] = m["value"]
+    assert idle[("drafter0", "queue_empty")] == pytest.approx(workers["drafter0"]["idle_s"]["queue_empty"], rel=0.05)
 
 
 def test_worker_error_ends_run_promptly_with_message(tmp_path):
