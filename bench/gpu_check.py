@@ -3,10 +3,11 @@
   device_clock  stages given a CUDA stream get a device duration from CUDA events that
                 the background thread resolves with query() only, under
                 torch.cuda.set_sync_debug_mode("error") (any synchronising call raises);
-  nvml_gauges   real NVML values (hw.gpu.*) read back from the file sink.
+  nvml_gauges   real NVML values (hw.gpu.*) read back from the file sink;
+  pipeline      the dflash pipeline (tiny target on cuda:0) under sync-debug "error",
+                telemetry on vs off alternating: overhead ratio, device-clock stage times.
 
-One function per check, main() collects them; a pipeline check can be appended the same
-way. Last line: one JSON object.
+One function per check, main() collects them. Last line: one JSON object.
 
     .venv/bin/python bench/gpu_check.py [--seconds 3]
 """
@@ -19,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -110,6 +112,54 @@ def check_nvml_gauges(out_dir: str) -> dict:
     return {"ok": bool(ok), "available": avail, "values": vals, "device": gpu_attrs}
 
 
+def check_pipeline(torch, out_root: str, steps: int = 30, rounds: int = 2) -> dict:
+    """The dflash pipeline on the GPU with a tiny target, telemetry on vs off (alternating),
+    every step under set_sync_debug_mode("error"): any CUDA synchronisation in the loop or
+    the telemetry raises. Reports tokens/s ratio and device-clock stage times."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from dflash.config import load_config
+    from dflash.pipeline import run_pipelined
+    from dflash.train import setup
+    from otel import filesink
+
+    base = ["model.target=tiny-qwen3", f"train.steps={steps}", "data.num_conversations=48",
+            "data.max_len=96", "data.regen_max_new_tokens=40", "data.regen_max_prompt_len=48",
+            "train.batch_size=4", "train.num_anchors=8", "pipeline.target_devices=cuda:0",
+            "pipeline.drafter_devices=cuda:0", "telemetry.console_interval_s=0"]
+    rates: dict = {"on": [], "off": []}
+    last_on = None
+    for r in range(rounds):
+        for tel_on in ((True, False) if r % 2 == 0 else (False, True)):
+            out = f"{out_root}/pipe-{r}-{int(tel_on)}"
+            cfg = load_config(None, base + [f"out={out}", f"telemetry.enabled={tel_on}"])
+            ctx = setup(cfg, resume=False)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                t0 = time.perf_counter()
+                run_pipelined(ctx)
+                torch.cuda.set_sync_debug_mode(0)
+                torch.cuda.synchronize()   # end of the timed window, outside the loop
+                wall = time.perf_counter() - t0
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+                ctx.tel.shutdown(timeout_s=2.0)
+            rates["on" if tel_on else "off"].append(ctx.tokens / wall)
+            if tel_on:
+                last_on = out
+    spans = filesink.read_spans(f"{last_on}/telemetry/traces.jsonl")
+    dev: dict = {}
+    for s in spans:
+        if "device.duration_s" in s["attributes"]:
+            dev.setdefault(s["name"], []).append(s["attributes"]["device.duration_s"])
+    med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    ratio = med(rates["on"]) / med(rates["off"])
+    return {"ok": bool(dev.get("model_forward")) and bool(dev.get("backward")),
+            "tokens_per_s_on": [round(x) for x in rates["on"]], "tokens_per_s_off": [round(x) for x in rates["off"]],
+            "telemetry_overhead_ratio": round(ratio, 4),
+            "device_p50_ms": {k: round(med(v) * 1e3, 3) for k, v in dev.items()}}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -128,6 +178,10 @@ def main() -> int:
         except Exception as e:  # a sync under "error" mode lands here
             results["device_clock"] = {"ok": False, "error": repr(e)}
         results["nvml_gauges"] = check_nvml_gauges(out_dir)
+        try:
+            results["pipeline"] = check_pipeline(torch, out_dir)
+        except Exception as e:  # a sync under "error" mode lands here too
+            results["pipeline"] = {"ok": False, "error": repr(e)}
     results["ok"] = all(r.get("ok") for k, r in results.items() if isinstance(r, dict) and "ok" in r)
     for k, v in results.items():
         print(f"{k}: {v}")

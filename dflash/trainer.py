@@ -70,16 +70,7 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(dcfg)
-    # Start the drafter's final norm at the target's: the frozen lm_head then sees hidden
-    # states on the scale it was trained for (with unit weights SmolLM2's first loss is ~75,
-    # not ~ln V, and early steps are spent just rescaling).
-    norm = getattr(target.base_model, "norm", None)
-    w = getattr(norm, "weight", None)
-    if w is not None and w.shape == drafter.norm.weight.shape:
-        with torch.no_grad():
-            drafter.norm.weight.copy_(w.float())
-    return drafter
+    return DFlashDrafter(dcfg)
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):
@@ -117,7 +108,7 @@ class DrafterStep:
         g = torch.Generator().manual_seed(self.cfg.train.seed * 1_000_003 + batch.index)
         anchors, valid = sample_anchors(batch.loss_mask, self.cfg.train.num_anchors,
                                         self.cfg.model.block_size, generator=g)
-        anchors, valid = anchors.to(self.device), valid.to(self.device)
+        anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
         dt = next(self.drafter.parameters()).dtype
         logits, labels = self.model(features.to(dt), ids, anchors, valid, self.embed, self.lm_head)
         Bk = self.cfg.model.block_size
