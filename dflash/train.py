@@ -1,6 +1,7 @@
 """`dflash train`: set up, run the loop (pipelined or reference), checkpoint, summarise."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -95,6 +96,40 @@ def _make_telemetry(cfg: Config, out: Path, rank: int, world_size: int, run_id: 
         mode=cfg.telemetry.mode, gpu_indices=gpus)
 
 
+def _prometheus_enabled() -> bool:
+    return "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").replace(" ", "").split(",")
+
+
+@contextlib.contextmanager
+def _rank_prometheus_port():
+    """Under torchrun each rank serves its own scrape endpoint: port = base + LOCAL_RANK,
+    base = OTEL_EXPORTER_PROMETHEUS_PORT (default 9464). Set only while the telemetry
+    layer is built (it reads the environment then), so the base stays as the user gave it."""
+    local = os.environ.get("LOCAL_RANK")
+    if not _prometheus_enabled() or local is None:
+        yield
+        return
+    key = "OTEL_EXPORTER_PROMETHEUS_PORT"
+    before = os.environ.get(key)
+    os.environ[key] = str(int(before or 9464) + int(local))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def _linger_for_scrape(tel) -> None:
+    """DFLASH_PROMETHEUS_LINGER_S=N: keep the scrape endpoint up N s after the last step so
+    Prometheus' last scrape sees the final counts (a pulled endpoint dies with the run)."""
+    secs = float(os.environ.get("DFLASH_PROMETHEUS_LINGER_S", "0") or 0)
+    if secs > 0 and _prometheus_enabled():
+        tel.flush(timeout_s=2.0)
+        time.sleep(secs)
+
+
 def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     out = Path(cfg.out)
     rank, world, run_id = dist_mod.init_from_env(cfg, out)
@@ -111,7 +146,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     prep = prepare(cfg, target, tok, device=tdev)
     if tel is None:  # after data prep: the profile's wall time is the training's
-        tel = _make_telemetry(cfg, out, rank, world, run_id)
+        with _rank_prometheus_port():
+            tel = _make_telemetry(cfg, out, rank, world, run_id)
 
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     if ddev != tdev:  # the drafter device holds its own frozen copies of embedding / lm_head
@@ -169,8 +205,12 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
     from .loop import run_reference
     from .pipeline import run_pipelined
 
+    from . import wandb_bridge
+
     ctx = setup(cfg, resume=resume)
-    dump(cfg, ctx.out / "config.yaml") if ctx.rank == 0 else None
+    if ctx.rank == 0:
+        dump(cfg, ctx.out / "config.yaml")
+    bridge = wandb_bridge.start(ctx)  # its own thread; None unless --wandb (rank 0)
     summary: dict = {}
     prev = signal.getsignal(signal.SIGINT)
 
@@ -210,9 +250,15 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, prev)
+        _linger_for_scrape(ctx.tel)
         ctx.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = ctx.tel.summary()
         dist_mod.shutdown()
+        if bridge is not None:  # bounded; falls back to OUT/wandb_fallback.jsonl
+            try:
+                bridge.close(summary)
+            except Exception as e:
+                print(f"dflash: W&B bridge: {wandb_bridge.redact(repr(e))}", file=sys.stderr)
     if ctx.rank == 0:
         (ctx.out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
