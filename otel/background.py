@@ -115,7 +115,7 @@ class BackgroundThread:
         now = time.monotonic()
         pool = self.tel._cuda_pool_or_none()
         for rec, since in self._pending_cuda:
-            start_ev, end_ev = rec[9]
+            start_ev, end_ev = rec[9][0], rec[9][1]
             if end_ev.query():
                 # both events completed, so elapsed_time cannot block
                 device_s = start_ev.elapsed_time(end_ev) / 1000.0

@@ -72,29 +72,48 @@ class BufferRegistry:
 
 
 class CudaEventPool:
-    """Pre-allocated timing events; the hot path pops two, the background thread returns
-    them once resolved. deque.pop/append are atomic, so no lock. Empty pool -> the stage
-    keeps host timing only (counted in `exhausted`)."""
+    """Pre-allocated timing events, one set per CUDA device: an event is bound to the device
+    of its first record, so a target on cuda:0 and a drafter on cuda:1 must never trade
+    events. The hot path pops two, the background thread returns them once resolved;
+    deque.pop/append are atomic, so no lock. A device's set is made on its first stage
+    (or up front by Telemetry.prepare_cuda(devices=...)). Empty set -> the stage keeps host
+    timing only (counted in `exhausted`). Pairs are (start, end, device)."""
 
     def __init__(self, size: int = 512, factory=None):
         if factory is None:
             import torch  # lazily: only code that passes a CUDA stream pays for torch
 
-            def factory():
+            def factory(device=None):
                 return torch.cuda.Event(enable_timing=True)
-        self._free = deque(factory() for _ in range(size))
+        self._factory = factory
+        self._size = size
+        self._free: dict = {}
         self.exhausted = 0
 
-    def take_pair(self):
+    def prepare(self, device) -> deque:
+        free = self._free.get(device)
+        if free is None:
+            try:
+                free = deque(self._factory(device) for _ in range(self._size))
+            except TypeError:  # factories that take no device argument (tests' fakes)
+                free = deque(self._factory() for _ in range(self._size))
+            self._free = {**self._free, device: free}  # copy-on-write: readers never lock
+        return free
+
+    def take_pair(self, device=None):
+        free = self._free.get(device)
+        if free is None:
+            free = self.prepare(device)
         try:
-            return self._free.pop(), self._free.pop()
+            return free.pop(), free.pop(), device
         except IndexError:
             self.exhausted += 1
             return None
 
     def give_back(self, pair) -> None:
-        self._free.append(pair[0])
-        self._free.append(pair[1])
+        free = self._free[pair[2]]
+        free.append(pair[0])
+        free.append(pair[1])
 
 
 class Stage:
@@ -145,7 +164,7 @@ class Stage:
         return False
 
     def _enter_cuda(self):
-        pair = self._tel._cuda_pool_or_create().take_pair()
+        pair = self._tel._cuda_pool_or_create().take_pair(getattr(self.stream, "device_index", None))
         if pair is not None:
             pair[0].record(self.stream)
             self._cuda = pair

@@ -198,11 +198,14 @@ class Telemetry:
     def _cuda_pool_or_none(self):
         return self._cuda_pool
 
-    def prepare_cuda(self, pool_size=None, factory=None) -> None:
-        """Pre-allocate the CUDA event pool now (else: on the first stage with a stream).
-        `factory` makes the events (tests inject fakes)."""
+    def prepare_cuda(self, pool_size=None, factory=None, devices=()) -> None:
+        """Pre-allocate the CUDA event pool now, one set of events per device index in
+        `devices` (else: on a device's first stage with a stream). `factory` makes the
+        events (tests inject fakes)."""
         with self._cuda_lock:
             self._cuda_pool = CudaEventPool(pool_size or self._cuda_pool_size, factory)
+            for d in devices:
+                self._cuda_pool.prepare(d)
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
@@ -302,7 +305,7 @@ class DisabledTelemetry:
     def observable_gauge(self, name, callback, unit="1", description=""):
         pass
 
-    def prepare_cuda(self, pool_size=None, factory=None):
+    def prepare_cuda(self, pool_size=None, factory=None, devices=()):
         pass
 
     def summary(self) -> dict:

@@ -79,3 +79,43 @@ def test_no_device_sync_on_hot_path_or_export_thread(tmp_path, mode, make_tel, m
                      if p["name"] == "dflash.stage.duration" and p["attributes"].get("clock") == "device"]
     assert device_points and device_points[-1]["attributes"]["stage"] == "model_forward"
     assert device_points[-1]["count"] == len(with_device)
+
+
+class DeviceBoundEvent(FakeEvent):
+    """Like a real CUDA event: bound to the device of its first record; recording it on a
+    stream of another device raises (c10's 'Event device does not match')."""
+
+    def __init__(self, device=None):
+        super().__init__()
+        self.device = None
+
+    def record(self, stream=None):
+        dev = getattr(stream, "device_index", None)
+        if self.device is not None and dev != self.device:
+            raise RuntimeError(f"Event device {self.device} does not match recording stream's device {dev}")
+        self.device = dev
+        super().record(stream)
+
+
+class DeviceStream:
+    def __init__(self, index):
+        self.device_index = index
+
+
+def test_events_are_never_shared_across_devices(tmp_path, make_tel):
+    """A target on cuda:0 and a drafter on cuda:1 both time stages; recycled events must
+    go back to the device they were first recorded on."""
+    tel = make_tel(mode="thread", file_dir=str(tmp_path), export_interval_s=0.01)
+    tel.prepare_cuda(pool_size=4, factory=DeviceBoundEvent)
+    streams = [DeviceStream(0), DeviceStream(1)]
+    for i in range(40):  # far more stages than events: pairs are recycled many times
+        s = streams[i % 2]
+        with tel.stage("model_forward" if s.device_index == 0 else "backward", trace=("batch", i),
+                       stream=s, worker=f"w{s.device_index}"):
+            pass
+        if i % 4 == 3:
+            tel.flush(timeout_s=5.0)  # lets the background thread resolve and recycle pairs
+    tel.flush(timeout_s=5.0)
+    spans = filesink.read_spans(str(tmp_path))
+    assert len([s for s in spans if s["name"] in ("model_forward", "backward")]) == 40
+    assert not tel.summary().get("notes") or all("failed" not in n for n in tel.summary()["notes"])
