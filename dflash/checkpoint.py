@@ -56,16 +56,33 @@ def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, s
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         old = dst.with_name(dst.name + ".old")
+        if old.exists() and not dst.exists():
+            os.replace(old, dst)  # a kill between the two renames last time: old is the good one
         if old.exists():
             shutil.rmtree(old)
         if dst.exists():
             os.replace(dst, old)
         os.replace(tmp, dst)
+        _fsync_dir(dst.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the renames themselves durable (POSIX: fsync the directory)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def load_drafter(path, device="cpu", dtype=torch.float32) -> tuple[DFlashDrafter, dict]:

@@ -239,6 +239,10 @@ def validate(cfg: Config) -> None:
     for dev in p.target_devices + p.drafter_devices:
         if dev != "cpu" and not dev.startswith("cuda"):
             raise ConfigError(f"device {dev!r}: expected cpu or cuda[:N]")
+    if any(d.startswith("cuda") for d in p.target_devices) and not all(
+            d.startswith("cuda") for d in p.drafter_devices):
+        raise ConfigError(f"pipeline.drafter_devices={p.drafter_devices}: expected CUDA devices when a target is on "
+                          f"CUDA (a CPU drafter would have to wait on the GPU from the host)")
     for stage, secs in p.inject_delay.items():
         if stage not in STAGES:
             raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)})")

@@ -16,6 +16,8 @@ Rules kept here (DESIGN.md, "The pipeline and its stages"):
 from __future__ import annotations
 
 import queue
+from collections import deque
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,30 +40,26 @@ class HiddenItem:
 
 
 class PinnedPool:
-    """Pre-allocated pinned staging buffers, reused; a buffer is free again once the
-    consumer's event says its copy out of it has completed."""
+    """Pre-allocated pinned staging buffers of one target worker, reused. The drafter hands
+    a buffer back with the event that marks the end of its copy out of it; the worker takes
+    it again only once that event has completed (query(), no host wait). One producer and
+    one consumer on atomic deque operations: no lock."""
 
     def __init__(self, n: int, numel: int, dtype):
-        self._free = [torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(n)]
-        self._busy: list[tuple[torch.Tensor, object]] = []
-        self._lock = threading.Lock()
+        self._free = deque(torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(n))
+        self._returned: deque = deque()   # (buffer, done event), in hand-back order
 
     def take(self, stop: threading.Event) -> torch.Tensor:
         while not stop.is_set():
-            with self._lock:
-                for i, (buf, ev) in enumerate(self._busy):
-                    if ev is not None and ev.query():
-                        self._busy.pop(i)
-                        self._free.append(buf)
-                        break
-                if self._free:
-                    return self._free.pop()
+            while self._returned and self._returned[0][1].query():
+                self._free.append(self._returned.popleft()[0])
+            if self._free:
+                return self._free.popleft()
             time.sleep(0.0005)
         raise Closed
 
     def give_back(self, buf, done_event) -> None:
-        with self._lock:
-            self._busy.append((buf, done_event))
+        self._returned.append((buf, done_event))
 
 
 class Pipeline:
@@ -124,16 +122,17 @@ class Pipeline:
         stream = self.ctx.batch_stream()
         idx = self.ctx.start_step
         tel, rank = self.tel, self.ctx.rank
+        blocked = 0.0  # the previous batch's wait for room in the batch queue
         while not self.stop.is_set() and idx < self.cfg.train.steps:
             with tel.stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=rank,
-                           batch_id=idx, step=idx) as s:
+                           batch_id=idx, step=idx, blocked_before_s=round(blocked, 6)) as s:
                 b = next(stream)
                 b.index = idx
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 self._inject("data_load", idx)
-                t0 = time.perf_counter()
-                self._put_batch(b)
-                s.set(blocked_s=round(time.perf_counter() - t0, 6))  # ahead of the targets: healthy
+            t0 = time.perf_counter()
+            self._put_batch(b)
+            blocked = time.perf_counter() - t0  # idle cause queue_full: ahead of the targets
             tel.record("dflash.batch.padding_ratio", 1 - b.tokens / (len(b.lengths) * b.padded_len))
             for n in b.lengths:
                 tel.record("dflash.batch.sequence_length", n)
@@ -290,11 +289,26 @@ class Pipeline:
             pass
         finally:
             self.shutdown_workers()
-            for t in self.threads:
-                t.join(timeout=5.0)
+            self._join_workers()
         if self.errors:
             name, err = self.errors[0]
             raise WorkerError(f"worker {name} failed: {type(err).__name__}: {err}") from err
+
+
+    def _join_workers(self, patience_s: float = 5.0, limit_s: float = 120.0):
+        """Workers notice `stop` between stages, so this returns once a running forward is
+        done; nothing is saved or evaluated while a worker may still touch the models."""
+        deadline = time.monotonic() + limit_s
+        warned = False
+        for t in self.threads:
+            while t.is_alive() and time.monotonic() < deadline:
+                t.join(timeout=patience_s)
+                if t.is_alive() and not warned:
+                    warned = True
+                    print(f"dflash: waiting for worker {t.name} to finish its current stage", file=sys.stderr)
+        alive = [t.name for t in self.threads if t.is_alive()]
+        if alive:
+            raise WorkerError(f"workers {alive} did not stop within {limit_s:.0f}s")
 
 
 class WorkerError(RuntimeError):

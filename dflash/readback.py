@@ -23,7 +23,7 @@ class DeferredScalars:
             host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
             host.copy_(vals, non_blocking=True)
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(vals.device))  # the copy's device, not the current one
             self._pending.append((step, names, host, ev))
         else:
             self._pending.append((step, names, vals, None))

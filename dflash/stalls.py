@@ -16,7 +16,9 @@ from collections import defaultdict
 from pathlib import Path
 
 from otel.filesink import read_spans
-from otel.idle import BUSY, DEFAULT_RULES, attribute_idle
+from otel.idle import BUSY, attribute_idle
+
+from .idle_rules import DFLASH_RULES
 
 from .config import ConfigError
 
@@ -176,7 +178,7 @@ def window_ns(spans, window):
     return t0 + int(window[0] * 1e9), hi
 
 
-def attribute(spans, window=None, rules=DEFAULT_RULES):
+def attribute(spans, window=None, rules=DFLASH_RULES):
     """(per-worker snapshot, per-worker segments) over the run or a window (seconds)."""
     return attribute_idle(spans, rules, window=window_ns(spans, window), worker_of=worker_of, segments=True)
 
@@ -222,7 +224,7 @@ def _top_stalls(segments, t0, top):
     return out[:top]
 
 
-def analyze(spans, top: int = 10, window=None, rules=DEFAULT_RULES, run_id=None, source="") -> dict:
+def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, source="") -> dict:
     snap, segments = attribute(spans, window, rules)
     t0 = run_start_ns(spans)
     workers = []
@@ -251,7 +253,7 @@ def format_report(rep: dict) -> str:
     lines = [f"dflash stalls: run {rep['run_id']} ({rep['source']}), {rep['ranks']} rank(s), "
              f"{len(rep['workers'])} workers, {rep['wall_s']:.2f}s"
              + (f", window {rep['window_s'][0]:g}:{rep['window_s'][1]:g}s" if rep["window_s"] else "")]
-    causes = [c for c in DEFAULT_RULES.causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
+    causes = [c for c in DFLASH_RULES.causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
     lines += ["", "idle time by cause (seconds)",
               f"  {'worker':<16}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
     for w in rep["workers"]:

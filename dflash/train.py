@@ -18,6 +18,7 @@ from . import data as data_mod
 from . import distributed as dist_mod
 from . import target as target_mod
 from .config import Config, dump, resolve_dtype
+from .idle_rules import DFLASH_RULES
 from .prepare import prepare
 from .readback import DeferredScalars
 from .trainer import Batch, DrafterStep, build_drafter
@@ -93,7 +94,7 @@ def _make_telemetry(cfg: Config, out: Path, rank: int, world_size: int, run_id: 
         service_name="dflash", run_id=run_id, file_dir=str(tdir),
         resource_attributes={"rank": rank, "world_size": world_size, "dflash.target": cfg.model.target},
         console=rank == 0, console_interval_s=cfg.telemetry.console_interval_s or None,
-        mode=cfg.telemetry.mode, gpu_indices=gpus)
+        mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES)
 
 
 def _prometheus_enabled() -> bool:
@@ -182,6 +183,7 @@ def _local(dev: str) -> str:
 
 
 def save(ctx: RunContext) -> None:
+    ctx.finish_readback()  # the saved loss history must include every step so far
     if ctx.rank != 0:
         return
     state = {"step": ctx.step.step, "tokens": ctx.tokens, "history": ctx.history}
@@ -194,7 +196,11 @@ def run_eval(ctx: RunContext, label: str) -> dict:
     from .evaluate import evaluate
 
     e = ctx.cfg.eval
-    res = evaluate(ctx.target, ctx.step.drafter.to(ctx.target.device), ctx.tokenizer, ctx.eval_convs,
+    drafter = ctx.step.drafter
+    if next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
+        import copy
+        drafter = copy.deepcopy(drafter).to(ctx.target.device)
+    res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len)
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, lossless={res['lossless']})", file=sys.stderr)

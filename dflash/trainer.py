@@ -93,8 +93,9 @@ class DrafterStep:
         self.model = ddp or drafter  # what forward/backward go through (DDP wrapper or not)
         self.embed, self.lm_head = embed, lm_head
         params = [p for p in drafter.parameters() if p.requires_grad]
+        # fused AdamW: one kernel, and it honours `found_inf` on the device (see optimizer_step)
         self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95),
-                                     weight_decay=cfg.train.weight_decay)
+                                     weight_decay=cfg.train.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, cosine_with_warmup(max(1, cfg.train.steps), cfg.train.warmup_ratio))
         self.weights = loss_weights(cfg.model.block_size).to(self.device)[1:]
@@ -120,16 +121,14 @@ class DrafterStep:
         loss.backward()
 
     def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Clip, then step only when loss and grad norm are finite — decided on the device
-        (no host read): a non-finite step zeroes the update through torch.where."""
+        """Clip, then update only when loss and grad norm are finite — decided on the device
+        (no host read): fused AdamW skips the whole update (weights, moments, step count)
+        when `found_inf` is set, the mechanism GradScaler uses. The LR schedule advances."""
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.cfg.train.grad_clip)
         finite = torch.isfinite(loss) & torch.isfinite(gnorm)
-        for p in params:  # a non-finite step contributes nothing (grads -> 0)
-            p.grad.mul_(finite.to(p.grad.dtype))
-            p.grad.nan_to_num_(0.0, 0.0, 0.0)
-        if self.cfg.train.steps > 0:
-            self.opt.step()
+        self.opt.found_inf = (~finite).to(torch.float32)
+        self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.step += 1

@@ -100,8 +100,10 @@ def idle_from_spans(run_dir: Path, rank: int = 0, world_size: int = 1, max_bytes
     from otel.filesink import read_spans
     from otel.idle import attribute_idle
 
+    from .idle_rules import DFLASH_RULES
+
     try:
-        snap = attribute_idle(read_spans(str(path)))
+        snap = attribute_idle(read_spans(str(path)), DFLASH_RULES)
     except Exception as e:  # never let the summary fail on a damaged file
         print(f"dflash: W&B bridge: idle attribution skipped ({type(e).__name__}: {e})", file=sys.stderr)
         return None

@@ -34,24 +34,20 @@ CAUSES = ("queue_empty", "queue_full", "data_wait", "host", "sync", "checkpoint"
 
 @dataclass(frozen=True)
 class IdleRules:
-    """The mapping from stages to causes: plain data, override any field."""
-    stage_causes: Mapping[str, str] = field(default_factory=lambda: {
-        "queue_get": "queue_empty", "checkpoint": "checkpoint"})
+    """The mapping from stages to causes: plain data, override any field. The defaults know
+    no pipeline: every stage is busy, gaps are host time, sync-like names are `sync`; a
+    pipeline passes its own rules (dflash: dflash/idle_rules.py)."""
+    stage_causes: Mapping[str, str] = field(default_factory=dict)
     # (regex searched in the lower-cased stage name, cause); first match wins
     pattern_causes: tuple = (
         (r"(?<![a-z])(sync\w*|all_?reduce|all_?gather|reduce_?scatter|barrier)", "sync"),)
     # stage -> (attribute holding idle seconds at the end of the stage, cause)
-    carve_inside: Mapping[str, tuple] = field(default_factory=lambda: {
-        "cpu_copy_enqueue": ("blocked_s", "queue_full"),
-        "data_load": ("blocked_s", "queue_full")})
+    carve_inside: Mapping[str, tuple] = field(default_factory=dict)
     # stage -> (attribute holding idle seconds right before the stage, cause)
-    carve_before: Mapping[str, tuple] = field(default_factory=lambda: {
-        "model_forward": ("data_wait_s", "data_wait")})
+    carve_before: Mapping[str, tuple] = field(default_factory=dict)
     # compute stages; None: every stage not mapped to a cause is busy
-    busy: Optional[frozenset] = frozenset({
-        "data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue",
-        "drafter_forward", "backward", "optimizer_step"})
-    ignore: frozenset = frozenset({"skipped_step"})    # markers, not time spent
+    busy: Optional[frozenset] = None
+    ignore: frozenset = frozenset()                    # markers, not time spent
     gap_cause: str = "host"
     unknown_cause: str = "other"
 

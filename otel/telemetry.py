@@ -35,7 +35,7 @@ class Telemetry:
     def __init__(self, *, service_name, run_id, resource_attributes, file_dir, console,
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
-                 exporter_nice=19, idle_attribution=True):
+                 exporter_nice=19, idle_attribution=True, idle_rules=None):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
@@ -60,7 +60,7 @@ class Telemetry:
         self._idle = None
         if idle_attribution:  # live busy / idle-by-cause per worker (otel/idle_metrics.py)
             from otel.idle_metrics import IdleMetrics
-            self._idle = IdleMetrics(service_name)
+            self._idle = IdleMetrics(service_name, **({"rules": idle_rules} if idle_rules else {}))
             self._register(self._idle.busy_name, ("counter", "s", "Worker time inside compute stages."))
             self._register(self._idle.idle_name, ("counter", "s", "Worker idle time by cause."))
             self._gauge_callbacks[self._idle.fraction_name] = self._idle.fractions

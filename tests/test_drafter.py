@@ -103,3 +103,29 @@ def test_sample_anchors_respects_loss_mask_and_bounds():
         if ok:
             assert 10 <= p <= 22 and p <= 30 - 8
     assert v[0].sum() == 8 and v[1].sum() == 0  # second sequence has no response tokens
+
+
+def test_nonfinite_step_is_skipped_on_device():
+    """A NaN loss must leave weights and optimizer state untouched (no host read decides it)."""
+    from types import SimpleNamespace
+
+    from dflash.trainer import DrafterStep
+
+    d, embed, head = make(layers=1)
+    d = d.float()
+    cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0,
+                                                grad_clip=1.0, seed=0),
+                          model=SimpleNamespace(block_size=BK))
+    st = DrafterStep(cfg, d, embed.float(), head.float(), "cpu")
+    before = {k: v.clone() for k, v in d.state_dict().items()}
+    for p in d.parameters():
+        p.grad = torch.full_like(p, float("nan"))
+    gnorm, skipped = st.optimizer_step(torch.tensor(float("nan")))
+    assert bool(skipped)
+    assert all(torch.equal(before[k], v) for k, v in d.state_dict().items())
+    assert all(float(s["step"]) == 0 for s in st.opt.state.values())
+    for p in d.parameters():  # a finite step does move the weights
+        p.grad = torch.ones_like(p)
+    _, skipped = st.optimizer_step(torch.tensor(1.0))
+    assert not bool(skipped)
+    assert not torch.equal(before["fc.weight"], d.state_dict()["fc.weight"])
