@@ -29,7 +29,9 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                              f"lossless={e['lossless']}; accepted+1 histogram {hist})")
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"
-        t.add_row(f"worker {w['worker']}", f"busy {w['busy_fraction']:.1%} of {w['wall_s']:.1f} s, top idle cause: {top}")
+        share = w["idle_s"].get(top, 0) / w["wall_s"] if w.get("wall_s") and top != "-" else 0
+        t.add_row(f"worker {w['worker']}",
+                  f"busy {w['busy_fraction']:.1%} of {w['wall_s']:.1f} s, top idle cause: {top} ({share:.1%})")
     h = (s.get("telemetry") or {}).get("health") or {}
     if h:
         t.add_row("telemetry", ", ".join(f"{k} {v}" for k, v in h.items()))

@@ -94,7 +94,7 @@ def _make_telemetry(cfg: Config, out: Path, rank: int, world_size: int, run_id: 
         service_name="dflash", run_id=run_id, file_dir=str(tdir),
         resource_attributes={"rank": rank, "world_size": world_size, "dflash.target": cfg.model.target},
         console=rank == 0, console_interval_s=cfg.telemetry.console_interval_s or None,
-        mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES)
+        mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=rank == 0)
 
 
 def _prometheus_enabled() -> bool:

@@ -231,7 +231,8 @@ class ExportPipeline:
             self.stage_metric, unit="s", description="Duration of a pipeline stage (clock=host|device).")
         self._health_counters()
 
-        self.span_builder = SpanBuilder(config["run_id"], config["epoch_offset_ns"])
+        self.span_builder = SpanBuilder(config["run_id"], config["epoch_offset_ns"],
+                                        config.get("root_spans", True))
         self.gpu = None
         if config.get("gpu_devices") is not None:
             self.gpu = GpuSampler(config["gpu_devices"], float(config.get("gpu_interval_s", 1.0))).start()

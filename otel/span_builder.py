@@ -19,8 +19,9 @@ _EMITTED_ROOTS_MAX = 100_000
 
 
 class SpanBuilder:
-    def __init__(self, run_id: str, epoch_offset_ns: int):
+    def __init__(self, run_id: str, epoch_offset_ns: int, emit_roots: bool = True):
         self.key_ids = KeyIds(run_id)
+        self.emit_roots = emit_roots  # several processes sharing keys: only one emits the roots
         self.off = epoch_offset_ns
         self._open_roots: dict = {}     # key -> [min_t0, max_t1, last_seen_monotonic]
         self._emitted_roots: set = set()
@@ -44,7 +45,7 @@ class SpanBuilder:
                     if t1 > root[1]:
                         root[1] = t1
                     root[2] = now
-                elif key not in emitted:
+                elif key not in emitted and self.emit_roots:
                     roots[key] = [t0, t1, now]
             else:
                 trace_id, parent_id = random_trace_id(), 0

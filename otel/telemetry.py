@@ -35,7 +35,7 @@ class Telemetry:
     def __init__(self, *, service_name, run_id, resource_attributes, file_dir, console,
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
-                 exporter_nice=19, idle_attribution=True, idle_rules=None):
+                 exporter_nice=19, idle_attribution=True, idle_rules=None, root_spans=True):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
@@ -81,6 +81,9 @@ class Telemetry:
             "stage_metric": self.stage_metric, "gpu_devices": gpu_devices,
             "export_timeout_s": export_timeout_s, "exporter_nice": exporter_nice,
             "export_chunk": 512 if mode == "process" else 64,
+            # the synthesized per-key root spans; processes that share trace keys (ranks)
+            # let exactly one of them emit, or the backend sees duplicate span ids
+            "root_spans": root_spans,
         }
         from otel.background import BackgroundThread
         self.config["epoch_offset_ns"] = BackgroundThread.epoch_offset_ns()
@@ -109,7 +112,10 @@ class Telemetry:
         """Build the layer from the standard OTEL_* environment (see docs/otel.md).
         Extra options: export_timeout_s (per export request, default 5), cuda_pool_size
         (CUDA events pre-allocated, default 512), exporter_nice (niceness increment of the
-        exporter process, default 19: the lowest priority)."""
+        exporter process, default 19: the lowest priority), idle_attribution (live busy /
+        idle-by-cause per worker, default on), idle_rules (otel.idle.IdleRules for the
+        pipeline's stage names), root_spans (emit the per-key root spans; False on all but
+        one of several processes that share trace keys)."""
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
             return cls.disabled()
         service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name

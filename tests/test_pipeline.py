@@ -122,6 +122,9 @@ def test_two_rank_torchrun_trains_and_both_ranks_report(tmp_path):
     assert summary["world_size"] == 2 and summary["steps"] == 3
     for s in spans:
         assert s["resource"]["world_size"] == 2
+    roots = [s for s in spans if s["attributes"].get("otel.root")]
+    assert roots and {s["resource"]["rank"] for s in roots} == {0}, "exactly one rank emits the shared roots"
+    assert len({s["span_id"] for s in roots}) == len(roots)
     # one trace per step across ranks: the straggler is visible in one view
     for step in range(3):
         fwd = [s for s in spans if s["name"] == "model_forward" and s["attributes"]["batch_id"] == step]
