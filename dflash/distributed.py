@@ -36,3 +36,36 @@ def wrap_ddp(module, device: str):
 def shutdown() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+class StopVote:
+    """All ranks stop at the same step (Ctrl-C / SIGTERM reach ranks at different moments;
+    a rank that stops alone leaves the others hanging in DDP's all-reduce). Every step each
+    rank adds its local stop flag to a non-blocking MAX all-reduce on a CPU (gloo) group
+    and reads the previous step's result: ranks already meet once per step in DDP, so
+    the wait is free, and nothing touches the GPU."""
+
+    def __init__(self, world_size: int):
+        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+        self._pending = None
+
+    def __call__(self, local_stop: bool) -> bool:
+        if self.group is None:
+            return local_stop
+        decided = False
+        if self._pending is not None:
+            work, flag = self._pending
+            work.wait()
+            decided = bool(flag[0])  # a CPU tensor: no device sync
+        flag = torch.tensor([int(local_stop)], dtype=torch.int32)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True), flag)
+        return decided
+
+
+def sum_over_ranks(value: float, group) -> float:
+    """End-of-run totals (tokens) over all ranks, on the CPU group; identity for one rank."""
+    if group is None:
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t.item()  # a CPU tensor

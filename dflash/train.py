@@ -45,6 +45,7 @@ class RunContext:
     tokens: int = 0
     nonfinite: list = field(default_factory=list)    # steps whose update was skipped
     targets: list = field(default_factory=list)      # one target replica per target worker
+    vote: object = None                              # distributed.StopVote
 
     @property
     def nonfinite_steps(self) -> int:
@@ -53,7 +54,8 @@ class RunContext:
     def more_steps(self) -> bool:
         t = self.cfg.train
         end = min(t.steps, t.stop_after) if t.stop_after else t.steps
-        return self.step.step < end and not self.stop.is_set()
+        stop = self.vote(self.stop.is_set())  # every rank votes every step: same stop step everywhere
+        return self.step.step < end and not stop
 
     def batch_stream(self):
         """Deterministic batches of this rank; skips what a resumed run already consumed."""
@@ -174,6 +176,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     for d in tdevs:  # one frozen replica per target device; workers on one device share it
         replicas.setdefault(d, copy.deepcopy(target).to(d))
     ctx.targets = [replicas[d] for d in tdevs]
+    ctx.vote = dist_mod.StopVote(world)
     return ctx
 
 
@@ -226,8 +229,10 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         print("\ninterrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
         ctx.stop.set()
 
+    prev_term = signal.getsignal(signal.SIGTERM)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, on_sigint)
+        signal.signal(signal.SIGTERM, on_sigint)  # preemption / torchrun shutdown: save too
     try:
         if eval_before_after:
             summary["eval_before"] = run_eval(ctx, "before training")
@@ -240,10 +245,13 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         save(ctx)
         steps_done = ctx.step.step - step0
         losses = [h[1] for h in ctx.history]
+        # every rank trains on its own share of each global batch: totals are sums
+        tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))
+        tokens_run = int(dist_mod.sum_over_ranks(ctx.tokens - tokens0, ctx.vote.group))
         summary.update({
-            "steps": ctx.step.step, "steps_this_run": steps_done, "tokens": ctx.tokens,
-            "tokens_this_run": ctx.tokens - tokens0, "wall_s": round(wall, 3),
-            "tokens_per_s": round((ctx.tokens - tokens0) / wall, 1) if wall > 0 else 0.0,
+            "rank": ctx.rank, "steps": ctx.step.step, "steps_this_run": steps_done, "tokens": tokens,
+            "tokens_this_run": tokens_run, "wall_s": round(wall, 3),
+            "tokens_per_s": round(tokens_run / wall, 1) if wall > 0 else 0.0,
             "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
             "acc_last": ctx.history[-1][2] if ctx.history else None,
             "loss_history": [[h[0], round(h[1], 6)] for h in ctx.history],
@@ -256,6 +264,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, prev)
+            signal.signal(signal.SIGTERM, prev_term)
         _linger_for_scrape(ctx.tel)
         ctx.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = ctx.tel.summary()

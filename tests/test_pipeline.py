@@ -153,3 +153,35 @@ def test_ctrl_c_saves_checkpoint_and_exits_quickly(tmp_path):
     assert summary["interrupted"] and 0 < summary["steps"] < 200
     state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())
     assert state["step"] == summary["steps"]
+
+
+@pytest.mark.slow
+def test_two_rank_ctrl_c_stops_all_ranks_at_the_same_step(tmp_path):
+    """torchrun forwards Ctrl-C to every rank at slightly different moments; the ranks vote
+    so they stop at one step (no rank left hanging in DDP's all-reduce) and rank 0 saves."""
+    import signal
+
+    run = tmp_path / "run"
+    env = {k: str(v) for k, v in (dict(os.environ) | NO_OTEL_ENV | {"OMP_NUM_THREADS": "1"}).items()}
+    p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                          "--master_port", str(_free_port()), "-m", "dflash", "train", "--out", str(run),
+                          "--target", "tiny-llama", "--steps", "300", *TINY, "--inject-delay", "backward=0.2"],
+                         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not list((run / "telemetry").rglob("traces.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2.0)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=90)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["steps"] < 300, err[-2000:]
+    state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())
+    assert state["step"] == summary["steps"]
+    # both ranks' last optimizer step is the same one
+    last = {}
+    for f in (run / "telemetry").rglob("traces.jsonl"):
+        for s in read_spans(f):
+            if s["name"] == "optimizer_step":
+                r = s["resource"]["rank"]
+                last[r] = max(last.get(r, -1), s["attributes"]["step"])
+    assert last[0] == last[1] == summary["steps"] - 1
