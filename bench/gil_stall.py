@@ -39,9 +39,13 @@ class ReceiverProcess:
     """An OTLP/gRPC receiver (tests/otlp_receivers.py) in its own process, so its GIL is
     not the measured process's. `with ReceiverProcess() as rx: rx.endpoint`."""
 
+    def __init__(self, nice: int = 0):
+        self.nice = nice  # >0: the stand-in collector yields the CPU, as a remote one would
+
     def __enter__(self):
         self.proc = subprocess.Popen([sys.executable, "-c", _SERVER % os.path.join(ROOT, "tests")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
         self.port = int(self.proc.stdout.readline())
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.spans_received = None
@@ -110,12 +114,15 @@ def main():
     ap.add_argument("--rate", type=int, default=5000, help="stages recorded per second")
     ap.add_argument("--nice", type=int, default=19, help="exporter process niceness increment")
     ap.add_argument("--scenarios", default="none,otel-process,otel-thread,sdk-bsp")
+    ap.add_argument("--receiver-nice", type=int, default=0,
+                    help="niceness of the stand-in collector process (on 2 cores it competes with "
+                         "the measured process; a real collector runs elsewhere)")
     args = ap.parse_args()
     per_tick = int(args.rate * TICK_S)
     results = {}
 
     rounds: dict[str, list] = {}
-    with ReceiverProcess() as rx:
+    with ReceiverProcess(args.receiver_nice) as rx:
         os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = rx.endpoint
         os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = "grpc"
         import otel
@@ -183,7 +190,7 @@ def main():
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "results": {k: {kk: (round(vv, 4) if isinstance(vv, float) else vv) for kk, vv in v.items()}
                     for k, v in results.items()},
-        "exporter_nice": args.nice,
+        "exporter_nice": args.nice, "receiver_nice": args.receiver_nice,
         "goal_process_added_max_stall_le_2ms": (results["otel-process"]["added_max_stall_ms"] <= 2.0
                                                 if "otel-process" in results else None),
         "spans_received_by_collector": rx.spans_received,

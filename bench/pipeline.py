@@ -4,7 +4,7 @@ All variants run in this one process, interleaved round by round (these machines
 noisy: side-by-side alternation is the only fair comparison), each from the same seed on
 the same cached data. Only the training loop is timed. Prints a table, then one JSON line.
 
-    python bench/pipeline.py [--target tiny-qwen3] [--steps 30] [--rounds 3]
+    python bench/pipeline.py [--target tiny-qwen3] [--steps 40] [--rounds 3] [--settle 2]
 """
 from __future__ import annotations
 
@@ -24,12 +24,17 @@ from dflash.pipeline import run_pipelined  # noqa: E402
 from dflash.train import setup  # noqa: E402
 
 
-def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode: str) -> float:
+def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode: str,
+         settle_s: float = 2.0) -> float:
     import otel
 
     cfg = load_config(None, base_args + [f"out={out}", f"pipeline.pipelined={pipelined}",
                                          f"telemetry.enabled={telemetry}", f"telemetry.mode={mode}"])
     ctx = setup(cfg, resume=False)
+    # Steady state: the spawned exporter process spends its first ~1-2 s of CPU importing
+    # the OpenTelemetry SDK; on 2 cores that start-up would land inside a short timed loop.
+    # Every variant waits the same, so the ratio measures per-step overhead only.
+    time.sleep(settle_s)
     try:
         t0 = time.perf_counter()
         (run_pipelined if pipelined else run_reference)(ctx)
@@ -42,8 +47,9 @@ def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="tiny-qwen3")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--settle", type=float, default=2.0, help="seconds between setup and the timed loop")
     a = ap.parse_args()
     base = [f"model.target={a.target}", f"train.steps={a.steps}", "data.num_conversations=48",
             "data.max_len=96", "data.regen_max_new_tokens=40", "data.regen_max_prompt_len=48",
@@ -60,7 +66,7 @@ def main() -> None:
         for r in range(a.rounds):
             order = list(variants) if r % 2 == 0 else list(reversed(variants))
             for name in order:
-                res[name].append(once(base, f"{tmp}/{r}-{len(res[name])}", *variants[name]))
+                res[name].append(once(base, f"{tmp}/{r}-{len(res[name])}", *variants[name], settle_s=a.settle))
     med = {k: statistics.median(v) for k, v in res.items()}
     print(f"{'variant':34s} {'median tok/s':>12s}  runs")
     for k, v in res.items():
