@@ -18,13 +18,13 @@ def run_reference(ctx) -> None:
     try:
         while ctx.more_steps():
             step = st.step
-            common = dict(worker="main", rank=ctx.rank, step=step)
-            with tel.stage("data_load", **common) as s:
+            key = ("batch", step)  # batch id == the step that consumes it, as in the pipeline
+            common = dict(worker="main", rank=ctx.rank, step=step, batch_id=step)
+            with tel.stage("data_load", trace=key, **common) as s:
                 b = next(batches)
-                s.set(batch_id=b.index, tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+                s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 inject(cfg.pipeline, "data_load", step)
-            attrs = dict(common, device=dev, batch_id=b.index, tokens=b.tokens)
-            key = ("batch", b.index)
+            attrs = dict(common, device=dev, tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
             with tel.stage("model_forward", trace=key, **attrs):
                 feats = target_features(ctx.target, b, ctx.layer_ids, ctx.target.device)
                 inject(cfg.pipeline, "model_forward", step)
@@ -38,7 +38,7 @@ def run_reference(ctx) -> None:
             with tel.stage("backward", trace=key, **attrs):
                 st.backward(loss)
                 inject(cfg.pipeline, "backward", step)
-            with tel.stage("optimizer_step", trace=("step", step), links=[key], **attrs):
+            with tel.stage("optimizer_step", trace=key, links=[key], **attrs):
                 gnorm, nonfinite = st.optimizer_step(loss)
                 inject(cfg.pipeline, "optimizer_step", step)
             ctx.tokens += b.tokens
