@@ -33,6 +33,14 @@ def _features(out, layer_ids):
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+def _cache_kw(target, cache) -> dict:
+    """transformers renamed `past_key_values` to `cache` during 5.x: use what this one takes."""
+    import inspect
+
+    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
+    return {name: cache}
+
+
 def _make_cache(target):
     try:
         cache = DynamicCache(config=target.config)
@@ -53,7 +61,8 @@ class _TargetRunner:
         dev = self.target.device
         if self.cache is not None:
             ids = torch.tensor([new_tokens], device=dev)
-            out = self.target(input_ids=ids, cache=self.cache, use_cache=True, output_hidden_states=True)
+            out = self.target(input_ids=ids, **_cache_kw(self.target, self.cache), use_cache=True,
+                              output_hidden_states=True)
             return out.logits[0].argmax(-1), _features(out, self.layer_ids)[0]
         ids = torch.tensor([self.seq + new_tokens], device=dev)
         out = self.target(input_ids=ids, use_cache=False, output_hidden_states=True)
@@ -114,7 +123,8 @@ def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: 
     while len(out) < max_new_tokens:
         dev = target.device
         if runner.cache is not None:
-            logits = target(input_ids=torch.tensor([new], device=dev), cache=runner.cache, use_cache=True).logits
+            logits = target(input_ids=torch.tensor([new], device=dev), **_cache_kw(target, runner.cache),
+                            use_cache=True).logits
         else:
             logits = target(input_ids=torch.tensor([runner.seq + new], device=dev), use_cache=False).logits
         runner.seq.extend(new)
