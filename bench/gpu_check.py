@@ -4,8 +4,9 @@
                 the background thread resolves with query() only, under
                 torch.cuda.set_sync_debug_mode("error") (any synchronising call raises);
   nvml_gauges   real NVML values (hw.gpu.*) read back from the file sink;
-  pipeline      the dflash pipeline (tiny target on cuda:0) under sync-debug "error",
-                telemetry on vs off alternating: overhead ratio, device-clock stage times.
+  pipeline      the dflash pipeline (tiny target on cuda:0) under sync-debug "warn" with
+                every sync's call site kept (none may be ours), telemetry on vs off
+                alternating: overhead ratio, device-clock stage times.
 
 One function per check, main() collects them. Last line: one JSON object.
 
@@ -112,10 +113,43 @@ def check_nvml_gauges(out_dir: str) -> dict:
     return {"ok": bool(ok), "available": avail, "values": vals, "device": gpu_attrs}
 
 
+class SyncLog:
+    """set_sync_debug_mode("warn") turns every synchronising CUDA call into a warning, in
+    whichever thread made it; this keeps each one's call site, so syncs made by our code
+    (dflash/, otel/) can be told from those inside the libraries (e.g. a transformers
+    masking helper that reads a device tensor): ours must be zero."""
+
+    def __init__(self):
+        import traceback
+        import warnings
+
+        self.ours, self.library = collections.Counter(), collections.Counter()
+        self._warnings, self._tb = warnings, traceback
+
+    def __enter__(self):
+        self._prev = self._warnings.showwarning
+        self._warnings.simplefilter("always")
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" not in str(message):
+                return self._prev(message, category, filename, lineno, file, line)
+            frames = [f for f in self._tb.extract_stack()[:-1] if "warnings" not in f.filename]
+            mine = [f for f in frames if "/dflash/" in f.filename or "/otel/" in f.filename]
+            site = frames[-1] if frames else None
+            where = f"{site.filename.rsplit('/', 2)[-2:]}:{site.lineno}" if site else "?"
+            (self.ours if mine and mine[-1] is frames[-1] else self.library)[where] += 1
+        self._warnings.showwarning = show
+        return self
+
+    def __exit__(self, *exc):
+        self._warnings.showwarning = self._prev
+
+
 def check_pipeline(torch, out_root: str, steps: int = 30, rounds: int = 2) -> dict:
     """The dflash pipeline on the GPU with a tiny target, telemetry on vs off (alternating),
-    every step under set_sync_debug_mode("error"): any CUDA synchronisation in the loop or
-    the telemetry raises. Reports tokens/s ratio and device-clock stage times."""
+    under set_sync_debug_mode("warn") with every synchronising call's site recorded (see
+    SyncLog): none may come from dflash/ or otel/. Reports the tokens/s ratio and
+    device-clock stage times."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from dflash.config import load_config
     from dflash.pipeline import run_pipelined
@@ -128,16 +162,18 @@ def check_pipeline(torch, out_root: str, steps: int = 30, rounds: int = 2) -> di
             "pipeline.drafter_devices=cuda:0", "telemetry.console_interval_s=0"]
     rates: dict = {"on": [], "off": []}
     last_on = None
+    syncs = SyncLog()
     for r in range(rounds):
         for tel_on in ((True, False) if r % 2 == 0 else (False, True)):
             out = f"{out_root}/pipe-{r}-{int(tel_on)}"
             cfg = load_config(None, base + [f"out={out}", f"telemetry.enabled={tel_on}"])
             ctx = setup(cfg, resume=False)
             torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode("warn")
             try:
                 t0 = time.perf_counter()
-                run_pipelined(ctx)
+                with syncs:
+                    run_pipelined(ctx)
                 torch.cuda.set_sync_debug_mode(0)
                 torch.cuda.synchronize()   # end of the timed window, outside the loop
                 wall = time.perf_counter() - t0
@@ -154,7 +190,9 @@ def check_pipeline(torch, out_root: str, steps: int = 30, rounds: int = 2) -> di
             dev.setdefault(s["name"], []).append(s["attributes"]["device.duration_s"])
     med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     ratio = med(rates["on"]) / med(rates["off"])
-    return {"ok": bool(dev.get("model_forward")) and bool(dev.get("backward")),
+    return {"ok": bool(dev.get("model_forward")) and bool(dev.get("backward")) and not syncs.ours,
+            "syncs_in_dflash_or_otel": dict(syncs.ours),
+            "syncs_in_libraries": dict(syncs.library.most_common(5)),
             "tokens_per_s_on": [round(x) for x in rates["on"]], "tokens_per_s_off": [round(x) for x in rates["off"]],
             "telemetry_overhead_ratio": round(ratio, 4),
             "device_p50_ms": {k: round(med(v) * 1e3, 3) for k, v in dev.items()}}
