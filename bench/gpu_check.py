@@ -136,7 +136,7 @@ class SyncLog:
             frames = [f for f in self._tb.extract_stack()[:-1] if "warnings" not in f.filename]
             mine = [f for f in frames if "/dflash/" in f.filename or "/otel/" in f.filename]
             site = frames[-1] if frames else None
-            where = f"{site.filename.rsplit('/', 2)[-2:]}:{site.lineno}" if site else "?"
+            where = f"{'/'.join(site.filename.rsplit('/', 2)[-2:])}:{site.lineno}" if site else "?"
             (self.ours if mine and mine[-1] is frames[-1] else self.library)[where] += 1
         self._warnings.showwarning = show
         return self
