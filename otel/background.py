@@ -23,6 +23,7 @@ class BackgroundThread:
         self.tel = tel
         self.transport = transport
         self._pending_cuda: list = []       # (record, first_seen_monotonic)
+        self._late_events: list = []        # given-up event pairs: back to the pool once done
         self._lock = threading.Lock()       # one cycle at a time (loop vs flush())
         self._stop = threading.Event()
         self._last_gauges = 0.0
@@ -84,7 +85,7 @@ class BackgroundThread:
                         adds[key] = adds.get(key, 0) + rec[2]
                 elif kind == RECORD:
                     hist.append((rec[1], rec[2], rec[3]))
-            if self._pending_cuda:
+            if self._pending_cuda or self._late_events:
                 self._resolve_cuda(raw, give_up_cuda)
             self.spans_recorded += len(raw)
             self.tel._profile.add_records(raw)
@@ -114,6 +115,13 @@ class BackgroundThread:
         still = []
         now = time.monotonic()
         pool = self.tel._cuda_pool_or_none()
+        late = []
+        for pair in self._late_events:  # a long stall must not shrink the pool for good
+            if pair[1].query():
+                pool.give_back(pair)
+            else:
+                late.append(pair)
+        self._late_events = late
         for rec, since in self._pending_cuda:
             start_ev, end_ev = rec[9][0], rec[9][1]
             if end_ev.query():
@@ -122,8 +130,9 @@ class BackgroundThread:
                 pool.give_back(rec[9])
                 raw.append(rec[:9] + (device_s, rec[10]))
             elif give_up or now - since > CUDA_GIVE_UP_S:
-                # never wait for the GPU: host timing only; these events are not reused
+                # never wait for the GPU: host timing only; the pair is reused once it completes
                 raw.append(rec[:9] + (None, rec[10]))
+                self._late_events.append(rec[9])
             else:
                 still.append((rec, since))
         self._pending_cuda = still

@@ -121,3 +121,30 @@ def test_events_are_never_shared_across_devices(tmp_path, make_tel):
         spans = [s for s in filesink.read_spans(str(tmp_path)) if s["name"] in ("model_forward", "backward")]
     assert len(spans) == 40
     assert not tel.summary().get("notes") or all("failed" not in n for n in tel.summary()["notes"])
+
+
+class SlowEvent(FakeEvent):
+    """Reports "still running" for many polls: long enough to be given up on."""
+
+    def query(self):
+        self.queries += 1
+        return self.queries > 12
+
+
+def test_given_up_events_return_to_the_pool_once_complete(tmp_path, make_tel, monkeypatch):
+    import otel.background as bg
+
+    monkeypatch.setattr(bg, "CUDA_GIVE_UP_S", 0.0)  # give up at once: host timing only
+    tel = make_tel(mode="thread", file_dir=str(tmp_path), export_interval_s=0.01)
+    tel.prepare_cuda(pool_size=4, factory=SlowEvent)
+    pool = tel._cuda_pool_or_create()
+    for i in range(2):  # both pairs of the pool in flight
+        with tel.stage("model_forward", trace=("batch", i), stream=FakeStream(), worker="t"):
+            pass
+    assert len(pool._free[None]) == 0
+    deadline = time.monotonic() + 10
+    while len(pool._free[None]) < 4 and time.monotonic() < deadline:
+        tel.flush(timeout_s=5.0)
+    assert len(pool._free[None]) == 4, "a long stall must not shrink the event pool for good"
+    spans = [s for s in filesink.read_spans(str(tmp_path)) if s["name"] == "model_forward"]
+    assert len(spans) == 2 and all("device.duration_s" not in s["attributes"] for s in spans)
