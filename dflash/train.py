@@ -166,7 +166,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     step = DrafterStep(cfg, drafter, embed, head, ddev, ddp=ddp)
     if resume:
         step.load_state(tstate)
-        start, tokens = tstate["step"], jstate.get("tokens", 0)
+        # the saved count is the all-rank total: rank 0 carries it, so sums stay exact
+        start, tokens = tstate["step"], jstate.get("tokens", 0) if rank == 0 else 0
         history = [tuple(h) for h in jstate.get("history", [])]
     ctx = RunContext(cfg=cfg, tel=tel, target=target, tokenizer=tok, layer_ids=layer_ids, step=step,
                      samples=prep.samples, eval_convs=prep.eval_convs, out=out, rank=rank, world_size=world,
@@ -187,9 +188,10 @@ def _local(dev: str) -> str:
 
 def save(ctx: RunContext) -> None:
     ctx.finish_readback()  # the saved loss history must include every step so far
+    tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))  # every rank calls save
     if ctx.rank != 0:
         return
-    state = {"step": ctx.step.step, "tokens": ctx.tokens, "history": ctx.history}
+    state = {"step": ctx.step.step, "tokens": tokens, "history": ctx.history}
     with ctx.tel.stage("checkpoint", worker="drafter0", step=ctx.step.step):
         ckpt.save(ctx.out / "checkpoint", ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
                   training_state=ctx.step.state())
