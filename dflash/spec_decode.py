@@ -11,6 +11,8 @@ re-run the committed sequence instead: slower, same tokens.
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +35,14 @@ def _features(out, layer_ids):
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
-def _cache_kw(target, cache) -> dict:
+@functools.lru_cache(maxsize=None)
+def _cache_arg(model_cls) -> str:
     """transformers renamed `past_key_values` to `cache` during 5.x: use what this one takes."""
-    import inspect
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
-    name = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
-    return {name: cache}
+
+def _cache_kw(target, cache) -> dict:
+    return {_cache_arg(type(target)): cache}
 
 
 def _make_cache(target):

@@ -123,18 +123,24 @@ def _timeout(export_timeout_s: float) -> float:
     return min(float(env), export_timeout_s) if env else export_timeout_s
 
 
-def make_span_exporters(names, file_dir, export_timeout_s, notes):
+def _build_each(kind, names, make, notes):
+    """make(name) for each configured name; one that fails (a bad endpoint, a taken
+    Prometheus port) is reported once and skipped, never taking the exporter process down."""
     out = []
     for name in names:
         try:
-            exp = _make_span_exporter(name, file_dir, export_timeout_s)
-        except Exception as e:  # a bad endpoint must not take the exporter process down
-            exp = None
-            notes.append(f"traces exporter {name!r} unavailable: {e!r}")
+            built = make(name)
+        except Exception as e:
+            built = None
+            notes.append(f"{kind} exporter {name!r} unavailable: {e!r}")
             print(f"otel: {notes[-1]}", file=sys.stderr)
-        if exp is not None:
-            out.append(exp)
+        if built is not None:
+            out.append(built)
     return out
+
+
+def make_span_exporters(names, file_dir, export_timeout_s, notes):
+    return _build_each("traces", names, lambda n: _make_span_exporter(n, file_dir, export_timeout_s), notes)
 
 
 def _make_span_exporter(name, file_dir, export_timeout_s):
@@ -152,17 +158,8 @@ def _make_span_exporter(name, file_dir, export_timeout_s):
 
 
 def make_metric_readers(names, file_dir, interval_s, export_timeout_s, notes):
-    readers = []
-    for name in names:
-        try:
-            reader = _make_metric_reader(name, file_dir, interval_s, export_timeout_s)
-        except Exception as e:  # e.g. the Prometheus port is taken
-            reader = None
-            notes.append(f"metrics exporter {name!r} unavailable: {e!r}")
-            print(f"otel: {notes[-1]}", file=sys.stderr)
-        if reader is not None:
-            readers.append(reader)
-    return readers
+    return _build_each("metrics", names,
+                       lambda n: _make_metric_reader(n, file_dir, interval_s, export_timeout_s), notes)
 
 
 def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
