@@ -47,7 +47,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(a) -> int:
     from .config import load_config
-    from .train import train
 
     flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
              "pipeline.target_devices": a.target_devices, "pipeline.drafter_devices": a.drafter_devices,
@@ -61,6 +60,8 @@ def _train(a) -> int:
                          os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
         from .config import ConfigError
         raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
+    from .train import train  # torch and transformers: only once the input is known to be good
+
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
     if s.get("steps") is not None and s.get("rank", 0) == 0:
         from .report import print_summary

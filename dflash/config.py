@@ -204,9 +204,9 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
 
 
 def validate(cfg: Config) -> None:
-    """Range checks and cheap existence checks; nothing heavy is loaded."""
-    from . import data as data_mod
-    from . import target as target_mod
+    """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
+    imports torch or transformers (they take seconds): bad input fails in milliseconds."""
+    from . import inputs
 
     m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.pipeline
     if m.block_size < 2:
@@ -254,14 +254,11 @@ def validate(cfg: Config) -> None:
     if cfg.telemetry.mode not in ("process", "thread"):
         raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
     try:
-        target_mod.check_target_spec(m.target)
-    except target_mod.TargetSpecError as e:
+        inputs.check_target_spec(m.target)
+        if d.path:
+            inputs.check_dataset_path(d.path)
+    except (inputs.TargetSpecError, inputs.DatasetError) as e:
         raise ConfigError(str(e)) from None
-    if d.path:
-        try:
-            data_mod.check_dataset_path(d.path)
-        except data_mod.DatasetError as e:
-            raise ConfigError(str(e)) from None
 
 
 def resolve_dtype(cfg: Config, device: str):

