@@ -1,5 +1,6 @@
 """`dflash train | eval` — the command line. Bad input exits 2 with one line, before any
-model loads; a failed run exits 1 with the failing worker's error."""
+model loads (or torch is imported); a failed run exits 1 with the traceback of the failing
+worker, its name and stage, also written to OUT/error.txt (see errors.py)."""
 from __future__ import annotations
 
 import argparse
@@ -56,6 +57,7 @@ def _train(a) -> int:
              "telemetry.enabled": False if a.no_telemetry else None,
              "telemetry.wandb": True if a.wandb else None}
     cfg = load_config(a.config, a.set, **flags)
+    a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
     if a.resume and not (os.path.isdir(os.path.join(cfg.out, "checkpoint")) or
                          os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
         from .config import ConfigError
@@ -105,23 +107,31 @@ def _eval(a) -> int:
 
 
 def main(argv=None) -> int:
-    from .config import ConfigError
-
     a = _parser().parse_args(argv)
     try:
         from .cli_analysis import COMMANDS
         return ({"train": _train, "eval": _eval} | COMMANDS)[a.cmd](a)
-    except ConfigError as e:
-        print(f"dflash {a.cmd}: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted", file=sys.stderr)
         return 130
-    except Exception as e:  # a worker failure: its message, non-zero exit
-        from .data import DatasetError
+    except Exception as e:
+        return _report_failure(a, e)
 
-        print(f"dflash {a.cmd}: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, DatasetError) else 1
+
+def _report_failure(a, e: Exception) -> int:
+    """Bad input: one line, exit 2. Anything else: the traceback (the failing worker's own
+    first), naming worker and stage, also in OUT/error.txt; exit 1."""
+    from .errors import report, user_error
+
+    user = user_error(e)
+    if user is not None:
+        print(f"dflash {a.cmd}: error: {user}", file=sys.stderr)
+        return 2
+    text, path = report(e, getattr(a, "resolved_out", None))
+    print(text, file=sys.stderr, end="" if text.endswith("\n") else "\n")
+    where = f" (traceback above, also in {path})" if path else " (traceback above)"
+    print(f"dflash {a.cmd}: error: {e}{where}", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

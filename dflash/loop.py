@@ -5,6 +5,7 @@ updates => the same loss trajectory) and the fallback for debugging.
 """
 from __future__ import annotations
 
+from .errors import WorkerError, naming_stages
 from .faults import inject
 from .progress import Progress
 from .trainer import pack, target_features, unpack
@@ -12,6 +13,7 @@ from .trainer import pack, target_features, unpack
 
 def run_reference(ctx) -> None:
     cfg, tel, st = ctx.cfg, ctx.tel, ctx.step
+    stage = naming_stages(tel.stage)  # a failure names its stage
     dev = str(st.device)
     batches = ctx.batch_stream()
     bar = Progress(ctx)
@@ -20,25 +22,25 @@ def run_reference(ctx) -> None:
             step = st.step
             key = ("batch", step)  # batch id == the step that consumes it, as in the pipeline
             common = dict(worker="main", rank=ctx.rank, step=step, batch_id=step)
-            with tel.stage("data_load", trace=key, **common) as s:
+            with stage("data_load", trace=key, **common) as s:
                 b = next(batches)
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 inject(cfg.pipeline, "data_load", step)
             attrs = dict(common, device=dev, tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
-            with tel.stage("model_forward", trace=key, **attrs):
+            with stage("model_forward", trace=key, **attrs):
                 feats = target_features(ctx.target, b, ctx.layer_ids, ctx.target.device)
                 inject(cfg.pipeline, "model_forward", step)
-            with tel.stage("pack_hidden", trace=key, **attrs):
+            with stage("pack_hidden", trace=key, **attrs):
                 packed = pack(feats, b.lengths)
                 inject(cfg.pipeline, "pack_hidden", step)
-            with tel.stage("drafter_forward", trace=key, **attrs):
+            with stage("drafter_forward", trace=key, **attrs):
                 feats = unpack(packed.to(st.device), b.lengths, b.padded_len)
                 loss, acc = st.forward(feats, b)
                 inject(cfg.pipeline, "drafter_forward", step)
-            with tel.stage("backward", trace=key, **attrs):
+            with stage("backward", trace=key, **attrs):
                 st.backward(loss)
                 inject(cfg.pipeline, "backward", step)
-            with tel.stage("optimizer_step", trace=key, links=[key], **attrs):
+            with stage("optimizer_step", trace=key, links=[key], **attrs):
                 gnorm, nonfinite = st.optimizer_step(loss)
                 inject(cfg.pipeline, "optimizer_step", step)
             ctx.tokens += b.tokens
@@ -47,6 +49,8 @@ def run_reference(ctx) -> None:
             if cfg.train.save_every and st.step % cfg.train.save_every == 0:
                 from .train import save
                 save(ctx)
+    except Exception as e:  # same report as a pipeline worker's failure
+        raise WorkerError.from_failure("main", e) from e
     finally:
         bar.close()
 

@@ -4,7 +4,7 @@
     target worker thread   model_forward -> pack_hidden -> cpu_copy_enqueue   (one per target device)
     drafter (this thread)  queue_get -> drafter_forward -> backward -> optimizer_step
 
-Rules kept here (DESIGN.md, "The pipeline and its stages"):
+Rules kept here (docs/design.md, "The pipeline and its stages"):
 - no host waits on device work in the loop: the device->host copy of packed hidden states
   runs on a side stream into pinned, pre-allocated buffers and is announced by a CUDA
   event; the drafter makes *its stream* wait on that event; a buffer goes back to the pool
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import WorkerError, naming_stages
 from .faults import inject
 from .hidden_queue import Closed, HiddenQueue
 from .progress import Progress
@@ -45,8 +46,8 @@ class PinnedPool:
     it again only once that event has completed (query(), no host wait). One producer and
     one consumer on atomic deque operations: no lock."""
 
-    def __init__(self, n: int, numel: int, dtype):
-        self._free = deque(torch.empty(numel, dtype=dtype, pin_memory=True) for _ in range(n))
+    def __init__(self, n: int, numel: int, dtype, pin_memory: bool = True):
+        self._free = deque(torch.empty(numel, dtype=dtype, pin_memory=pin_memory) for _ in range(n))
         self._returned: deque = deque()   # (buffer, done event), in hand-back order
 
     def take(self, stop: threading.Event) -> torch.Tensor:
@@ -122,9 +123,10 @@ class Pipeline:
         stream = self.ctx.batch_stream()
         idx = self.ctx.start_step
         tel, rank = self.tel, self.ctx.rank
+        stage = naming_stages(tel.stage)  # a failure names its stage
         blocked = 0.0  # the previous batch's wait for room in the batch queue
         while not self.stop.is_set() and idx < self.cfg.train.steps:
-            with tel.stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=rank,
+            with stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=rank,
                            batch_id=idx, step=idx, blocked_before_s=round(blocked, 6)) as s:
                 b = next(stream)
                 b.index = idx
@@ -159,6 +161,7 @@ class Pipeline:
 
     def target_worker(self, wid: int, done: list):
         ctx, tel = self.ctx, self.tel
+        stage = naming_stages(tel.stage)  # a failure names its stage
         tgt = ctx.targets[wid]
         dev = torch.device(tgt.device)
         worker = f"target{wid}"
@@ -180,13 +183,13 @@ class Pipeline:
                          tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len,
                          data_wait_s=round(data_wait, 6))
                 cur = torch.cuda.current_stream(dev) if cuda else None
-                with tel.stage("model_forward", trace=key, stream=cur, **a):
+                with stage("model_forward", trace=key, stream=cur, **a):
                     feats = target_features(tgt, b, ctx.layer_ids, dev)
                     self._inject("model_forward", b.index)
-                with tel.stage("pack_hidden", trace=key, stream=cur, **a):
+                with stage("pack_hidden", trace=key, stream=cur, **a):
                     packed = pack(feats, b.lengths)
                     self._inject("pack_hidden", b.index)
-                with tel.stage("cpu_copy_enqueue", trace=key, **a) as s:
+                with stage("cpu_copy_enqueue", trace=key, **a) as s:
                     item = HiddenItem(batch=b, packed=packed, worker=worker)
                     if staging:
                         buf = pool.take(self.stop)
@@ -219,6 +222,7 @@ class Pipeline:
     # -- drafter (runs on the calling thread) --------------------------------------------
     def drafter_loop(self):
         ctx, tel, st = self.ctx, self.tel, self.ctx.step
+        stage = naming_stages(tel.stage)  # a failure names its stage
         dev = self.drafter_device
         cuda = dev.type == "cuda"
         bar = Progress(ctx)
@@ -228,7 +232,7 @@ class Pipeline:
                 step = st.step
                 key = ("batch", step)
                 a = dict(worker="drafter0", device=str(dev), rank=ctx.rank, batch_id=step, step=step)
-                with tel.stage("queue_get", trace=key, **a) as s:
+                with stage("queue_get", trace=key, **a) as s:
                     item, waited = self.hq.get(step)
                     self._inject("queue_get", step)
                     s.set(wait_s=round(waited, 6), queue_depth=self.hq.depth())
@@ -238,7 +242,7 @@ class Pipeline:
                 b = item.batch
                 a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 cur = torch.cuda.current_stream(dev) if cuda else None
-                with tel.stage("drafter_forward", trace=key, stream=cur, **a):
+                with stage("drafter_forward", trace=key, stream=cur, **a):
                     if item.ready is not None:
                         cur.wait_event(item.ready)     # device-side wait, the host moves on
                     x = item.packed.to(dev, non_blocking=True)
@@ -248,10 +252,10 @@ class Pipeline:
                         item.release(done)
                     loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
                     self._inject("drafter_forward", step)
-                with tel.stage("backward", trace=key, stream=cur, **a):
+                with stage("backward", trace=key, stream=cur, **a):
                     st.backward(loss)
                     self._inject("backward", step)
-                with tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
+                with stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
                     gnorm, nonfinite = st.optimizer_step(loss)
                     self._inject("optimizer_step", step)
                 ctx.tokens += b.tokens
@@ -287,12 +291,14 @@ class Pipeline:
             self.drafter_loop()
         except Closed:
             pass
+        except Exception as e:  # the drafter runs on this thread: reported like any worker
+            self.errors.append(("drafter0", e))
         finally:
             self.shutdown_workers()
             self._join_workers()
-        if self.errors:
+        if self.errors:  # the first failure; the others are usually its consequences
             name, err = self.errors[0]
-            raise WorkerError(f"worker {name} failed: {type(err).__name__}: {err}") from err
+            raise WorkerError.from_failure(name, err) from err
 
 
     def _join_workers(self, patience_s: float = 5.0, limit_s: float = 120.0):
@@ -308,11 +314,7 @@ class Pipeline:
                     print(f"dflash: waiting for worker {t.name} to finish its current stage", file=sys.stderr)
         alive = [t.name for t in self.threads if t.is_alive()]
         if alive:
-            raise WorkerError(f"workers {alive} did not stop within {limit_s:.0f}s")
-
-
-class WorkerError(RuntimeError):
-    pass
+            raise WorkerError(f"workers {alive} did not stop within {limit_s:.0f}s", worker=",".join(alive))
 
 
 def run_pipelined(ctx) -> None:

@@ -12,10 +12,10 @@ import json
 import os
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from . import data as data_mod
 from .config import Config
+from .inputs import cache_dir
 
 
 @dataclass
@@ -23,10 +23,6 @@ class Prepared:
     samples: list            # data.Sample, training split
     eval_convs: list         # held-out conversations (prompts for eval)
     regenerated: bool
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash")
 
 
 def should_regenerate(cfg: Config) -> bool:

@@ -47,3 +47,32 @@ def test_bad_input_leaves_existing_run_untouched(tmp_path):
 def test_eval_missing_checkpoint(tmp_path):
     p = run_dflash("eval", "--checkpoint", tmp_path / "nope", check=False)
     assert p.returncode == 2 and str(tmp_path / "nope") in p.stderr
+
+
+_NO_TORCH_PROBE = """
+import json, sys
+from dflash.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules)
+print(json.dumps({"rc": rc, "heavy": heavy}))
+"""
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "model.block_size=1"], "model.block_size=1"),
+    (["--steps", "-1"], "train.steps=-1"),
+    (["--target", "./no/such/model"], "./no/such/model"),
+    (["--set", "data.path=/nonexistent/sharegpt.json"], "/nonexistent/sharegpt.json"),
+])
+def test_bad_input_fails_without_importing_torch(tmp_path, args, needle):
+    """Bad input in milliseconds: every check runs before torch / transformers are imported."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    p = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, "train", "--out", str(tmp_path / "run"), *args],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"rc": 2, "heavy": []}, (out, p.stderr)
+    assert needle in p.stderr

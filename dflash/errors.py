@@ -1,0 +1,103 @@
+"""How a failure reaches the user.
+
+- Bad input (``ConfigError``, ``DatasetError``, ``TargetSpecError``): one line naming the
+  value, exit code 2. Nothing to debug, so no traceback.
+- Anything else is a bug or a broken environment: the full traceback (a worker's own,
+  chained under the ``WorkerError`` that ended the run), the worker and the stage it came
+  from, also written to ``OUT/error.txt``; exit code 1.
+
+The stage is known because the loops open their stages through :func:`naming_stages`: an
+exception leaving a stage is tagged with that stage's name (the first, innermost one wins).
+"""
+from __future__ import annotations
+
+import os
+import traceback
+from pathlib import Path
+
+
+class WorkerError(RuntimeError):
+    """A worker (thread) of the run failed; the original exception is its ``__cause__``."""
+
+    def __init__(self, message: str, worker: str | None = None, stage: str | None = None):
+        super().__init__(message)
+        self.worker, self.stage = worker, stage
+
+    @classmethod
+    def from_failure(cls, worker: str, err: BaseException) -> "WorkerError":
+        stage = stage_of(err)
+        where = f"worker {worker} failed" + (f" in stage {stage}" if stage else "")
+        return cls(f"{where}: {type(err).__name__}: {err}", worker=worker, stage=stage)
+
+
+_ATTR = "dflash_stage"
+
+
+def stage_of(err: BaseException) -> str | None:
+    """The stage an exception escaped from (None: it was raised outside every stage)."""
+    return getattr(err, _ATTR, None)
+
+
+class _NamedStage:
+    __slots__ = ("_inner", "_name")
+
+    def __init__(self, inner, name: str):
+        self._inner, self._name = inner, name
+
+    def __enter__(self):
+        return self._inner.__enter__()
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is not None and getattr(exc, _ATTR, None) is None:
+            try:
+                setattr(exc, _ATTR, self._name)
+            except AttributeError:  # an exception type with __slots__: the stage stays unknown
+                pass
+        return self._inner.__exit__(exc_type, exc, tb)
+
+
+def naming_stages(stage):
+    """Wrap ``tel.stage``: same call, and an exception leaving the block carries the stage's name."""
+    def named(name, *args, **kwargs):
+        return _NamedStage(stage(name, *args, **kwargs), name)
+    return named
+
+
+def is_user_error(err: BaseException) -> bool:
+    from .config import ConfigError
+    from .inputs import DatasetError, TargetSpecError
+
+    return isinstance(err, (ConfigError, DatasetError, TargetSpecError))
+
+
+def user_error(err: BaseException) -> BaseException | None:
+    """The bad-input error behind ``err`` (itself, or what a worker raised), else None."""
+    for e in (err, err.__cause__ if isinstance(err, WorkerError) else None):
+        if e is not None and is_user_error(e):
+            return e
+    return None
+
+
+def error_file(out: str | os.PathLike) -> Path:
+    """``OUT/error.txt``; under torchrun, ranks other than 0 write ``OUT/error.rankN.txt``."""
+    rank = os.environ.get("RANK", "0")
+    return Path(out) / ("error.txt" if rank in ("", "0") else f"error.rank{rank}.txt")
+
+
+def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path | None]:
+    """The full traceback as text, written to OUT/error.txt when OUT is known.
+
+    Returns (text, path written or None)."""
+    head = []
+    if isinstance(err, WorkerError):
+        head = [f"worker: {err.worker}", f"stage: {err.stage or '(outside any stage)'}"]
+    text = "\n".join(head + ["".join(traceback.format_exception(err))])
+    if out is None:
+        return text, None
+    path = error_file(out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    except OSError:
+        return text, None
+    return text, path

@@ -1,0 +1,31 @@
+"""An unexpected failure inside a worker is debuggable: the worker's own traceback, its name
+and stage on stderr and in OUT/error.txt (exit 1). Bad input stays one line (exit 2):
+tests/test_cli_errors.py."""
+import pytest
+
+from helpers import TINY, run_dflash
+
+
+@pytest.mark.parametrize("stage,worker,frame,extra", [
+    ("model_forward", "target0", "in target_worker", []),    # a target thread
+    ("backward", "drafter0", "in drafter_loop", []),         # the drafter, on the main thread
+    ("optimizer_step", "main", "in run_reference", ["--reference"]),
+])
+def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp_path, stage, worker, frame, extra):
+    run = tmp_path / "run"
+    p = run_dflash("train", "--out", run, "--target", "tiny-llama", "--steps", 3, *TINY, *extra,
+                   "--inject-fault", f"{stage}=1", "--no-telemetry", check=False, timeout=300)
+    assert p.returncode == 1, p.stderr[-3000:]
+    message = f"InjectedFault: injected fault in {stage} at step 1"
+    err = p.stderr
+    assert "Traceback (most recent call last)" in err, err[-3000:]
+    assert frame in err and 'faults.py", line' in err, err[-3000:]  # the worker's own frames
+    assert "The above exception was the direct cause" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("dflash train: error: ") and f"worker {worker} failed in stage {stage}" in last, last
+    assert message in last and str(run / "error.txt") in last, last
+
+    text = (run / "error.txt").read_text()
+    assert f"worker: {worker}\nstage: {stage}\n" in text
+    assert frame in text and message in text and "Traceback (most recent call last)" in text
+    assert not (run / "checkpoint").exists(), "a failed run saves no checkpoint"
