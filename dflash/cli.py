@@ -89,14 +89,22 @@ def _eval(a) -> int:
     cfg = load_config(None, [], **{"model": run_cfg.get("model", {}), "data": run_cfg.get("data", {}),
                                    "train.seed": run_cfg.get("train", {}).get("seed", 0),
                                    "eval": run_cfg.get("eval", {})})
-    target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed)
+    # same device kind and dtype as the run's target: eval in the precision training used
+    dev = (run_cfg.get("pipeline", {}).get("target_devices") or ["cpu"])[0]
+    import torch
+    dev = dev if dev.startswith("cuda") and torch.cuda.is_available() else "cpu"
+    from .config import resolve_dtype
+    target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
+                              dtype=resolve_dtype(cfg, dev))
+    drafter = drafter.to(dev)
     _, eval_convs = split(cfg)
     res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
                    max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
                    max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check)
     res["checkpoint"] = str(path)
+    from .evaluate import describe_lossless
     print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
-          f"(block {res['block_size']}, lossless={res['lossless']})")
+          f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})")
     print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
     if a.wandb:  # the run dir holds the checkpoint; bounded, falls back to RUN/wandb_fallback.jsonl
         from .wandb_bridge import log_eval

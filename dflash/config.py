@@ -215,8 +215,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers}: expected >= 1")
     if m.num_target_layers < 1:
         raise ConfigError(f"model.num_target_layers={m.num_target_layers}: expected >= 1")
-    if m.dtype not in ("auto", "float32", "bfloat16", "float16"):
-        raise ConfigError(f"model.dtype={m.dtype!r}: expected auto, float32, bfloat16 or float16")
+    if m.dtype == "float16":  # refused, not half-supported: see README "Precision"
+        raise ConfigError("model.dtype=float16: not supported (fp16 needs loss scaling, which this trainer "
+                          "does not do, and bf16-trained targets can overflow in fp16); use bfloat16")
+    if m.dtype not in ("auto", "float32", "bfloat16"):
+        raise ConfigError(f"model.dtype={m.dtype!r}: expected auto, float32 or bfloat16")
     if t.steps < 0:
         raise ConfigError(f"train.steps={t.steps}: expected an integer >= 0")
     for name in ("batch_size", "num_anchors"):

@@ -10,9 +10,15 @@ Facts this file is built to (see DESIGN.md, "The DFlash drafter"):
 
 One forward serves both training (many blocks per sequence, one pass, block mask) and
 inference (one block, context keys/values from a cache).
+
+Precision: the drafter's own weights (and so AdamW's master copy and moments) are always
+float32; it *computes* in the dtype of the target's frozen embedding / lm_head, which is
+the target's dtype (bf16 by default on CUDA). `compute_precision` is that rule, used by
+training and inference alike, so eval runs in exactly the precision training did.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -70,6 +76,17 @@ class DrafterConfig:
         )
 
 
+def compute_precision(frozen: torch.Tensor):
+    """Autocast to the dtype of the target's frozen embedding / lm_head weight `frozen`.
+
+    Master weights stay float32 (the optimizer updates them in full precision); matmuls,
+    attention and the shared lm_head run in bf16 when the target is bf16. A float32 target
+    means no autocast at all, so CPU float32 runs are bit-for-bit what they were."""
+    if frozen.dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=frozen.device.type, dtype=frozen.dtype)
+
+
 def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
     """w_k = exp(-(k-1)/gamma) for slot k >= 1; slot 0 (the anchor itself) has weight 0."""
     if gamma is None:
@@ -87,10 +104,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
+        # normalise and scale in fp32, hand back the input's dtype: with fp32 weights and bf16
+        # activations the result stays bf16 (a bare `weight * x` would promote to fp32)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (self.weight.float() * x).to(dtype)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype):
@@ -189,19 +208,19 @@ class DFlashDrafter(nn.Module):
         Bsz, S = input_ids.shape
         A, Bk = anchors.shape[1], self.cfg.block_size
         dev = input_ids.device
-        ctx = self.fuse(features)
-        ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
-
         offs = torch.arange(Bk, device=dev)
         pos = anchors[..., None] + offs  # [B, A, Bk]
         block_ids = torch.full_like(pos, self.cfg.mask_token_id)
         block_ids[..., 0] = torch.gather(input_ids, 1, anchors)
         labels = torch.gather(input_ids, 1, pos.clamp(max=S - 1).view(Bsz, -1)).view(Bsz, A, Bk)
-
         mask = self.block_mask(anchors, anchor_valid, S, Bk)
-        h = self.blocks_hidden(embed(block_ids.view(Bsz, -1)), pos.view(Bsz, -1), ctx_kv, mask)
-        h = h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
-        return lm_head(h), labels[:, :, 1:]
+
+        with compute_precision(embed.weight):
+            ctx = self.fuse(features.to(embed.weight.dtype))
+            ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
+            h = self.blocks_hidden(embed(block_ids.view(Bsz, -1)), pos.view(Bsz, -1), ctx_kv, mask)
+            h = h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
+            return lm_head(h), labels[:, :, 1:]
 
     forward = train_forward  # what DDP wraps
 
@@ -229,8 +248,16 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((anchor_id.shape[0], Bk), self.cfg.mask_token_id, device=dev, dtype=torch.long)
         ids[:, 0] = anchor_id
         pos = (anchor_pos + torch.arange(Bk, device=dev)).expand(ids.shape[0], Bk)
-        h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)
-        return lm_head(h[:, 1:]).argmax(-1)
+        with compute_precision(embed.weight):
+            h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)
+            return lm_head(h[:, 1:]).argmax(-1)
+
+    @torch.no_grad()
+    def context_from_features(self, features: torch.Tensor, positions: torch.Tensor, embed) -> list[tuple]:
+        """Inference: target features [B, C, n*H] -> per-layer context keys/values, computed
+        in the same precision as training (see compute_precision)."""
+        with compute_precision(embed.weight):
+            return self.context_kv(self.fuse(features.to(embed.weight.dtype)), positions)
 
 
 def weighted_block_loss(logits, labels, anchor_valid, label_mask, weights):

@@ -1,4 +1,12 @@
-"""Acceptance length (tau) of a drafter on held-out prompts, with a losslessness check."""
+"""Acceptance length (tau) of a drafter on held-out prompts, with a losslessness check.
+
+"Lossless" means: for every prompt, the speculative output equals the target's own greedy
+decode computed by the same target object (same dtype, device and cache implementation;
+see spec_decode). In float32 that holds exactly. In bf16 a near-tie in the target's logits
+can flip a token between the block-verify forward and the one-token reference forward,
+so instead of a bare False we report how many prompts diverged, where each first
+diverged, and the reference's top-1/top-2 logit margin there.
+"""
 from __future__ import annotations
 
 import time
@@ -6,37 +14,62 @@ import time
 from tqdm import tqdm
 
 from . import data as data_mod
-from .spec_decode import greedy_generate, speculative_generate
+from .spec_decode import first_divergence, greedy_generate, speculative_generate
+
+
+def describe_lossless(res: dict) -> str:
+    """One phrase for the console: 'lossless=True' or where the outputs diverged."""
+    if res.get("lossless") is None:
+        return "lossless=not checked"
+    if res["lossless"]:
+        return "lossless=True"
+    firsts = ", ".join(f"prompt {d['prompt']} at token {d['position']} (margin {d['margin']:.3g})"
+                       for d in res.get("lossless_divergences", [])[:3])
+    return f"lossless=False: {res['lossless_divergent_prompts']}/{res['prompts']} prompts diverged; first: {firsts}"
 
 
 def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens: int,
-             max_prompt_len: int, check_lossless: bool = True, progress: bool = True) -> dict:
+             max_prompt_len: int, check_lossless: bool = True, progress: bool = True,
+             stop=None, mode: str = "auto") -> dict:
+    """`stop` (a threading.Event): when set, finish the current prompt and return what was
+    measured so far, marked ``interrupted`` (a preempted job must exit within its grace period)."""
     ids = data_mod.prompts_for_eval(tokenizer, convs, max_prompt_len=max_prompt_len)[:prompts]
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     eos = {t for t in eos | {tokenizer.eos_token_id} if t is not None}
     B = drafter.cfg.block_size
     hist = [0] * (B + 1)
-    taus, lossless, mismatches = [], True, 0
+    taus, divergences, done = [], [], 0
     t0 = time.perf_counter()
     drafter.eval()
-    for prompt in tqdm(ids, desc="eval", disable=not progress, leave=False):
-        res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos)
+    for i, prompt in enumerate(tqdm(ids, desc="eval", disable=not progress, leave=False)):
+        if stop is not None and stop.is_set():
+            break
+        res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode)
         if res.acceptance:
             taus.append(res.tau)
         for a in res.acceptance:
             hist[a] += 1
         if check_lossless:
-            ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos)
-            if ref != res.tokens:
-                lossless, mismatches = False, mismatches + 1
+            margins: list = []
+            ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                  margins=margins)
+            pos = first_divergence(ref, res.tokens)
+            if pos is not None:
+                margin = margins[pos] if pos < len(margins) else float("nan")
+                divergences.append({"prompt": i, "position": pos, "margin": round(margin, 6)})
+        done += 1
     return {
         "acceptance_length": round(sum(taus) / max(1, len(taus)), 4),
         "block_size": B,
-        "prompts": len(ids),
+        "prompts": done,
         "histogram": {str(k): hist[k] for k in range(1, B + 1)},
-        "lossless": lossless if check_lossless else None,
-        "lossless_mismatches": mismatches,
+        "lossless": (not divergences) if check_lossless else None,
+        "lossless_divergent_prompts": len(divergences),
+        "lossless_mismatches": len(divergences),  # older name of the same count
+        "lossless_divergences": divergences,      # [{prompt, position (first differing token), margin}]
+        "dtype": str(target.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
+        "interrupted": bool(stop is not None and stop.is_set() and done < len(ids)),
         "wall_s": round(time.perf_counter() - t0, 2),
     }

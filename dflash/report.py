@@ -22,11 +22,14 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
     if s.get("nonfinite_steps"):
         t.add_row("skipped steps", f"{s['nonfinite_steps']} non-finite")
     for label, key in (("tau before", "eval_before"), ("tau after", "eval_after")):
-        if key in s:
+        if key in s and "skipped" in s[key]:  # an interrupted run skips its after-training eval
+            t.add_row(label, f"skipped ({s[key]['skipped']}); run: {s[key]['command']}")
+        elif key in s:
+            from .evaluate import describe_lossless
             e = s[key]
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
-                             f"lossless={e['lossless']}; accepted+1 histogram {hist})")
+                             f"{describe_lossless(e)}; accepted+1 histogram {hist})")
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"
         share = w["idle_s"].get(top, 0) / w["wall_s"] if w.get("wall_s") and top != "-" else 0

@@ -5,9 +5,27 @@ every committed token before the anchor; the target verifies the whole block in 
 forward; we keep the longest prefix the target agrees with plus the target's bonus
 token. Acceptance length of the step = accepted drafts + 1 (so 1..B).
 
-The target keeps its KV cache across steps (cropped back after a partial accept). Targets
-whose cache cannot be cropped (hybrid linear-attention layers keep a recurrent state)
-re-run the committed sequence instead: slower, same tokens.
+How the target's state follows the committed sequence (`_TargetRunner`, mode):
+- ``crop``: attention-only targets keep a KV cache across steps and crop it back after a
+  partial accept.
+- ``snapshot``: hybrid targets (Gated-DeltaNet / linear-attention layers: qwen3_5,
+  qwen3_next) keep a recurrent and a conv state that cannot be cropped. Before a verify
+  we clone those states (a few KB per layer); after a partial accept we put them back,
+  crop the attention layers' KV, and replay only the accepted tokens. A verify step costs
+  O(block), not O(sequence).
+- ``rerun``: no cache; every forward re-runs the whole committed sequence. O(length) per
+  step; kept as the reference the snapshot path is tested against.
+
+Precision: the target runs in its own dtype; the drafter computes in that dtype too (fp32
+master weights, autocast; see drafter.compute_precision), exactly as in training.
+
+Losslessness (what `evaluate` checks): the speculative output must equal the target's
+own greedy decode, one token per forward, through the same cache implementation, dtype
+and device (`greedy_generate`). In float32 they agree exactly. In bf16 a verify forward
+over a 16-token block reduces in a different order than a 1-token decode step, so where
+the target's top-2 logits are within rounding of each other the argmax can flip; we then
+report how many prompts diverged and the first divergent position with the reference's
+top-1/top-2 logit margin there (a near-tie, not a drafting bug, when that margin is tiny).
 """
 from __future__ import annotations
 
@@ -19,6 +37,13 @@ import torch
 from transformers import DynamicCache
 
 from .drafter import DFlashDrafter
+
+try:  # transformers >= 5: hybrid caches keep linear-attention layers of this kind
+    from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+except ImportError:  # pragma: no cover - older transformers: no snapshot path
+    DynamicLayer = LinearAttentionCacheLayerMixin = None
+
+MODES = ("auto", "crop", "snapshot", "rerun")
 
 
 @dataclass
@@ -41,54 +66,133 @@ def _cache_arg(model_cls) -> str:
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_cls) -> bool:
+    return "logits_to_keep" in inspect.signature(model_cls.forward).parameters
+
+
 def _cache_kw(target, cache) -> dict:
     return {_cache_arg(type(target)): cache}
 
 
-def _make_cache(target):
+def _new_cache(target):
     try:
-        cache = DynamicCache(config=target.config)
+        return DynamicCache(config=target.config)
     except TypeError:
-        cache = DynamicCache()
-    return cache if getattr(cache, "is_croppable", True) else None
+        return DynamicCache()
+
+
+def _is_linear(layer) -> bool:
+    return LinearAttentionCacheLayerMixin is not None and isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def cache_mode(target) -> str:
+    """The cheapest exact mode this target supports (see the module docstring)."""
+    cache = _new_cache(target)
+    layers = getattr(cache, "layers", [])
+    if any(_is_linear(layer) for layer in layers):
+        return "snapshot"
+    return "crop" if getattr(cache, "is_croppable", True) else "rerun"
 
 
 class _TargetRunner:
     """Target forwards that return (next-token argmax ids, features) for new tokens only."""
 
-    def __init__(self, target, layer_ids):
+    def __init__(self, target, layer_ids, mode: str = "auto"):
+        if mode not in MODES:
+            raise ValueError(f"cache mode {mode!r}: expected one of {', '.join(MODES)}")
         self.target, self.layer_ids = target, layer_ids
-        self.cache = _make_cache(target)
+        self.mode = cache_mode(target) if mode == "auto" else mode
+        self.cache = None if self.mode == "rerun" else _new_cache(target)
         self.seq: list[int] = []  # tokens whose target forward is committed
+        self._saved = None        # snapshot mode: linear-attention states before the last forward
+
+    def _run(self, ids: list[int], *, hidden: bool):
+        t = torch.tensor([ids], device=self.target.device)
+        if hidden:
+            kw = dict(output_hidden_states=True)
+        else:  # only the last position's logits are read: skip the rest of the lm_head
+            kw = dict(logits_to_keep=1) if _takes_logits_to_keep(type(self.target)) else {}
+        if self.cache is None:
+            return self.target(input_ids=t, use_cache=False, **kw)
+        return self.target(input_ids=t, **_cache_kw(self.target, self.cache), use_cache=True, **kw)
 
     def forward(self, new_tokens: list[int]):
-        dev = self.target.device
-        if self.cache is not None:
-            ids = torch.tensor([new_tokens], device=dev)
-            out = self.target(input_ids=ids, **_cache_kw(self.target, self.cache), use_cache=True,
-                              output_hidden_states=True)
-            return out.logits[0].argmax(-1), _features(out, self.layer_ids)[0]
-        ids = torch.tensor([self.seq + new_tokens], device=dev)
-        out = self.target(input_ids=ids, use_cache=False, output_hidden_states=True)
-        n = len(new_tokens)
-        return out.logits[0, -n:].argmax(-1), _features(out, self.layer_ids)[0, -n:]
+        if self.cache is None:
+            out = self._run(self.seq + new_tokens, hidden=True)
+            n = len(new_tokens)
+            return out.logits[0, -n:].argmax(-1), _features(out, self.layer_ids)[0, -n:]
+        if self.mode == "snapshot":
+            self._saved = self._snapshot()
+        out = self._run(new_tokens, hidden=True)
+        return out.logits[0].argmax(-1), _features(out, self.layer_ids)[0]
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
+        n = len(self.seq)
         self.seq.extend(tokens[:kept])
-        if self.cache is not None:
+        if self.cache is None:
+            return
+        if self.mode == "crop":
             extra = self.cache.get_seq_length() - len(self.seq)
             if extra > 0:  # transformers 5 crops by a negative count of tokens to drop
                 self.cache.crop(-extra)
+            return
+        saved, self._saved = self._saved, None
+        if kept == len(tokens) or saved is None:
+            return  # the whole block stays: the states after the verify are the right ones
+        self._restore(saved, n)
+        # replay only the accepted tokens from the restored state; no hidden states, one logit
+        self._run(tokens[:kept], hidden=False)
+
+    # -- snapshot mode -------------------------------------------------------------------
+    def _snapshot(self) -> list:
+        """Clones of every linear-attention layer's conv and recurrent states (None where a
+        layer has no state yet). Attention KV needs no copy: it is cropped instead."""
+        saved = []
+        for layer in self.cache.layers:
+            if not _is_linear(layer):
+                saved.append(None)
+                continue
+            states = {}
+            for i in range(layer.number_of_states):
+                if layer.has_previous_state[i]:
+                    conv, rec = layer.conv_states[i], layer.recurrent_states[i]
+                    states[i] = (None if conv is None else conv.clone(), None if rec is None else rec.clone())
+                else:
+                    states[i] = None
+            saved.append(states)
+        return saved
+
+    def _restore(self, saved: list, length: int) -> None:
+        for layer, states in zip(self.cache.layers, saved):
+            if states is not None:
+                for i, st in states.items():
+                    if st is None:  # the layer had no state before: forget what the verify wrote
+                        layer.reset()
+                        continue
+                    for store, val in zip((layer.conv_states, layer.recurrent_states), st):
+                        if val is None:
+                            continue
+                        if store[i] is not None and store[i].shape == val.shape:
+                            store[i].copy_(val)  # in place: keeps the cache's static addresses
+                        else:
+                            store[i] = val
+            if isinstance(layer, DynamicLayer):  # attention KV (also of a combined layer): crop
+                extra = DynamicLayer.get_seq_length(layer) - length
+                if extra > 0 and _is_linear(layer):
+                    DynamicLayer.crop(layer, -extra)  # its own crop() is the linear one, which refuses
+                elif extra > 0:
+                    layer.crop(-extra)
 
 
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, max_new_tokens: int,
-                         eos_ids: set[int] = frozenset()) -> DecodeResult:
+                         eos_ids: set[int] = frozenset(), mode: str = "auto") -> DecodeResult:
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     layer_ids = drafter.cfg.target_layer_ids
     B = drafter.cfg.block_size
-    runner = _TargetRunner(target, layer_ids)
+    runner = _TargetRunner(target, layer_ids, mode)
 
     preds, feats = runner.forward(prompt)
     runner.commit(prompt, len(prompt))
@@ -98,9 +202,9 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(runner.seq)
         anchor = out[-1]
-        ctx = drafter.fuse(ctx_feats[None].to(next(drafter.parameters()).dtype))
-        ctx_kv = drafter.context_kv(ctx, torch.arange(n, device=ctx.device)[None])
-        draft = drafter.draft(torch.tensor([anchor], device=ctx.device), n, ctx_kv, embed, lm_head)[0].tolist()
+        dev = ctx_feats.device
+        ctx_kv = drafter.context_from_features(ctx_feats[None], torch.arange(n, device=dev)[None], embed)
+        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head)[0].tolist()
         block = [anchor] + draft
         preds, feats = runner.forward(block)
         preds = preds.tolist()
@@ -119,22 +223,40 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
 
 
 @torch.no_grad()
-def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: set[int] = frozenset()) -> list[int]:
-    """The target's own greedy output, one token at a time: the losslessness reference."""
-    runner = _TargetRunner(target, [])
+def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: set[int] = frozenset(),
+                    mode: str = "auto", margins: list | None = None) -> list[int]:
+    """The target's own greedy output, one token per forward: the losslessness reference.
+
+    Decodes through the same cache implementation, dtype and device as speculative decoding
+    (a one-token step never needs a crop or a snapshot, so every mode but ``rerun`` simply
+    keeps the cache). ``margins``, when given, receives the top-1 minus top-2 logit of every
+    step: how close to a tie each greedy choice was."""
+    runner = _TargetRunner(target, [], "rerun" if mode == "rerun" else "crop")
+    if runner.mode != "rerun":
+        runner.cache = _new_cache(target)
     out: list[int] = []
     new = list(prompt)
     while len(out) < max_new_tokens:
-        dev = target.device
         if runner.cache is not None:
-            logits = target(input_ids=torch.tensor([new], device=dev), **_cache_kw(target, runner.cache),
-                            use_cache=True).logits
+            logits = runner._run(new, hidden=False).logits
         else:
-            logits = target(input_ids=torch.tensor([runner.seq + new], device=dev), use_cache=False).logits
+            logits = runner._run(runner.seq + new, hidden=False).logits
         runner.seq.extend(new)
-        t = int(logits[0, -1].argmax())
+        last = logits[0, -1].float()
+        if margins is not None:
+            top = last.topk(2).values
+            margins.append(float(top[0] - top[1]))
+        t = int(last.argmax())
         out.append(t)
         if t in eos_ids:
             break
         new = [t]
     return out
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (a length difference counts), else None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))

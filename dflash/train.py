@@ -198,18 +198,24 @@ def save(ctx: RunContext) -> None:
 
 
 def run_eval(ctx: RunContext, label: str) -> dict:
-    from .evaluate import evaluate
+    from .evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
     drafter = ctx.step.drafter
     if next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
         import copy
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
-    res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs,
+    res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len)
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
-          f"{res['prompts']} prompts, lossless={res['lossless']})", file=sys.stderr)
+          f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
+          + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
     return res
+
+
+def eval_command(cfg: Config) -> str:
+    """The command that runs the eval an interrupted run skipped."""
+    return f"dflash eval --checkpoint {Path(cfg.out) / 'checkpoint'}"
 
 
 def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
@@ -261,7 +267,13 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
             "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
             "world_size": ctx.world_size, "train_samples": len(ctx.samples),
         })
-        if eval_before_after:
+        if eval_before_after and ctx.stop.is_set():
+            # preempted: the grace period (30 s on Kubernetes) is for saving, not for an eval
+            summary["eval_after"] = {"skipped": "interrupted", "command": eval_command(cfg)}
+            if ctx.rank == 0:
+                print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}",
+                      file=sys.stderr)
+        elif eval_before_after:
             summary["eval_after"] = run_eval(ctx, "after training")
     finally:
         if threading.current_thread() is threading.main_thread():

@@ -110,8 +110,8 @@ class DrafterStep:
         anchors, valid = sample_anchors(batch.loss_mask, self.cfg.train.num_anchors,
                                         self.cfg.model.block_size, generator=g)
         anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
-        dt = next(self.drafter.parameters()).dtype
-        logits, labels = self.model(features.to(dt), ids, anchors, valid, self.embed, self.lm_head)
+        # fp32 master weights; the drafter autocasts to the frozen embedding's dtype itself
+        logits, labels = self.model(features, ids, anchors, valid, self.embed, self.lm_head)
         Bk = self.cfg.model.block_size
         pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
         label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)

@@ -1,0 +1,102 @@
+"""Mixed precision: a bf16 target with a drafter that keeps fp32 master weights and computes
+in bf16, end to end on the CPU (which has bf16) — the path `model.dtype=auto` takes on CUDA."""
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import TINY, last_json, run_dflash
+
+
+@pytest.fixture(scope="module")
+def bf16_target():
+    from dflash import target as T
+    return T.load_target("tiny-qwen3", seed=0, dtype=torch.bfloat16)
+
+
+def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
+    from dflash.trainer import Batch, DrafterStep, build_drafter
+
+    model, tok = bf16_target
+    cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-3, weight_decay=0.0, steps=10, warmup_ratio=0.0,
+                                                grad_clip=1.0, seed=0, num_anchors=4),
+                          model=SimpleNamespace(block_size=8, num_layers=1, target="tiny-qwen3"))
+    drafter = build_drafter(cfg, model, tok, [1, 2, 3])
+    st = DrafterStep(cfg, drafter, model.get_input_embeddings(), model.get_output_embeddings(), "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 1000, (2, 40), generator=g)
+    lm = torch.ones_like(ids)
+    lm[:, :8] = 0
+    b = Batch(index=0, input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=lm, lengths=[40, 40])
+    feats = torch.randn(2, 40, 3 * 256, generator=g).to(torch.bfloat16)  # what a bf16 target hands over
+
+    seen = {}
+
+    def spy(module, inputs, output):  # returns None: the output is left as it is
+        seen.setdefault("q", output.dtype)
+    hook = drafter.layers[0].q_proj.register_forward_hook(spy)
+    before = drafter.fc.weight.detach().clone()
+    loss, acc = st.forward(feats, b)
+    st.backward(loss)
+    grads = {p.grad.dtype for p in drafter.parameters() if p.grad is not None}
+    _, skipped = st.optimizer_step(loss)
+    hook.remove()
+
+    assert seen["q"] == torch.bfloat16, "drafter matmuls must run in the target's bf16"
+    assert torch.isfinite(loss) and not bool(skipped)
+    assert {p.dtype for p in drafter.parameters()} == {torch.float32}, "master weights stay fp32"
+    assert grads == {torch.float32}
+    moments = [s["exp_avg"].dtype for s in st.opt.state.values()]
+    assert moments and set(moments) == {torch.float32}, "optimizer state stays fp32"
+    assert not torch.equal(before, drafter.fc.weight), "the step updated the fp32 weights"
+    assert model.get_input_embeddings().weight.dtype == torch.bfloat16  # frozen, shared, untouched
+    assert not model.get_input_embeddings().weight.requires_grad
+
+
+def test_float32_target_is_untouched_by_autocast():
+    """fp32 targets take no autocast: CPU fp32 runs stay bit-for-bit what they were."""
+    from dflash.drafter import compute_precision
+
+    w = torch.zeros(2, 2)
+    with compute_precision(w):
+        assert not torch.is_autocast_enabled("cpu")
+    with compute_precision(w.bfloat16()):
+        assert torch.is_autocast_enabled("cpu")
+
+
+def test_float16_is_refused_with_exit_2(tmp_path):
+    p = run_dflash("train", "--out", tmp_path / "run", "--set", "model.dtype=float16", check=False, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "model.dtype=float16" in lines[0] and "bfloat16" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
+    """The whole path a CUDA user takes by default, in bf16 on the CPU."""
+    from safetensors.torch import load_file
+
+    run = tmp_path / "bf16"
+    common = ["--out", run, "--target", "tiny-qwen3", "--no-telemetry", *TINY, "--set", "model.dtype=bfloat16"]
+    run_dflash("train", "--steps", 4, *common, "--set", "train.stop_after=2")
+    first = json.loads((run / "summary.json").read_text())
+    assert first["steps"] == 2 and first["nonfinite_steps"] == 0
+    weights = load_file(str(run / "checkpoint" / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.float32}, "checkpoints hold the fp32 master weights"
+    state = torch.load(run / "checkpoint" / "training_state.pt", weights_only=False)
+    assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
+
+    run_dflash("train", "--steps", 4, *common, "--resume")
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["steps"] == 4 and [s for s, _ in resumed["loss_history"]] == [0, 1, 2, 3]
+    assert all(l == l and l < 20 for _, l in resumed["loss_history"])  # finite
+
+    p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--prompts", 2, "--max-new-tokens", 16, "--json")
+    res = last_json(p.stdout)
+    assert res["dtype"] == "bfloat16", "eval runs in the precision training used"
+    assert res["prompts"] == 2 and 1.0 <= res["acceptance_length"] <= 8
+    # lossless is reported with its evidence, never as a bare flag
+    assert res["lossless_divergent_prompts"] == len(res["lossless_divergences"])
+    assert res["lossless"] == (res["lossless_divergent_prompts"] == 0)
