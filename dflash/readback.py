@@ -1,9 +1,11 @@
 """Read device scalars (loss, accuracy, grad norm) without stalling the loop.
 
 `put` starts a non-blocking copy into pinned host memory and records a CUDA event;
-`ready` returns the values whose copies have finished (event.query(), never
-synchronize). On CPU the values are there at once. The training loop calls `put` on
-logging steps only and never waits for the answer.
+`ready` returns, in step order, the values whose copies have finished (event.query(),
+never synchronize). On CPU the values are there at once. The training loop calls `put`
+after every optimizer step (one tiny copy: the exact loss trajectory and the non-finite
+steps) and never waits for the answer; only `drain_blocking`, at a save or the end of
+the run, waits.
 """
 from __future__ import annotations
 
@@ -19,14 +21,19 @@ class DeferredScalars:
     def put(self, step: int, **tensors: torch.Tensor) -> None:
         names = list(tensors)
         vals = torch.stack([t.detach().float().reshape(()) for t in tensors.values()])
-        if vals.is_cuda:
-            host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
-            host.copy_(vals, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(vals.device))  # the copy's device, not the current one
-            self._pending.append((step, names, host, ev))
-        else:
-            self._pending.append((step, names, vals, None))
+        host, ev = self._start_copy(vals)
+        self._pending.append((step, names, host, ev))
+
+    @staticmethod
+    def _start_copy(vals: torch.Tensor):
+        """(host tensor, event that marks the copy done, or None when it already is)."""
+        if not vals.is_cuda:
+            return vals, None
+        host = torch.empty(vals.shape, dtype=vals.dtype, pin_memory=True)
+        host.copy_(vals, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(vals.device))  # the copy's device, not the current one
+        return host, ev
 
     def ready(self) -> list[tuple[int, dict]]:
         out = []
