@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
 export DFLASH_CACHE ?= $(HOME)/.cache/dflash
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast bench clean backend-bins backends backends-down
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,17 @@ test-fast: setup
 
 bench: setup
 	$(PY) bench/hot_path.py && $(PY) bench/gil_stall.py && $(PY) bench/dead_collector.py && $(PY) bench/pipeline.py
+
+# Local Collector + Jaeger v2 (built from source once, cached in ~/.cache/dflash/bin) and
+# Debian's Prometheus on 127.0.0.1, no Docker: pids and logs under runs/backends/.
+backend-bins:
+	bash deploy/build.sh all
+
+backends: setup backend-bins
+	$(PY) deploy/backends.py up
+
+backends-down:
+	python3 deploy/backends.py down
 
 clean:
 	rm -rf runs .pytest_cache
