@@ -52,7 +52,6 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 0                  # 0: only at the end
     stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
-    log_every: int = 10
 
 
 @dataclass

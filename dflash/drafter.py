@@ -1,6 +1,6 @@
 """The DFlash drafter: a few Qwen3-style layers that denoise a block of MASK tokens.
 
-Facts this file is built to (see DESIGN.md, "The DFlash drafter"):
+Facts this file is built to (see docs/design.md, "The DFlash drafter"):
 - no embedding / lm_head of its own: the target's frozen ones are passed in;
 - the selected target layers are fused (Linear n*H -> H, RMSNorm) into a *context*
   that enters every layer only as extra keys/values (same k_proj / v_proj / k_norm as
@@ -263,7 +263,8 @@ class DFlashDrafter(nn.Module):
 def weighted_block_loss(logits, labels, anchor_valid, label_mask, weights):
     """sum(w * CE) / sum(w); w = decay weight of the slot x loss mask of the label token.
     logits [B, A, K, V]; labels / label_mask [B, A, K]; weights [K] for slots 1..Bk-1.
-    Returns (loss, weight_sum, correct-weighted accuracy numerator) without host syncs."""
+    Returns (loss, acc) as device scalars, without host syncs: acc is the weighted share of
+    slots whose argmax is the label (same weights as the loss)."""
     w = weights.to(logits.device)[None, None, :] * label_mask * anchor_valid[..., None]
     ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
     wsum = w.sum()
@@ -291,9 +292,3 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, g
     # sorted anchors make traces/debugging readable; validity travels with them
     order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, S + 1)), dim=1)
     return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
-
-
-def count_params(m: nn.Module) -> int:
-    return sum(p.numel() for p in m.parameters())
-
-
