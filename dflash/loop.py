@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .errors import WorkerError, naming_stages
 from .faults import inject
-from .progress import Progress
+from .step_end import StepEnd
 from .trainer import pack, target_features, unpack
 
 
@@ -16,7 +16,7 @@ def run_reference(ctx) -> None:
     stage = naming_stages(tel.stage)  # a failure names its stage
     dev = str(st.device)
     batches = ctx.batch_stream()
-    bar = Progress(ctx)
+    end_step = StepEnd(ctx, "main")  # tokens, read-back, progress, save cadence: as in the pipeline
     try:
         while ctx.more_steps():
             step = st.step
@@ -43,15 +43,10 @@ def run_reference(ctx) -> None:
             with stage("optimizer_step", trace=key, links=[key], **attrs):
                 gnorm, nonfinite = st.optimizer_step(loss)
                 inject(cfg.pipeline, "optimizer_step", step)
-            ctx.tokens += b.tokens
-            ctx.record(step, loss, acc, gnorm, nonfinite)
-            bar.update(b.tokens)
-            if cfg.train.save_every and st.step % cfg.train.save_every == 0:
-                from .train import save
-                save(ctx)
+            end_step(step, b.tokens, loss, acc, gnorm, nonfinite)
     except Exception as e:  # same report as a pipeline worker's failure
         raise WorkerError.from_failure("main", e) from e
     finally:
-        bar.close()
+        end_step.close()
 
 

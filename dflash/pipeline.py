@@ -27,7 +27,7 @@ import torch
 from .errors import WorkerError, naming_stages
 from .faults import inject
 from .hidden_queue import Closed, HiddenQueue
-from .progress import Progress
+from .step_end import StepEnd
 from .trainer import pack, target_features, unpack
 
 
@@ -225,7 +225,7 @@ class Pipeline:
         stage = naming_stages(tel.stage)  # a failure names its stage
         dev = self.drafter_device
         cuda = dev.type == "cuda"
-        bar = Progress(ctx)
+        end_step = StepEnd(ctx, "drafter0")  # tokens, read-back, progress, save cadence
         thr = self.cfg.pipeline.stall_threshold_s
         try:
             while ctx.more_steps() and not self.stop.is_set():
@@ -258,28 +258,9 @@ class Pipeline:
                 with stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
                     gnorm, nonfinite = st.optimizer_step(loss)
                     self._inject("optimizer_step", step)
-                ctx.tokens += b.tokens
-                tel.add("dflash.tokens", b.tokens, worker="drafter0")
-                tel.add("dflash.train.steps", 1, worker="drafter0")
-                self._record(step, loss, acc, gnorm, nonfinite)
-                bar.update(b.tokens)
-                if self.cfg.train.save_every and st.step % self.cfg.train.save_every == 0:
-                    from .train import save
-                    save(ctx)
+                end_step(step, b.tokens, loss, acc, gnorm, nonfinite)
         finally:
-            bar.close()
-
-    def _record(self, step, loss, acc, gnorm, nonfinite):
-        before = len(self.ctx.history)
-        nf_before = len(self.ctx.nonfinite)
-        self.ctx.record(step, loss, acc, gnorm, nonfinite)
-        for s, l, ac, g in self.ctx.history[before:]:
-            self.tel.record("dflash.train.loss", l)
-            self.tel.record("dflash.train.grad_norm", g)
-        for s in self.ctx.nonfinite[nf_before:]:  # known only now (deferred read): mark the batch
-            self.tel.add("dflash.train.nonfinite_steps", 1)
-            with self.tel.stage("skipped_step", trace=("batch", s), worker="drafter0", step=s) as sp:
-                sp.event("nonfinite_loss", step=s, action="update skipped")
+            end_step.close()
 
     # -- orchestration -------------------------------------------------------------------
     def run(self):

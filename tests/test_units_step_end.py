@@ -1,0 +1,93 @@
+"""The one end-of-step path (dflash.step_end.StepEnd), shared by the reference loop and the
+pipeline: tokens, read-back into history and metrics, non-finite markers, save cadence."""
+import contextlib
+
+import torch
+
+import dflash.train as train_mod
+from dflash.config import Config
+from dflash.step_end import StepEnd
+from dflash.train import RunContext
+
+
+class FakeTel:
+    def __init__(self):
+        self.adds, self.records, self.stages = [], [], []
+
+    def add(self, name, value, **attrs):
+        self.adds.append((name, value, attrs))
+
+    def record(self, name, value, **attrs):
+        self.records.append((name, value))
+
+    @contextlib.contextmanager
+    def stage(self, name, **kw):
+        events = []
+        self.stages.append((name, kw, events))
+
+        class Span:
+            def event(self, ev, **attrs):
+                events.append((ev, attrs))
+
+        yield Span()
+
+
+class FakeStep:
+    step = 0
+
+
+def _ctx(tmp_path, save_every=0):
+    cfg = Config()
+    cfg.train.steps, cfg.train.save_every = 6, save_every
+    return RunContext(cfg=cfg, tel=FakeTel(), target=None, tokenizer=None, layer_ids=[], step=FakeStep(),
+                      samples=[], eval_convs=[], out=tmp_path, rank=1)  # rank 1: no progress bar drawn
+
+
+def _t(x):
+    return torch.tensor(x)
+
+
+def test_step_end_counts_tokens_reads_back_and_emits_metrics(tmp_path):
+    ctx = _ctx(tmp_path)
+    end = StepEnd(ctx, "main")
+    for step, tokens in enumerate((10, 7)):
+        ctx.step.step = step + 1  # what optimizer_step does
+        end(step, tokens, _t(2.0 - step), _t(0.5), _t(1.5), _t(False))
+    end.close()
+    assert ctx.tokens == 17
+    assert [(s, l, a, g) for s, l, a, g in ctx.history] == [(0, 2.0, 0.5, 1.5), (1, 1.0, 0.5, 1.5)]
+    assert ("dflash.tokens", 10, {"worker": "main"}) in ctx.tel.adds
+    assert [a for a in ctx.tel.adds if a[0] == "dflash.train.steps"] == [("dflash.train.steps", 1, {"worker": "main"})] * 2
+    assert [r for r in ctx.tel.records if r[0] == "dflash.train.loss"] == [("dflash.train.loss", 2.0),
+                                                                           ("dflash.train.loss", 1.0)]
+    assert ctx.tel.stages == [] and ctx.nonfinite == []
+
+
+def test_step_end_marks_a_nonfinite_step_in_its_batch_trace(tmp_path):
+    ctx = _ctx(tmp_path)
+    end = StepEnd(ctx, "drafter0")
+    ctx.step.step = 4
+    end(3, 5, _t(float("nan")), _t(0.0), _t(float("inf")), _t(True))
+    assert ctx.nonfinite == [3]
+    (name, kw, events), = ctx.tel.stages
+    assert name == "skipped_step" and kw["trace"] == ("batch", 3) and kw["worker"] == "drafter0"
+    assert events == [("nonfinite_loss", {"step": 3, "action": "update skipped"})]
+    assert ("dflash.train.nonfinite_steps", 1, {}) in ctx.tel.adds
+
+
+def test_step_end_saves_on_the_save_every_cadence(tmp_path, monkeypatch):
+    saved = []
+    monkeypatch.setattr(train_mod, "save", lambda ctx: saved.append(ctx.step.step))
+    ctx = _ctx(tmp_path, save_every=2)
+    end = StepEnd(ctx, "main")
+    for step in range(5):
+        ctx.step.step = step + 1
+        end(step, 1, _t(1.0), _t(0.0), _t(0.0), _t(False))
+    assert saved == [2, 4]
+    ctx0 = _ctx(tmp_path, save_every=0)
+    end0 = StepEnd(ctx0, "main")
+    saved.clear()
+    for step in range(3):
+        ctx0.step.step = step + 1
+        end0(step, 1, _t(1.0), _t(0.0), _t(0.0), _t(False))
+    assert saved == [], "save_every=0: only the final save, which train() does"
