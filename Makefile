@@ -36,8 +36,8 @@ bench: setup
 backend-bins:
 	bash deploy/build.sh all
 
-backends: setup backend-bins
-	$(PY) deploy/backends.py up
+backends: backend-bins
+	python3 deploy/backends.py up
 
 backends-down:
 	python3 deploy/backends.py down
