@@ -366,11 +366,13 @@ def _names_in_exposition(text: str, prefix=""):
             if line and not line.startswith("#") and line.startswith(prefix)}
 
 
-# Produced by the collector, not the trainer (no collector binary here): the span_metrics
+# Produced by the collector, not the trainer: the span_metrics
 # connector's series (from the trainer's spans; namespace from collector-config.yaml) and
 # the collector's own health counters.
-COLLECTOR_SELF = {"otelcol_receiver_refused_spans_total", "otelcol_exporter_send_failed_spans_total",
-                  "otelcol_exporter_send_failed_metric_points_total"}
+# The pinned Collector (0.165) exposes its counters without `_total` (seen in a real one:
+# tests/test_backends_real.py); the dashboard matches both spellings.
+COLLECTOR_SELF = {"otelcol_receiver_refused_spans", "otelcol_exporter_send_failed_spans",
+                  "otelcol_exporter_send_failed_metric_points"}
 
 
 def _span_metric_names():
