@@ -1,0 +1,136 @@
+"""Hybrid targets verify a block in O(block): linear-attention states are snapshotted and
+restored instead of re-running the sequence — with output identical to the re-run path.
+Also: a divergence from the greedy reference is reported with where it happened."""
+import pytest
+import torch
+
+from dflash import target as T
+from dflash.data import prompts_for_eval
+from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.spec_decode import _TargetRunner, cache_mode, greedy_generate, speculative_generate
+
+BK = 6
+QUESTIONS = ["Tell me about rivers.", "Write a haiku about the sea", "What is 12 times 7?"]
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    return T.load_target("tiny-qwen3.5", seed=0)
+
+
+def _prompts(tok):
+    return prompts_for_eval(tok, [[{"role": "user", "content": q}] for q in QUESTIONS], max_prompt_len=64)
+
+
+class PartlyRightDrafter(DFlashDrafter):
+    """Drafts the reference continuation, right for the first `good` slots of each block:
+    every verify step is then a partial accept of `good` drafts (a restore + replay)."""
+
+    def __init__(self, cfg, reference, prompt_len, good):
+        super().__init__(cfg)
+        self.reference, self.prompt_len, self.good = reference, prompt_len, good
+
+    def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head):
+        gen = anchor_pos - self.prompt_len
+        out = []
+        for k in range(1, self.cfg.block_size):
+            t = self.reference[gen + k] if gen + k < len(self.reference) else 0
+            out.append(t if k <= self.good else (t + 1) % 1000)
+        return torch.tensor([out])
+
+
+def _cfg(model, tok):
+    return DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
+                                     mask_token_id=16, block_size=BK)
+
+
+def test_modes_are_chosen_by_cache_kind(hybrid):
+    tiny, _ = T.load_target("tiny-qwen3", seed=0)
+    assert cache_mode(tiny) == "crop"
+    assert cache_mode(hybrid[0]) == "snapshot", "hybrid targets must not fall back to re-running"
+
+
+@pytest.mark.parametrize("good", [0, 2, BK - 1])
+def test_snapshot_path_equals_rerun_path_on_hybrid_target(hybrid, good):
+    model, tok = hybrid
+    prompt = _prompts(tok)[good % 3]
+    ref = greedy_generate(model, prompt, max_new_tokens=16 + BK)
+    d = PartlyRightDrafter(_cfg(model, tok), ref, len(prompt), good)
+    fast = speculative_generate(model, d, prompt, max_new_tokens=16, mode="snapshot")
+    slow = speculative_generate(model, d, prompt, max_new_tokens=16, mode="rerun")
+    assert fast.tokens == slow.tokens == ref[:16]
+    assert fast.acceptance == slow.acceptance
+    assert set(fast.acceptance[:-1]) == {good + 1}
+
+
+def test_untrained_drafter_snapshot_equals_rerun_and_greedy(hybrid):
+    """A real (random) drafter: mostly rejected drafts, the state is restored every step."""
+    model, tok = hybrid
+    torch.manual_seed(0)
+    d = DFlashDrafter(_cfg(model, tok))
+    for prompt in _prompts(tok)[:2]:
+        fast = speculative_generate(model, d, prompt, max_new_tokens=12, mode="snapshot")
+        slow = speculative_generate(model, d, prompt, max_new_tokens=12, mode="rerun")
+        assert fast.tokens == slow.tokens == greedy_generate(model, prompt, max_new_tokens=12)
+
+
+def test_snapshot_verify_forwards_only_the_block(hybrid):
+    """What makes it O(block): no forward after the prefill sees more than one block."""
+    model, tok = hybrid
+    seen = []
+    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        torch.manual_seed(0)
+        prompt = _prompts(tok)[0]
+        speculative_generate(model, DFlashDrafter(_cfg(model, tok)), prompt, max_new_tokens=8, mode="snapshot")
+    finally:
+        hook.remove()
+    assert seen[0] == len(prompt) and len(seen) > 2
+    assert max(seen[1:]) <= BK
+
+
+def test_restore_puts_linear_states_back(hybrid):
+    model, tok = hybrid
+    r = _TargetRunner(model, [1], "snapshot")
+    prompt = _prompts(tok)[0]
+    r.forward(prompt)
+    r.commit(prompt, len(prompt))
+    lin = [layer for layer in r.cache.layers if hasattr(layer, "recurrent_states")]
+    before = [layer.recurrent_states[0].clone() for layer in lin]
+    r.forward([10, 11, 12, 13])
+    assert any(not torch.equal(b, layer.recurrent_states[0]) for b, layer in zip(before, lin))
+    r.commit([10, 11, 12, 13], 1)  # keep one token: restore, then replay it
+    ref = _TargetRunner(model, [1], "snapshot")
+    ref.forward(prompt + [10])
+    ref.commit(prompt + [10], len(prompt) + 1)
+    ref_lin = [layer for layer in ref.cache.layers if hasattr(layer, "recurrent_states")]
+    for a, b in zip(lin, ref_lin):
+        torch.testing.assert_close(a.recurrent_states[0], b.recurrent_states[0], rtol=1e-4, atol=1e-5)
+    assert r.cache.get_seq_length() == len(prompt) + 1
+
+
+def test_divergence_is_reported_with_its_position(monkeypatch):
+    """A spec output that departs from the greedy reference is counted and located."""
+    from dflash import evaluate as E
+    from dflash.spec_decode import DecodeResult, first_divergence
+
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
+    assert first_divergence([1, 2, 3], [1, 2]) == 2
+
+    model, tok = T.load_target("tiny-qwen3", seed=0)
+    real = E.speculative_generate
+
+    def flip_fifth(*a, **kw):  # stand-in for a bf16 near-tie flipping one token
+        res = real(*a, **kw)
+        return DecodeResult(tokens=res.tokens[:4] + [res.tokens[4] + 1] + res.tokens[5:], acceptance=res.acceptance)
+
+    monkeypatch.setattr(E, "speculative_generate", flip_fifth)
+    torch.manual_seed(0)
+    convs = [[{"role": "user", "content": q}] for q in QUESTIONS[:2]]
+    res = E.evaluate(model, DFlashDrafter(_cfg(model, tok)), tok, convs, prompts=2, max_new_tokens=8,
+                     max_prompt_len=64, progress=False)
+    assert res["lossless"] is False and res["lossless_divergent_prompts"] == 2
+    assert [d["position"] for d in res["lossless_divergences"]] == [4, 4]
+    assert all(d["margin"] >= 0 for d in res["lossless_divergences"])
+    assert "2/2 prompts diverged" in E.describe_lossless(res)
