@@ -6,16 +6,25 @@ Layout of DIR/checkpoint/:
   training_state.pt    optimizer, scheduler, RNG states and the step: what --resume needs
   trainer_state.json   step, tokens and the loss history so far (human readable)
 
+Saves during training are asynchronous (`snapshot` + `CheckpointWriter`): the drafter's
+thread only clones weights and optimizer state on their device (no host wait); a writer
+thread copies them to the host on a side stream and writes them. One write at a time.
+
 A save writes everything into a temp dir beside the target and swaps it in with renames,
 so a kill at any moment leaves either the previous checkpoint or the new one (a leftover
 `checkpoint.old` is picked up by `resolve`).
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
 import shutil
 import tempfile
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,17 +50,120 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, state: dict,
          training_state: dict | None = None) -> Path:
+    """Synchronous save (snapshot + write on the calling thread)."""
+    return write(path, snapshot(drafter, run_config=run_config, state=state, training_state=training_state))
+
+
+# -- asynchronous saves: snapshot on the drafter's thread, write on another ------------------
+@dataclass
+class Snapshot:
+    """Everything a checkpoint holds, detached from the live model and optimizer."""
+    config: dict
+    tensors: dict                     # drafter weights (device copies until written)
+    training_state: dict | None
+    state: dict
+    ready: object = None              # CUDA event: the device copies are complete
+
+
+def _clone(obj):
+    """Deep copy of a state tree; tensors are cloned on their own device (on CUDA a
+    stream-ordered device-to-device copy: the caller's thread does not wait for it)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def _to_host(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.to("cpu").contiguous()
+    if isinstance(obj, dict):
+        return {k: _to_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_host(v) for v in obj)
+    return obj
+
+
+def snapshot(drafter: DFlashDrafter, *, run_config: dict, state: dict, training_state: dict | None = None) -> Snapshot:
+    """A consistent copy of weights and optimizer state as of now, cheap enough for the
+    drafter's critical path: device-side clones plus an event, no host read."""
+    tensors = {k: v.detach().clone() for k, v in drafter.state_dict().items()}
+    snap = Snapshot(config=drafter.cfg.to_dict() | {"dflash_run": run_config}, tensors=tensors,
+                    training_state=_clone(training_state) if training_state is not None else None,
+                    state=_clone(state))
+    devs = {t.device for t in tensors.values() if t.device.type == "cuda"}
+    if devs:
+        snap.ready = torch.cuda.Event()
+        snap.ready.record(torch.cuda.current_stream(next(iter(devs))))
+    return snap
+
+
+class CheckpointWriter:
+    """Writes snapshots on one background thread, one at a time, each atomically (`write`).
+
+    `submit` returns at once unless the previous write is still running (then it waits:
+    two writes must not race on the same directory). `wait` joins the write in flight and
+    re-raises its error, so a failed write fails the run instead of passing silently."""
+
+    def __init__(self, tel=None):
+        self.tel = tel
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_write_s = 0.0
+        self.writes = 0
+
+    def submit(self, path, snap: Snapshot) -> None:
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(Path(path), snap), daemon=False,
+                                        name="dflash-checkpoint-writer")
+        self._thread.start()
+
+    def _run(self, path: Path, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            stage = self.tel.stage("checkpoint_write", worker="checkpoint_writer", step=snap.state.get("step", -1)) \
+                if self.tel is not None else contextlib.nullcontext()
+            with stage:
+                write(path, snap)
+        except BaseException as e:  # re-raised on the drafter's thread by wait()
+            self._error = e
+        finally:
+            self.last_write_s = time.perf_counter() - t0
+            self.writes += 1
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise CheckpointError(f"checkpoint write failed: {type(err).__name__}: {err}") from err
+
+
+def write(path: str | os.PathLike, snap: Snapshot) -> Path:
+    """Write a snapshot atomically: a temp dir beside the target, swapped in with renames."""
+    if snap.ready is not None:  # poll, never block the device: the clones are queued work
+        while not snap.ready.query():
+            time.sleep(0.001)
+    side = None
+    devs = {t.device for t in snap.tensors.values() if t.device.type == "cuda"}
+    if devs:  # copy out on a side stream: the drafter's stream never queues behind it
+        side = torch.cuda.Stream(next(iter(devs)))
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        tensors = _to_host(snap.tensors)
+        training_state = _to_host(snap.training_state)
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        cfg = drafter.cfg.to_dict() | {"dflash_run": run_config}
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in drafter.state_dict().items()}
+        (tmp / "config.json").write_text(json.dumps(snap.config, indent=2))
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         if training_state is not None:
             torch.save(training_state, tmp / "training_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+        (tmp / "trainer_state.json").write_text(json.dumps(snap.state, indent=2))
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())

@@ -196,14 +196,18 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
 
     preds, feats = runner.forward(prompt)
     runner.commit(prompt, len(prompt))
-    ctx_feats = feats  # features of committed positions 0..n-1
+    new_feats = feats  # features of committed positions not yet in the drafter's context cache
+    ctx_kv = None      # the drafter's per-layer context keys/values, grown by the new positions only
     out: list[int] = [int(preds[-1])]
     acceptance: list[int] = []
     while len(out) < max_new_tokens and out[-1] not in eos_ids:
         n = len(runner.seq)
         anchor = out[-1]
-        dev = ctx_feats.device
-        ctx_kv = drafter.context_from_features(ctx_feats[None], torch.arange(n, device=dev)[None], embed)
+        dev = new_feats.device
+        pos = torch.arange(n - new_feats.shape[0], n, device=dev)[None]
+        kv = drafter.context_from_features(new_feats[None], pos, embed)  # position-wise: exact to append
+        ctx_kv = kv if ctx_kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                            for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
         draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head)[0].tolist()
         block = [anchor] + draft
         preds, feats = runner.forward(block)
@@ -212,7 +216,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
         while accepted < B - 1 and draft[accepted] == preds[accepted]:
             accepted += 1
         runner.commit(block, accepted + 1)
-        ctx_feats = torch.cat([ctx_feats, feats[: accepted + 1]], dim=0)
+        new_feats = feats[: accepted + 1]
         new = draft[:accepted] + [preds[accepted]]
         acceptance.append(accepted + 1)
         for t in new:  # stop exactly where plain greedy decoding would

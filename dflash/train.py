@@ -46,6 +46,7 @@ class RunContext:
     nonfinite: list = field(default_factory=list)    # steps whose update was skipped
     targets: list = field(default_factory=list)      # one target replica per target worker
     vote: object = None                              # distributed.StopVote
+    writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
 
     @property
     def nonfinite_steps(self) -> int:
@@ -192,9 +193,20 @@ def save(ctx: RunContext) -> None:
     if ctx.rank != 0:
         return
     state = {"step": ctx.step.step, "tokens": tokens, "history": ctx.history}
+    if ctx.writer is None:
+        ctx.writer = ckpt.CheckpointWriter(ctx.tel)
+    # the drafter's thread only takes a device-side snapshot; the writer thread does the
+    # device->host copy and the atomic write (waiting here only if the last one still runs)
     with ctx.tel.stage("checkpoint", worker="drafter0", step=ctx.step.step):
-        ckpt.save(ctx.out / "checkpoint", ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
-                  training_state=ctx.step.state())
+        snap = ckpt.snapshot(ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
+                             training_state=ctx.step.state())
+        ctx.writer.submit(ctx.out / "checkpoint", snap)
+
+
+def wait_for_checkpoint(ctx: RunContext) -> None:
+    """Block until the last checkpoint is on disk (end of run); re-raises a failed write."""
+    if ctx.writer is not None:
+        ctx.writer.wait()
 
 
 def run_eval(ctx: RunContext, label: str) -> dict:
@@ -251,6 +263,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         ctx.finish_readback()
         wall = time.perf_counter() - t0
         save(ctx)
+        wait_for_checkpoint(ctx)  # the run's result is on disk before anything else happens
         steps_done = ctx.step.step - step0
         losses = [h[1] for h in ctx.history]
         # every rank trains on its own share of each global batch: totals are sums
@@ -267,6 +280,8 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
             "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
             "world_size": ctx.world_size, "train_samples": len(ctx.samples),
         })
+        if ctx.writer is not None:  # off the drafter's path, but worth knowing
+            summary["checkpoint_write_s"] = round(ctx.writer.last_write_s, 3)
         if eval_before_after and ctx.stop.is_set():
             # preempted: the grace period (30 s on Kubernetes) is for saving, not for an eval
             summary["eval_after"] = {"skipped": "interrupted", "command": eval_command(cfg)}
