@@ -37,6 +37,7 @@ class DataConfig:
     regenerate: str = "auto"             # auto (on for tiny random targets) | on | off
     regen_max_new_tokens: int = 96
     regen_max_prompt_len: int = 128
+    regen_batch_size: int = 0            # prompts per generate() call, sorted by length; 0: auto (64 on CUDA, 16 on CPU)
     eval_fraction: float = 0.05
 
 
@@ -230,6 +231,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.warmup_ratio={t.warmup_ratio}: expected 0 <= x < 1")
     if d.max_len < 2 * m.block_size + 1:
         raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
+    if d.regen_batch_size < 0:
+        raise ConfigError(f"data.regen_batch_size={d.regen_batch_size}: expected >= 0 (0: auto)")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
     if d.num_conversations < 2:

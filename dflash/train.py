@@ -47,6 +47,7 @@ class RunContext:
     targets: list = field(default_factory=list)      # one target replica per target worker
     vote: object = None                              # distributed.StopVote
     writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
+    warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
 
     @property
     def nonfinite_steps(self) -> int:
@@ -146,6 +147,10 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     target, tok = target_mod.load_target(cfg.model.target, device=tdev, dtype=resolve_dtype(cfg, tdev),
                                          seed=cfg.model.target_seed)
+    from .warmup import warm_up
+    # CUDA only: Triton compile/autotune and first-call costs, paid and reported before
+    # regeneration, the eval and the timed loop (None on the CPU)
+    warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=rank != 0)
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     prep = prepare(cfg, target, tok, device=tdev)
@@ -176,9 +181,12 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     import copy
     replicas = {tdev: target}
     for d in tdevs:  # one frozen replica per target device; workers on one device share it
-        replicas.setdefault(d, copy.deepcopy(target).to(d))
+        if d not in replicas:
+            replicas[d] = copy.deepcopy(target).to(d)
+            warm_up(replicas[d], batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=True)
     ctx.targets = [replicas[d] for d in tdevs]
     ctx.vote = dist_mod.StopVote(world)
+    ctx.warmup_s = warmup_s
     return ctx
 
 
@@ -280,6 +288,8 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
             "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
             "world_size": ctx.world_size, "train_samples": len(ctx.samples),
         })
+        if ctx.warmup_s is not None:
+            summary["warmup_s"] = round(ctx.warmup_s, 2)
         if ctx.writer is not None:  # off the drafter's path, but worth knowing
             summary["checkpoint_write_s"] = round(ctx.writer.last_write_s, 3)
         if eval_before_after and ctx.stop.is_set():

@@ -1,0 +1,59 @@
+"""Regeneration goes in length-sorted batches of a configurable size (wide on CUDA)."""
+from types import SimpleNamespace
+
+import pytest
+
+from dflash import data as data_mod
+from dflash import prepare as prep
+from dflash.config import ConfigError, load_config
+
+
+@pytest.mark.parametrize("setting,device,expected", [(5, "cpu", 5), (0, "cpu", 16), (0, "cuda:0", 64)])
+def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, device, expected):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    seen = {}
+
+    def fake_regenerate(model, tok, convs, **kw):
+        seen.update(kw)
+        return convs
+
+    monkeypatch.setattr(data_mod, "regenerate", fake_regenerate)
+    cfg = load_config(None, [f"data.regen_batch_size={setting}"])
+    target = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"))
+    prep._regen_cached(cfg, target, None, [[{"role": "user", "content": "hi"}]], device)
+    assert seen["batch_size"] == expected
+
+
+def test_regenerate_batches_are_sorted_by_length(monkeypatch):
+    from dflash import target as T
+
+    tok = T.load_tokenizer("tiny-qwen3")
+    widths = []
+
+    def fake_generate(model, prompts, pad, eos, max_new_tokens, device):
+        widths.append([len(p) for p in prompts])
+        return [[1] for _ in prompts]
+
+    monkeypatch.setattr(data_mod, "_generate_left_padded", fake_generate)
+    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tok.eos_token_id))
+    convs = [[{"role": "user", "content": "word " * n}] for n in (30, 2, 17, 9, 25, 4, 11)]
+    data_mod.regenerate(model, tok, convs, max_new_tokens=4, batch_size=3)
+    assert [len(w) for w in widths] == [3, 3, 1]
+    flat = [x for w in widths for x in w]
+    assert flat == sorted(flat), "batches must go shortest to longest (little left padding)"
+
+
+def test_negative_regen_batch_size_is_refused():
+    with pytest.raises(ConfigError, match="data.regen_batch_size=-1"):
+        load_config(None, ["data.regen_batch_size=-1"])
+
+
+def test_warm_up_is_a_no_op_on_cpu_and_runs_when_forced(capsys):
+    from dflash import target as T
+    from dflash.warmup import warm_up
+
+    model, _ = T.load_target("tiny-qwen3", seed=0)
+    assert warm_up(model, batch_size=2, seq_len=8) is None  # nothing to compile on the CPU
+    secs = warm_up(model, batch_size=2, seq_len=8, force=True)  # the CUDA code path, on the CPU
+    assert secs is not None and secs >= 0
+    assert "outside every timed region" in capsys.readouterr().err
