@@ -1,6 +1,8 @@
 """The readable end-of-run summary printed by `dflash train` (from summary.json's dict)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Console
 from rich.table import Table
 
@@ -37,6 +39,12 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                   f"busy {w['busy_fraction']:.1%} of {w['wall_s']:.1f} s, top idle cause: {top} ({share:.1%})")
     h = (s.get("telemetry") or {}).get("health") or {}
     if h:
-        t.add_row("telemetry", ", ".join(f"{k} {v}" for k, v in h.items()))
-    t.add_row("files", f"{out_dir}/checkpoint  {out_dir}/summary.json  {out_dir}/telemetry/")
+        dropped = ", ".join(f"{r} {n}" for r, n in (h.get("dropped") or {}).items() if n)
+        t.add_row("telemetry", f"spans recorded {h.get('spans_recorded', 0)}, exported {h.get('spans_exported', 0)}, "
+                               f"dropped {h.get('spans_dropped', 0)}{f' ({dropped})' if dropped else ''}, "
+                               f"queued {h.get('spans_queued', 0)}, export failures {h.get('export_failures', 0)}")
+    # only what is on disk: a run whose telemetry went to a collector has no telemetry/
+    written = [name for name in ("checkpoint", "summary.json", "telemetry/", "error.txt")
+               if (Path(out_dir) / name.rstrip("/")).exists()]
+    t.add_row("files", "  ".join(f"{out_dir}/{name}" for name in written) or "none")
     con.print(t)

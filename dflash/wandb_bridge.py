@@ -75,7 +75,11 @@ def telemetry_metrics(tel_summary: dict) -> dict:
             if k in st:
                 out[f"stage/{name}/{k}"] = st[k]
     for k, v in (tel_summary.get("health") or {}).items():
-        out[f"telemetry/{k}"] = v
+        if isinstance(v, dict):  # drops by reason
+            for kk, vv in v.items():
+                out[f"telemetry/{k}/{kk}"] = vv
+        else:
+            out[f"telemetry/{k}"] = v
     for w in tel_summary.get("workers") or []:  # live idle attribution of the telemetry layer
         out[f"worker/{w['worker']}/busy_fraction"] = w["busy_fraction"]
     return out

@@ -1,22 +1,30 @@
 """Entry point of the exporter subprocess: `python -m otel.exporter_process`.
 
 stdin: length-prefixed pickles from otel.transport.ProcessTransport (config first, then
-batches and flush/shutdown requests). stdout: JSON status lines. It owns the
-OpenTelemetry SDK, the OTLP/file/Prometheus exporters and the NVML sampler, so their GIL
-time is not the training process's. EOF on stdin (the parent exited or shut down) means
-flush within the budget and exit: the child never outlives its parent.
+batches and flush/shutdown requests). stdout: JSON lines: `ready`, then `status` (the
+committed span counts of otel.health with `done_seq`, plus the profile/idle summary)
+whenever it changed, `flushed` answers, and `final` once everything is exported.
+
+It owns the OpenTelemetry SDK, the OTLP/file/Prometheus exporters, the NVML sampler, and
+every per-record step (profile, idle attribution, span building: otel.consumer), so
+their GIL time is not the training process's.
+
+Signals: SIGINT and SIGTERM are ignored. Ctrl-C, `timeout`, `scancel` and many job
+runners signal the whole process group; the training process decides when telemetry
+stops (it may still be saving a checkpoint and flushing). EOF on stdin means it is done
+or gone: export what is left (local files completely, the network within the budget)
+and exit. The child never outlives its parent for long.
 """
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import sys
 import threading
 import time
 
-from otel.transport import _HEADER
+from otel.transport import _HEADER, unframe
 
 
 def _read_exact(stream, n: int):
@@ -37,19 +45,26 @@ def _frames(stream):
         body = _read_exact(stream, _HEADER.unpack(head)[0])
         if body is None:
             return
-        yield pickle.loads(body)
+        yield unframe(head + body)
+
+
+def _nice(config: dict) -> None:
+    try:
+        os.nice(int(config.get("exporter_nice", 0)))
+    except OSError:
+        pass
 
 
 def main() -> int:
-    # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     out_lock = threading.Lock()
 
     def say(msg: dict):
         with out_lock:
             try:
-                sys.stdout.write(json.dumps(msg) + "\n")
+                sys.stdout.write(json.dumps(msg, default=str) + "\n")
                 sys.stdout.flush()
             except (OSError, ValueError):
                 pass
@@ -58,49 +73,49 @@ def main() -> int:
     first = next(frames, None)
     if not first or "config" not in first:
         return 1
-    try:
-        # on a saturated host the training threads get the CPU first; export may lag
-        # (and drop, counted) rather than slow the workers
-        os.nice(int(first["config"].get("exporter_nice", 19)))
-    except OSError:
-        pass
-    from otel.sdk_pipeline import ExportPipeline
-    pipeline = ExportPipeline(first["config"])
+    config = first["config"]
+    _nice(config)
+    from otel.consumer import BatchConsumer
+    consumer = BatchConsumer(config)
+    lock = threading.Lock()   # consume vs status snapshots (the summary walks live dicts)
     stop = threading.Event()
 
     def report():
         # only on change: every wake-up of the parent's reader thread costs it a GIL handoff
         last = None
         while not stop.wait(0.5):
-            status = pipeline.status()
+            with lock:
+                status = consumer.status()
             if status != last:
                 say({"status": status})
                 last = status
 
+    say({"ready": True})
     threading.Thread(target=report, name="otel-status", daemon=True).start()
-    say({"status": pipeline.status()})
-    budget = 2.0
+    budget, end_epoch_s = 2.0, None
     errors = 0
     for msg in frames:
         if "flush" in msg:
-            ok = pipeline.flush(msg.get("timeout_s", 2.0))
-            say({"status": pipeline.status()})
+            ok = consumer.flush(msg.get("timeout_s", 2.0))
+            with lock:
+                say({"status": consumer.status()})
             say({"flushed": msg["flush"], "ok": ok})
         elif "shutdown" in msg:
-            budget = msg["shutdown"]
+            budget, end_epoch_s = msg["shutdown"], msg.get("end_epoch_s")
         else:
             try:
-                pipeline.consume(msg)
+                with lock:
+                    consumer.consume(msg)
             except Exception as e:  # one bad batch must not end the exporter
                 errors += 1
                 if errors == 1:
                     print(f"otel exporter: batch failed: {e!r}", file=sys.stderr, flush=True)
     stop.set()
     t0 = time.monotonic()
-    pipeline.shutdown(budget)
-    status = pipeline.status()
-    status["shutdown_s"] = time.monotonic() - t0
-    say({"status": status})
+    with lock:
+        final = consumer.shutdown(budget, end_epoch_s)
+    final["shutdown_s"] = time.monotonic() - t0
+    say({"final": final})
     sys.stdout.flush()
     os._exit(0)  # don't wait for exporter/grpc threads still retrying
 

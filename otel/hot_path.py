@@ -1,31 +1,53 @@
 """What a worker thread pays: two perf_counter_ns readings and a tuple appended to its
 own list. No OpenTelemetry objects, no locks, no device syncs.
 
-Records (tuples; the first item says which kind):
-  (SPAN, name, t0_ns, t1_ns, trace_key, links, attrs, extra, events, cuda_pair, error)
-  (ADD, name, value, attrs)
-  (RECORD, name, value, attrs)
-The background thread drains each list with `items[:n]` then `del items[:n]`; both are
-atomic under the GIL and appends only touch the tail, so no lock is needed.
+Each thread has three lists (see otel/records.py for the tuples): stage records without
+CUDA events, stage records with CUDA events (only those need the background thread's
+attention per record), and metric points. Keeping them apart at the source is what lets
+the background thread ship whole lists without looking at a single record. It drains a
+list with `items[:n]` then `del items[:n]`; both are atomic under the GIL and appends
+only touch the tail, so no lock is needed.
 """
 from __future__ import annotations
 
 import threading
+import traceback
 from collections import deque
 from time import perf_counter_ns
 
-SPAN, ADD, RECORD = 0, 1, 2
+from otel.records import ADD, RECORD
+
+__all__ = ["ADD", "RECORD", "ThreadBuffer", "BufferRegistry", "CudaEventPool", "Stage",
+           "bound_stage_class", "NULL_STAGE", "Drained"]
 
 
 class ThreadBuffer:
-    __slots__ = ("items", "cap", "dropped", "dropped_points", "thread", "__weakref__")
+    __slots__ = ("spans", "cuda", "points", "cap", "dropped", "dropped_points", "thread", "__weakref__")
 
     def __init__(self, cap: int, thread: threading.Thread):
-        self.items: list = []
-        self.cap = cap
-        self.dropped = 0  # spans; written by the owning thread only
-        self.dropped_points = 0  # tel.add / tel.record values
+        self.spans: list = []       # stage records, host timing only
+        self.cuda: list = []        # stage records holding a CUDA event pair
+        self.points: list = []      # tel.add / tel.record values
+        self.cap = cap              # per list
+        self.dropped = 0            # stage records lost to a full list; owning thread only
+        self.dropped_points = 0
         self.thread = thread
+
+
+class Drained:
+    """One drain of every thread's buffers; the drop counts are running totals."""
+    __slots__ = ("spans", "cuda", "points", "dropped", "dropped_points")
+
+    def __init__(self, spans, cuda, points, dropped, dropped_points):
+        self.spans, self.cuda, self.points = spans, cuda, points
+        self.dropped, self.dropped_points = dropped, dropped_points
+
+
+def _take(items: list, out: list) -> None:
+    n = len(items)
+    if n:
+        out.extend(items[:n])
+        del items[:n]
 
 
 class BufferRegistry:
@@ -37,6 +59,7 @@ class BufferRegistry:
         self._lock = threading.Lock()
         self.buffers: list[ThreadBuffer] = []
         self._dead_dropped = 0
+        self._dead_dropped_points = 0
 
     def get(self) -> ThreadBuffer:
         try:
@@ -48,27 +71,40 @@ class BufferRegistry:
             self._tls.buf = buf
             return buf
 
-    def drain(self) -> tuple[list, int]:
-        """All buffered records and the total drop count; forgets finished threads."""
-        out: list = []
+    def drain(self) -> Drained:
+        """All buffered records and the running drop totals; forgets finished threads."""
+        spans: list = []
+        cuda: list = []
+        points: list = []
         with self._lock:
             buffers = list(self.buffers)
-        dropped = self._dead_dropped
+        dropped, dropped_points = self._dead_dropped, self._dead_dropped_points
         dead = []
         for b in buffers:
-            items = b.items
-            n = len(items)
-            if n:
-                out.extend(items[:n])
-                del items[:n]
+            _take(b.spans, spans)
+            _take(b.cuda, cuda)
+            _take(b.points, points)
             dropped += b.dropped
-            if not items and not b.thread.is_alive():
+            dropped_points += b.dropped_points
+            if not (b.spans or b.cuda or b.points) and not b.thread.is_alive():
                 dead.append(b)
         if dead:
             with self._lock:
                 self._dead_dropped += sum(b.dropped for b in dead)
+                self._dead_dropped_points += sum(b.dropped_points for b in dead)
                 self.buffers = [b for b in self.buffers if b not in dead]
-        return out, dropped
+        return Drained(spans, cuda, points, dropped, dropped_points)
+
+    def dropped_points(self) -> int:
+        """Running total of metric points refused by full lists (reads only)."""
+        return self._dead_dropped_points + sum(b.dropped_points for b in list(self.buffers))
+
+    def close(self) -> None:
+        """Stop buffering (after shutdown, or in a forked child): later records are
+        counted as dropped, never silently kept."""
+        self.cap = 0
+        for buf in list(self.buffers):
+            buf.cap = 0
 
 
 class CudaEventPool:
@@ -116,6 +152,12 @@ class CudaEventPool:
         free.append(pair[1])
 
 
+def exception_info(exc_type, exc, tb) -> tuple:
+    """(type, message, stack trace) of the exception leaving a stage: the OpenTelemetry
+    `exception` event's attributes. Only ever runs on the error path."""
+    return (exc_type.__qualname__, str(exc), "".join(traceback.format_exception(exc_type, exc, tb)))
+
+
 class Stage:
     """Context manager returned by tel.stage(); also the handle for set()/event().
 
@@ -147,20 +189,22 @@ class Stage:
 
     def __exit__(self, exc_type, exc, tb):
         t1 = perf_counter_ns()
-        if self._cuda is not None:
-            self._cuda[1].record(self.stream)
         buf = self._buf
-        items = buf.items
+        cuda = self._cuda
+        if cuda is None:
+            items = buf.spans
+        else:
+            cuda[1].record(self.stream)
+            items = buf.cuda
         if len(items) < buf.cap:
-            items.append((SPAN, self.name, self.t0, t1, self.trace, self.links, self.attrs,
-                          self.extra, self.events, self._cuda,
-                          None if exc_type is None else exc_type.__name__))
+            items.append((self.name, self.t0, t1, self.trace, self.links, self.attrs, self.extra,
+                          self.events, cuda, None if exc_type is None else exception_info(exc_type, exc, tb)))
         else:
             buf.dropped += 1
-            if self._cuda is not None:
+            if cuda is not None:
                 # nothing will resolve these events; they can be reused once complete,
                 # and re-recording an event is legal, so hand them straight back.
-                self._tel._cuda_pool_or_create().give_back(self._cuda)
+                self._tel._cuda_pool_or_create().give_back(cuda)
         return False
 
     def _enter_cuda(self):

@@ -5,12 +5,13 @@ IdleAccumulator (otel/idle.py) and turns its growing totals into metrics:
   {ns}.worker.idle            counter, s   (worker, cause)     idle time by cause
   {ns}.worker.busy_fraction   gauge,   1   (worker)            busy / wall so far
 
-All of it runs on the telemetry thread (one feeder, as the accumulator requires); the
-workers only ever paid for their stage records.
+All of it runs on the exporter side (otel.consumer: one feeder, as the accumulator
+requires); the workers only ever paid for their stage records.
 """
 from __future__ import annotations
 
 from otel.idle import DEFAULT_RULES, IdleAccumulator
+from otel.records import ATTRS, EXTRA, NAME, T0, T1
 
 
 class IdleMetrics:
@@ -23,15 +24,14 @@ class IdleMetrics:
         self._sent: dict = {}   # (worker, cause|None) -> seconds already exported
 
     def feed(self, raw_records) -> None:
-        """raw span records (see hot_path.Stage.__exit__): kind, name, t0, t1, trace,
-        links, attrs, extra, ..."""
+        """Stage records (otel/records.py)."""
         key = self.key
         for rec in raw_records:
-            attrs, extra = rec[6], rec[7]
+            attrs, extra = rec[ATTRS], rec[EXTRA]
             worker = (extra or {}).get(key, attrs.get(key))
             if worker is None:
                 continue
-            self.acc.feed(str(worker), rec[1], rec[2], rec[3], {**attrs, **extra} if extra else attrs)
+            self.acc.feed(str(worker), rec[NAME], rec[T0], rec[T1], {**attrs, **extra} if extra else attrs)
 
     def deltas(self, now_ns: int, final: bool = False) -> list[tuple[str, tuple, float]]:
         """Counter increments since the last call, as (name, sorted attrs, seconds).

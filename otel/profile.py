@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from math import frexp, ldexp
 
+from otel.records import NAME, T0, T1
+
 _SUB = 64  # buckets per power of two
 
 
@@ -61,11 +63,11 @@ class Profile:
         st.add(seconds)
 
     def add_records(self, records) -> None:
-        """Host durations of raw stage records (kind, name, t0_ns, t1_ns, ...)."""
+        """Host durations of stage records (otel/records.py)."""
         stages = self.stages
         for rec in records:
-            name = rec[1]
-            seconds = (rec[3] - rec[2]) * 1e-9
+            name = rec[NAME]
+            seconds = (rec[T1] - rec[T0]) * 1e-9
             st = stages.get(name)
             if st is None:
                 st = stages[name] = StageStats()
@@ -113,10 +115,11 @@ def format_table(summary: dict, title: str = "telemetry profile") -> str:
             f"{_fmt_s(st['max_s']):>10} {st['share'] * 100:6.1f}%"
         )
     h = summary.get("health", {})
+    reasons = ", ".join(f"{r} {n}" for r, n in (h.get("dropped") or {}).items() if n)
     lines.append(
-        "health: spans recorded {0} exported {1} dropped {2}, export failures {3}".format(
-            h.get("spans_recorded", 0), h.get("spans_exported", 0),
-            h.get("spans_dropped", 0), h.get("export_failures", 0))
+        "health: spans recorded {0} exported {1} dropped {2}{3}, queued {4}, export failures {5}".format(
+            h.get("spans_recorded", 0), h.get("spans_exported", 0), h.get("spans_dropped", 0),
+            f" ({reasons})" if reasons else "", h.get("spans_queued", 0), h.get("export_failures", 0))
     )
     for note in summary.get("notes", []):
         lines.append(f"note: {note}")

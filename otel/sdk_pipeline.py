@@ -2,16 +2,22 @@
 and exports them with the SDK's own exporters, chosen from the standard OTEL_* variables.
 
 Runs in the exporter subprocess ("process" mode) or in the training process's background
-thread ("thread" mode). Its input is a batch dict built by otel.background:
-  {"raw": [raw stage records], "adds": [...], "records": [...], "gauges": {...},
-   "instruments": {...}, "health": {...}, "final": bool}
-Spans wait in a bounded queue for a dedicated export thread: a slow or dead collector
-drops (and counts) spans instead of growing memory.
+thread ("thread" mode), fed by otel.consumer.BatchConsumer. Spans wait in a bounded queue
+for a dedicated export thread, one shipped batch per queue entry: a slow or dead
+collector drops (and counts) spans instead of growing memory, and the counts are
+committed batch by batch, so `status()` always says exactly which batches are finished
+(`done_seq`) and what became of their spans.
+
+Span accounting (every span ends in exactly one of these):
+  exported                   accepted by every span exporter
+  dropped.collector_down     an exporter refused it, or the export queue was full
+  dropped.shutdown_timeout   still queued for a network exporter when the shutdown bound ran out
+Local sinks (file, console) are always drained completely at shutdown: the bound is for a
+collector that does not answer, not for writing files.
 """
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import threading
 import time
@@ -32,8 +38,8 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
 from otel import filesink
+from otel.exporter_choice import LOCAL_EXPORTERS, env, selected_exporters
 from otel.nvml import GpuSampler
-from otel.span_builder import SpanBuilder
 
 # 0.1 ms .. 10 s, 1-2.5-5 steps: resolves both a kernel launch and a slow batch.
 STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -77,12 +83,7 @@ def quiet_exporter_logs() -> None:
             logger.addFilter(f)
 
 
-def _env(*names, default=None):
-    for n in names:
-        v = os.environ.get(n)
-        if v:
-            return v.strip()
-    return default
+_env = env
 
 
 def _clean(attrs: dict) -> dict:
@@ -98,18 +99,6 @@ def _clean(attrs: dict) -> dict:
         else:
             out[k] = str(v)
     return out
-
-
-def selected_exporters(signal: str, file_dir) -> list[str]:
-    """OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER, defaulting to otlp when an endpoint is
-    configured, else the file sink when a directory was given, else nothing."""
-    env = _env(f"OTEL_{signal.upper()}_EXPORTER")
-    if env:
-        names = [n.strip().lower() for n in env.split(",") if n.strip()]
-        return [n for n in names if n != "none"]
-    if _env("OTEL_EXPORTER_OTLP_ENDPOINT", f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"):
-        return ["otlp"]
-    return ["file"] if file_dir else []
 
 
 def _protocol(signal: str) -> str:
@@ -203,18 +192,26 @@ class ExportPipeline:
         self.resource = Resource.create({**config.get("resource_attributes", {}),
                                          "service.name": config["service_name"]})
         self.notes: list[str] = []
-        self.span_exporters = make_span_exporters(
-            selected_exporters("traces", file_dir), file_dir, export_timeout_s, self.notes)
+        span_names = selected_exporters("traces", file_dir)
+        self.span_exporters = make_span_exporters(span_names, file_dir, export_timeout_s, self.notes)
+        # only files / the console: shutdown drains everything, whatever the bound
+        self.local_only = set(span_names) <= LOCAL_EXPORTERS
 
-        self.health = {"spans_recorded": 0, "spans_exported": 0, "spans_dropped": 0,
-                       "export_failures": 0, "parent_dropped": 0, "parent_recorded": 0, "root_spans": 0}
-        self._queue: deque = deque()
+        # committed batch by batch (see the module docstring); guarded by _cv
+        self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0,
+                       "export_failures": 0, "buffer_full": 0,
+                       "dropped": {"collector_down": 0, "shutdown_timeout": 0}}
+        self._queue: deque = deque()     # [seq, spans, dropped_at_enqueue, n_parent, n_roots]
+        self._queued_spans = 0
+        self._current = None             # the entry the export thread is working on
         self._cv = threading.Condition()
-        self._busy = False
         self._closing = False
+        self._abandon = False            # shutdown bound reached: stop sending to the network
         self._gauge_values: dict[str, list] = {}
+        self._gauge_callbacks: dict[str, object] = {}
         self._instruments: dict[str, object] = {}
         self._declared: dict[str, tuple] = {}
+        self.metric_errors = 0
 
         readers = make_metric_readers(selected_exporters("metrics", file_dir),
                                       file_dir, float(config.get("metric_export_interval_s", 1.0)),
@@ -228,8 +225,6 @@ class ExportPipeline:
             self.stage_metric, unit="s", description="Duration of a pipeline stage (clock=host|device).")
         self._health_counters()
 
-        self.span_builder = SpanBuilder(config["run_id"], config["epoch_offset_ns"],
-                                        config.get("root_spans", True))
         self.gpu = None
         if config.get("gpu_devices") is not None:
             self.gpu = GpuSampler(config["gpu_devices"], float(config.get("gpu_interval_s", 1.0))).start()
@@ -241,26 +236,51 @@ class ExportPipeline:
         self._thread = threading.Thread(target=self._export_loop, name="otel-span-export", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ metrics setup
+    # ------------------------------------------------------------ metrics
     def _health_counters(self):
-        for name, key, desc in (
-            ("otel.spans.recorded", "spans_recorded", "Spans recorded (stages and synthesized root spans)."),
-            ("otel.spans.exported", "spans_exported", "Spans accepted by the trace exporters."),
-            ("otel.spans.dropped", "spans_dropped", "Spans dropped (full buffers, dead collector)."),
-            ("otel.export.failures", "export_failures", "Failed span export calls."),
+        def dropped(st):
+            return st["buffer_full"] + sum(st["dropped"].values())
+
+        for name, get, desc in (
+            ("otel.spans.recorded", lambda st: st["buffer_full"] + st["spans_done"] + st["roots"],
+             "Spans recorded (stages and synthesized root spans) in finished batches."),
+            ("otel.spans.exported", lambda st: st["spans_exported"], "Spans accepted by the trace exporters."),
+            ("otel.spans.dropped", dropped, "Spans dropped (full buffers, dead collector, shutdown bound)."),
+            ("otel.export.failures", lambda st: st["export_failures"], "Failed span export calls."),
         ):
             self.meter.create_observable_counter(
-                name, [lambda options, key=key: [Observation(self.status()[key])]], unit="1", description=desc)
+                name, [lambda options, get=get: [Observation(get(self.status()))]], unit="1", description=desc)
 
     def _gpu_callback(self, name):
         def cb(options):
             return [Observation(v, a) for v, a in self.gpu.observations().get(name, [])]
         return cb
 
-    def _user_gauge_callback(self, name):
+    def _gauge_callback(self, name):
         def cb(options):
-            return [Observation(v, a) for v, a in self._gauge_values.get(name, [])]
+            fn = self._gauge_callbacks.get(name)
+            points = fn() if fn is not None else self._gauge_values.get(name, [])
+            return [Observation(v, _clean(dict(a or {}))) for v, a in points]
         return cb
+
+    def declare(self, specs: dict) -> None:
+        """name -> (kind, unit, description); gauges get their values from set_gauges()."""
+        for name, (kind, unit, desc) in specs.items():
+            if kind == "gauge":
+                if name not in self._instruments:
+                    self._instruments[name] = self.meter.create_observable_gauge(
+                        name, [self._gauge_callback(name)], unit=unit, description=desc)
+            else:
+                self._declared[name] = (kind, unit, desc)
+
+    def observable_gauge(self, name, callback, unit="1", description="") -> None:
+        """A gauge computed on this side (callback() -> [(value, attrs)])."""
+        self._gauge_callbacks[name] = callback
+        self.declare({name: ("gauge", unit, description)})
+
+    def set_gauges(self, values: dict) -> None:
+        for name, points in values.items():
+            self._gauge_values[name] = [(v, _clean(a)) for v, a in points]
 
     def _instrument(self, name: str, default_kind: str):
         inst = self._instruments.get(name)
@@ -272,45 +292,24 @@ class ExportPipeline:
             inst = self._instruments[name] = create(name, unit=unit, description=desc)
         return inst
 
-    # ------------------------------------------------------------ consume
-    def consume(self, batch: dict) -> None:
-        for name, spec in batch.get("instruments", {}).items():
-            kind, unit, desc = spec
-            if kind == "gauge":
-                if name not in self._instruments:
-                    self._instruments[name] = self.meter.create_observable_gauge(
-                        name, [self._user_gauge_callback(name)], unit=unit, description=desc)
-            else:
-                self._declared[name] = spec
-        raw = batch.get("raw")
-        if raw or batch.get("final"):
-            self._consume_spans(self.span_builder.build(raw or (), bool(batch.get("final"))))
-        for name, attrs, value in batch.get("adds", ()):
-            self._metric_call(name, "counter", "add", value, dict(attrs))
-        for name, value, attrs in batch.get("records", ()):
-            self._metric_call(name, "histogram", "record", value, attrs)
-        for name, points in batch.get("gauges", {}).items():
-            self._gauge_values[name] = [(v, _clean(a)) for v, a in points]
-        health = batch.get("health")
-        if health:
-            self.health["parent_recorded"] = health["spans_recorded"]
-            delta = health["spans_dropped"] - self.health["parent_dropped"]
-            self.health["parent_dropped"] = health["spans_dropped"]
-            self.health["spans_dropped"] += delta
-
-    def _metric_call(self, name, default_kind, method, value, attrs) -> None:
+    def metric_point(self, name, default_kind, value, attrs) -> None:
         try:
-            getattr(self._instrument(name, default_kind), method)(value, _clean(attrs))
+            inst = self._instrument(name, default_kind)
+            if default_kind == "histogram":
+                inst.record(value, _clean(attrs))
+            else:
+                inst.add(value, _clean(attrs))
         except Exception as e:  # e.g. tel.record on a name declared as a counter
-            self.health["metric_errors"] = self.health.get("metric_errors", 0) + 1
-            if self.health["metric_errors"] == 1:
+            self.metric_errors += 1
+            if self.metric_errors == 1:
                 msg = f"metric {name!r}: {type(e).__name__}: {e}"
                 self.notes.append(msg)
                 print(f"otel: {msg} (further metric errors are only counted)", file=sys.stderr)
 
-    def _consume_spans(self, spans: list) -> None:
-        if not spans:
-            return
+    # ------------------------------------------------------------ spans
+    def enqueue(self, seq: int, spans: list, n_parent: int, n_roots: int, buffer_full: int = 0) -> None:
+        """Queue one shipped batch's spans (n_parent stage records + n_roots synthesized
+        roots). buffer_full: the training process's running total of records it dropped."""
         resource, hist, mattrs = self.resource, self.stage_hist, self.metric_attributes
         built = []
         for (name, trace_id, span_id, parent_id, start, end, attrs, events, links, error, device_s) in spans:
@@ -321,7 +320,7 @@ class ExportPipeline:
                 [Event(n, _clean(a), t) for n, t, a in events] if events else (),
                 [Link(SpanContext(t, s, False, _SAMPLED)) for t, s in links] if links else (),
                 SpanKind.INTERNAL, None,
-                Status(StatusCode.ERROR, error) if error else Status(StatusCode.UNSET),
+                Status(StatusCode.ERROR, f"{error[0]}: {error[1]}") if error else Status(StatusCode.UNSET),
                 start, end, _SCOPE))
             if attrs.get("otel.root"):
                 continue  # synthesized per-key roots are not stages
@@ -335,61 +334,92 @@ class ExportPipeline:
                 m["clock"] = "device"
                 hist.record(device_s, m)
         with self._cv:
-            room = self.max_queue - len(self._queue)
-            if room < len(built):
-                self.health["spans_dropped"] += len(built) - max(room, 0)
-                built = built[:max(room, 0)]
-            self._queue.extend(built)
-            self._cv.notify()
+            self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
+            room = max(self.max_queue - self._queued_spans, 0)
+            dropped = max(len(built) - room, 0)
+            if dropped:
+                built = built[:room]
+            self._queue.append([seq, built, dropped, n_parent, n_roots])
+            self._queued_spans += len(built)
+            self._cv.notify_all()
 
-    # ------------------------------------------------------------ export thread
+    def _commit(self, entry, exported: int, failed: int, timed_out: int) -> None:
+        """Caller holds _cv. The entry's spans are all accounted for now."""
+        seq, spans, dropped_at_enqueue, n_parent, n_roots = entry
+        c = self.counts
+        c["done_seq"] = max(c["done_seq"], seq)
+        c["spans_done"] += n_parent
+        c["roots"] += n_roots
+        c["spans_exported"] += exported
+        c["dropped"]["collector_down"] += dropped_at_enqueue + failed
+        c["dropped"]["shutdown_timeout"] += timed_out
+
     def _export_loop(self):
         while True:
             with self._cv:
                 while not self._queue and not self._closing:
                     self._cv.wait()
-                if not self._queue and self._closing:
+                if not self._queue:
                     return
-                n = min(self.chunk, len(self._queue))
-                chunk = [self._queue.popleft() for _ in range(n)]
-                self._busy = True
-            ok = True
-            for exp in self.span_exporters:
-                try:
-                    result = exp.export(chunk)
-                except Exception:
-                    result = SpanExportResult.FAILURE
-                if result is not SpanExportResult.SUCCESS:
-                    ok = False
-                    self.health["export_failures"] += 1
-            with self._cv:
+                entry = self._current = self._queue.popleft()
+            spans = entry[1]
+            exported = failed = timed_out = 0
+            for i in range(0, len(spans), self.chunk):
+                chunk = spans[i:i + self.chunk]
+                if self._abandon:
+                    timed_out += len(chunk)
+                    continue
+                ok = True
+                for exp in self.span_exporters:
+                    try:
+                        result = exp.export(chunk)
+                    except Exception:
+                        result = SpanExportResult.FAILURE
+                    if result is not SpanExportResult.SUCCESS:
+                        ok = False
+                        with self._cv:
+                            self.counts["export_failures"] += 1
                 if ok:
-                    self.health["spans_exported"] += len(chunk)
+                    exported += len(chunk)
                 else:
-                    self.health["spans_dropped"] += len(chunk)
-                self._busy = False
+                    failed += len(chunk)
+            with self._cv:
+                self._queued_spans -= len(spans)
+                if self._current is entry:  # else final_status() already counted it
+                    self._current = None
+                    self._commit(entry, exported, failed, timed_out)
                 self._cv.notify_all()
+
+    def _wait_idle(self, deadline) -> bool:
+        with self._cv:
+            self._cv.notify_all()
+            while self._queue or self._current is not None:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
 
     def flush(self, timeout_s: float) -> bool:
         """Export queued spans and collect metrics once, within the bound."""
         deadline = time.monotonic() + timeout_s
-        with self._cv:
-            self._cv.notify_all()
-            while self._queue or self._busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._cv.wait(left)
+        if not self._wait_idle(deadline):
+            return False
         left = max(deadline - time.monotonic(), 0.01)
         return bool(self.meter_provider.force_flush(timeout_millis=left * 1000))
 
-    def shutdown(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        self.flush(timeout_s * 0.6)
+    def shutdown(self, network_timeout_s: float) -> None:
+        """Local sinks: export everything, however long it takes. A network exporter: wait
+        up to the bound, then count what is left as dropped (shutdown_timeout)."""
+        deadline = None if self.local_only else time.monotonic() + network_timeout_s
+        if not self._wait_idle(deadline):
+            with self._cv:
+                self._abandon = True
+                while self._queue:
+                    entry = self._queue.popleft()
+                    self._queued_spans -= len(entry[1])
+                    self._commit(entry, 0, 0, len(entry[1]))
         with self._cv:
-            dropped = len(self._queue)
-            self._queue.clear()
-            self.health["spans_dropped"] += dropped
             self._closing = True
             self._cv.notify_all()
         if self.gpu is not None:
@@ -399,17 +429,25 @@ class ExportPipeline:
                 exp.shutdown()
             except Exception:
                 pass
-        left = max(deadline - time.monotonic(), 0.05)
+        left = network_timeout_s if deadline is None else max(deadline - time.monotonic(), 0.05)
         try:
-            self.meter_provider.shutdown(timeout_millis=left * 1000)
+            self.meter_provider.shutdown(timeout_millis=max(left, 0.05) * 1000)
         except Exception:
             pass
 
     def status(self) -> dict:
-        # synthesized root spans count as recorded (they are exported too);
-        # parent_dropped lets the parent avoid double counting its own drops
-        self.health["root_spans"] = self.span_builder.roots_emitted
-        self.health["spans_recorded"] = self.health["parent_recorded"] + self.health["root_spans"]
-        s = dict(self.health)
+        with self._cv:
+            s = {**self.counts, "dropped": dict(self.counts["dropped"])}
         s["notes"] = list(self.notes)
+        if self.metric_errors:
+            s["metric_errors"] = self.metric_errors
         return s
+
+    def final_status(self) -> dict:
+        """After shutdown(): an export call still hanging past the bound cannot finish
+        before this process moves on; its spans count as shutdown_timeout."""
+        with self._cv:
+            if self._current is not None:
+                entry, self._current = self._current, None
+                self._commit(entry, 0, 0, len(entry[1]))
+        return self.status()

@@ -2,11 +2,11 @@
 span per trace key. Runs on the SDK side (exporter process or thread-mode pipeline), so
 the training process only ships raw records.
 
-Raw record (as shipped): the hot path's tuple (SPAN, name, t0_ns, t1_ns, trace_key,
-links, attrs, extra, events, device_s, error), perf_counter_ns times, the CUDA event pair
-replaced by the device duration; `epoch_offset_ns` maps them to epoch time.
+Stage record (as shipped): see otel/records.py; perf_counter_ns times, the CUDA event
+pair replaced by the device duration; `epoch_offset_ns` maps them to epoch time.
 Span tuple: (name, trace_id, span_id, parent_id, start_ns, end_ns, attrs, events, links,
-error, device_s).
+error, device_s); error is None or (type, message, stack trace), which becomes the
+span's ERROR status and an `exception` event (OpenTelemetry's exception conventions).
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class SpanBuilder:
         off, key_ids, roots, emitted = self.off, self.key_ids, self._open_roots, self._emitted_roots
         now = time.monotonic()
         out = []
-        for _, name, t0, t1, key, links, attrs, extra, events, device_s, error in records:
+        for name, t0, t1, key, links, attrs, extra, events, device_s, error in records:
             if extra:
                 attrs.update(extra)  # attrs is the stage call's own kwargs dict
             if device_s is not None:
@@ -49,6 +49,10 @@ class SpanBuilder:
                     roots[key] = [t0, t1, now]
             else:
                 trace_id, parent_id = random_trace_id(), 0
+            if error is not None:
+                events = list(events or ()) + [("exception", t1, {
+                    "exception.type": error[0], "exception.message": error[1],
+                    "exception.stacktrace": error[2]})]
             out.append((name, trace_id, random_span_id(), parent_id, t0 + off, t1 + off, attrs,
                         [(n, t + off, a) for n, t, a in events] if events else None,
                         [key_ids(tuple(k)) for k in links] if links else None,

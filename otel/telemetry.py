@@ -12,10 +12,14 @@ import time
 import weakref
 from urllib.parse import unquote
 
+from otel.health import health as span_health
 from otel.hot_path import ADD, NULL_STAGE, RECORD, BufferRegistry, CudaEventPool, Stage, bound_stage_class
-from otel.profile import Profile, format_table
+from otel.instruments import Instruments
+from otel.profile import format_table
 
 _TRUE = ("1", "true", "yes", "on")
+# niceness increment of the exporter process (see docs/otel.md, "Exporter priority")
+EXPORTER_NICE = 0
 
 
 def _env_resource_attributes() -> dict:
@@ -35,16 +39,14 @@ class Telemetry:
     def __init__(self, *, service_name, run_id, resource_attributes, file_dir, console,
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
-                 exporter_nice=19, idle_attribution=True, idle_rules=None, root_spans=True):
+                 exporter_nice=EXPORTER_NICE, idle_attribution=True, idle_rules=None, root_spans=True,
+                 exporter_start_wait_s=3.0, exporter_stuck_s=15.0):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
         self.run_id = run_id
         self.mode = mode
         self.console = console
-        self.console_interval_s = console_interval_s
-        self.export_interval_s = export_interval_s
-        self.metric_export_interval_s = metric_export_interval_s
         self.stage_metric = f"{service_name}.stage.duration"
         self._registry = BufferRegistry(max_queue)
         self._tls = self._registry._tls
@@ -52,19 +54,7 @@ class Telemetry:
         self._cuda_pool = None
         self._cuda_pool_size = cuda_pool_size
         self._cuda_lock = threading.Lock()
-        self._gauge_callbacks: dict = {}
-        self._instruments: dict = {}
-        self._new_instruments: dict = {}
-        self._inst_lock = threading.Lock()
-        self._profile = Profile()
-        self._idle = None
-        if idle_attribution:  # live busy / idle-by-cause per worker (otel/idle_metrics.py)
-            from otel.idle_metrics import IdleMetrics
-            self._idle = IdleMetrics(service_name, **({"rules": idle_rules} if idle_rules else {}))
-            self._register(self._idle.busy_name, ("counter", "s", "Worker time inside compute stages."))
-            self._register(self._idle.idle_name, ("counter", "s", "Worker idle time by cause."))
-            self._gauge_callbacks[self._idle.fraction_name] = self._idle.fractions
-            self._register(self._idle.fraction_name, ("gauge", "1", "Worker busy time / wall time so far."))
+        self._instruments = Instruments()
         self._t0 = time.monotonic()
         self._t_end = None
         self._closed = False
@@ -73,8 +63,9 @@ class Telemetry:
         if gpu_indices is not None:
             from otel.nvml import resolve_devices
             gpu_devices = resolve_devices(list(gpu_indices))
+        from otel.background import BackgroundThread
         self.config = {
-            "service_name": service_name, "run_id": run_id,
+            "service_name": service_name, "run_id": run_id, "mode": mode,
             "resource_attributes": {**resource_attributes, "service.name": service_name, "run.id": run_id},
             "file_dir": file_dir, "metric_attributes": tuple(metric_attributes),
             "metric_export_interval_s": metric_export_interval_s, "max_queue": max_queue,
@@ -84,12 +75,16 @@ class Telemetry:
             # the synthesized per-key root spans; processes that share trace keys (ranks)
             # let exactly one of them emit, or the backend sees duplicate span ids
             "root_spans": root_spans,
+            # live busy / idle-by-cause per worker, computed on the exporter side
+            "idle_attribution": idle_attribution, "idle_rules": idle_rules,
+            "console_interval_s": (console_interval_s or 0) if console else 0,
+            "epoch_offset_ns": BackgroundThread.epoch_offset_ns(), "start_epoch_s": time.time(),
         }
-        from otel.background import BackgroundThread
-        self.config["epoch_offset_ns"] = BackgroundThread.epoch_offset_ns()
         from otel.transport import InProcessTransport, ProcessTransport
-        self._transport = ProcessTransport(self.config) if mode == "process" else InProcessTransport(self.config)
-        self._bg = BackgroundThread(self, self._transport)
+        self._transport = (ProcessTransport(self.config, start_wait_s=exporter_start_wait_s, stuck_s=exporter_stuck_s)
+                           if mode == "process" else InProcessTransport(self.config))
+        self._bg = BackgroundThread(self._registry, self._transport, self._instruments, self._cuda_pool_or_none,
+                                    interval_s=export_interval_s, metric_interval_s=metric_export_interval_s)
         self._bg.start()
         atexit.register(self.shutdown)
         ref = weakref.ref(self)
@@ -99,9 +94,7 @@ class Telemetry:
         """In a forked child the background thread is gone: stop buffering, stay silent."""
         self._closed = True
         self.console = False
-        for buf in self._registry.buffers:
-            buf.cap = 0
-        self._registry.cap = 0
+        self._registry.close()
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -112,10 +105,13 @@ class Telemetry:
         """Build the layer from the standard OTEL_* environment (see docs/otel.md).
         Extra options: export_timeout_s (per export request, default 5), cuda_pool_size
         (CUDA events pre-allocated, default 512), exporter_nice (niceness increment of the
-        exporter process, default 19: the lowest priority), idle_attribution (live busy /
+        exporter process, default EXPORTER_NICE; see docs/otel.md for the measurement), idle_attribution (live busy /
         idle-by-cause per worker, default on), idle_rules (otel.idle.IdleRules for the
         pipeline's stage names), root_spans (emit the per-key root spans; False on all but
-        one of several processes that share trace keys)."""
+        one of several processes that share trace keys), exporter_start_wait_s and
+        exporter_stuck_s (at shutdown: how long an exporter process that is not ready yet,
+        or that makes no progress, is waited for before this process exports the rest
+        itself; default 3 and 15)."""
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
             return cls.disabled()
         service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
@@ -156,8 +152,8 @@ class Telemetry:
             buf = self._tls.buf
         except AttributeError:
             buf = self._registry.get()
-        if len(buf.items) < buf.cap:
-            buf.items.append((ADD, name, value, attrs))
+        if len(buf.points) < buf.cap:
+            buf.points.append((ADD, name, value, attrs))
         else:
             buf.dropped_points += 1
 
@@ -167,8 +163,8 @@ class Telemetry:
             buf = self._tls.buf
         except AttributeError:
             buf = self._registry.get()
-        if len(buf.items) < buf.cap:
-            buf.items.append((RECORD, name, value, attrs))
+        if len(buf.points) < buf.cap:
+            buf.points.append((RECORD, name, value, attrs))
         else:
             buf.dropped_points += 1
 
@@ -176,23 +172,12 @@ class Telemetry:
     def declare(self, name, kind="counter", unit="1", description="") -> None:
         if kind not in ("counter", "histogram", "updown"):
             raise ValueError(f"kind must be counter, histogram or updown, not {kind!r}")
-        self._register(name, (kind, unit, description))
+        self._instruments.declare(name, kind, unit, description)
 
     def observable_gauge(self, name, callback, unit="1", description="") -> None:
         """callback() -> iterable of (value, attrs); called in the background thread about
         once per metric export; the values are shipped to the exporter."""
-        self._gauge_callbacks[name] = callback
-        self._register(name, ("gauge", unit, description))
-
-    def _register(self, name, spec):
-        with self._inst_lock:
-            self._instruments[name] = spec
-            self._new_instruments[name] = spec
-
-    def _take_new_instruments(self) -> dict:
-        with self._inst_lock:
-            new, self._new_instruments = self._new_instruments, {}
-        return new
+        self._instruments.observable_gauge(name, callback, unit, description)
 
     def _cuda_pool_or_create(self) -> CudaEventPool:
         if self._cuda_pool is None:
@@ -215,29 +200,23 @@ class Telemetry:
 
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
+        """Stage percentiles, per-worker busy/idle and span health (otel/health.py), as the
+        exporter side last reported them; final once shutdown() returned."""
         bg = self._bg
         wall = (self._t_end or time.monotonic()) - self._t0
-        with bg._lock:  # the profile changes inside cycles only
-            stages = self._profile.summary(wall)
         st = self._transport.status()
-        parent_dropped_seen = st.get("parent_dropped", 0)
-        dropped_here = bg.hot_dropped + self._transport.dropped
-        health = {
-            "spans_recorded": bg.spans_recorded + st.get("root_spans", 0),
-            "spans_exported": st.get("spans_exported", 0),
-            "spans_dropped": dropped_here + st.get("spans_dropped", 0) - parent_dropped_seen,
-            "export_failures": st.get("export_failures", 0),
-        }
-        out = {"wall_s": wall, "stages": stages, "health": health}
-        if self._idle is not None:
-            with bg._lock:
-                out["workers"] = self._idle.summary(final=self._closed)
+        remote = st.get("summary") or {}
+        # the exporter's figures are as of its last report; shares are of this wall time
+        stages = {name: {**st, "share": st["total_s"] / wall if wall > 0 else 0.0}
+                  for name, st in (remote.get("stages") or {}).items()}
+        out = {"wall_s": wall, "stages": stages,
+               "health": span_health(bg.buffer_full, bg.spans_pending, bg.spans_shipped, st)}
+        if self.config["idle_attribution"]:
+            out["workers"] = remote.get("workers", [])
         notes = list(st.get("notes", []))
         if self._cuda_pool is not None and self._cuda_pool.exhausted:
             notes.append(f"CUDA event pool exhausted {self._cuda_pool.exhausted} times (host timing only)")
-        if getattr(self._transport, "_dead", False) and not self._closed:
-            notes.append("exporter process is gone: telemetry is being dropped")
-        points_dropped = sum(b.dropped_points for b in list(self._registry.buffers))
+        points_dropped = self._registry.dropped_points()
         if points_dropped:
             notes.append(f"{points_dropped} counter/histogram values dropped (full per-thread buffer)")
         if notes:
@@ -258,19 +237,19 @@ class Telemetry:
         return self._transport.flush(max(deadline - time.monotonic(), 0.01))
 
     def shutdown(self, timeout_s=2.0) -> None:
-        """Flush within the bound and stop; returns in time even if the collector is
-        unreachable. Idempotent."""
+        """Export everything and stop. Local files are always written completely; the
+        bound applies to a network collector that does not answer. Idempotent."""
         if self._closed:
             return
         self._closed = True
-        deadline = time.monotonic() + timeout_s
         self._bg.stop(join_timeout_s=min(0.5, timeout_s * 0.25))
         try:
             self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=timeout_s * 0.25)
         except Exception as e:
             print(f"otel: final drain failed: {e!r}", file=sys.stderr)
+        self._registry.close()  # later records are counted as dropped, never kept
         self._t_end = time.monotonic()
-        self._transport.shutdown(max(deadline - time.monotonic(), 0.05))
+        self._transport.shutdown(timeout_s, time.time())
         if self.console:
             print(self.profile_table(), file=sys.stderr, flush=True)
         try:

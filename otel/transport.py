@@ -1,12 +1,23 @@
-"""How the background thread hands batches to the SDK pipeline.
+"""How the background thread hands batches to the exporter side.
 
-ProcessTransport ("process" mode): pickled batches, length-prefixed, written to the stdin
-pipe of `python -m otel.exporter_process` (spawned with subprocess, never forked). The
-pipe is non-blocking: if the child is slow or stuck the bytes wait in a bounded backlog,
-and past that batches are dropped and counted; the background thread never blocks on it.
-The child reports status as JSON lines on its stdout.
+ProcessTransport ("process" mode): each batch is pickled once and written, length
+prefixed, to the stdin pipe of `python -m otel.exporter_process` (spawned with
+subprocess, never forked). The pipe is non-blocking: the background thread never waits
+on it. The child acknowledges batches once every span in them is exported or dropped
+(`done_seq` in its JSON status lines on stdout); until then the batch's bytes stay here,
+so that if the child dies or never starts, this process exports them itself (a fallback
+InProcessTransport writing to the same sinks). Memory stays bounded: past
+`max_backlog_bytes` of unacknowledged batches new ones are dropped and counted
+(buffer_full).
 
-InProcessTransport ("thread" mode): calls the pipeline directly in the background thread.
+Shutdown: a local sink (files, console) is drained completely, for as long as the child
+keeps making progress (its CPU time or its acknowledgements move), because a child that
+is slow to get the CPU on a busy host is not a reason to lose spans. A network exporter
+gets the caller's bound. A child that never became ready, or stopped making progress, is
+killed and its unacknowledged batches go to the fallback.
+
+InProcessTransport ("thread" mode): feeds a BatchConsumer directly in the background
+thread.
 """
 from __future__ import annotations
 
@@ -19,52 +30,131 @@ import sys
 import threading
 import time
 import weakref
+from collections import deque
+from typing import Protocol
+
+from otel.exporter_choice import spans_local_only
+from otel.health import add_statuses, empty_status
 
 _HEADER = struct.Struct("<Q")
 _F_SETPIPE_SZ = 1031  # Linux fcntl: a bigger pipe absorbs export hiccups without backlog
 
 
+class Transport(Protocol):
+    """What the background thread and the facade need from a transport."""
+
+    dead: bool      # the exporter is gone: its own sinks receive nothing more
+
+    def send(self, batch: dict) -> None: ...
+
+    def status(self) -> dict: ...   # otel.health status: committed counts, notes, summary
+
+    def flush(self, timeout_s: float) -> bool: ...
+
+    def shutdown(self, network_timeout_s: float, end_epoch_s: float) -> None: ...
+
+
+def _sanitized(batch: dict) -> dict:
+    """A batch with every attribute value that pickle refused turned into its str()."""
+    def clean(d):
+        return {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in d.items()}
+    out = dict(batch)
+    for key in ("spans", "cuda"):
+        out[key] = [r[:5] + (clean(r[5]), clean(r[6]) if r[6] else r[6]) + r[7:] for r in batch.get(key, ())]
+    out["points"] = [p[:3] + (clean(p[3]),) for p in batch.get("points", ())]
+    return out
+
+
 def frame(obj) -> bytes:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    try:
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # an attribute value that does not pickle (a lock, a CUDA tensor...)
+        data = pickle.dumps(_sanitized(obj), protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(data)) + data
 
 
-def _bounded(fn, timeout_s: float) -> bool:
-    """Run fn in a daemon thread; give up waiting after timeout_s (fn keeps running)."""
+def unframe(data: bytes):
+    return pickle.loads(data[_HEADER.size:])
+
+
+def _bounded(fn, timeout_s) -> bool:
+    """Run fn in a daemon thread; give up waiting after timeout_s (None: wait)."""
     t = threading.Thread(target=fn, name="otel-bounded", daemon=True)
     t.start()
-    t.join(max(timeout_s, 0.0))
+    t.join(None if timeout_s is None else max(timeout_s, 0.0))
     return not t.is_alive()
 
 
+def _cpu_ticks(pid: int):
+    """utime + stime of a process (Linux /proc), None where unavailable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 class InProcessTransport:
-    chunk = 64  # spans consumed per GIL-holding step; sleep(0) between lets workers run
+    chunk = 64  # stage records consumed per GIL-holding step; sleep(0) between lets workers run
 
     def __init__(self, config: dict):
-        from otel.sdk_pipeline import ExportPipeline  # the SDK only loads when used
-        self.pipeline = ExportPipeline(config)
-        self.dropped = 0
+        from otel.consumer import BatchConsumer  # the SDK only loads when used
+        self.consumer = BatchConsumer(config)
+        self.local_only = self.consumer.pipeline.local_only
+        self.dead = False
+        self._final = None
 
     def send(self, batch: dict) -> None:
-        raw = batch.get("raw") or []
-        for i in range(self.chunk, len(raw), self.chunk):
-            self.pipeline.consume({"raw": raw[i:i + self.chunk]})
+        spans = batch.get("spans") or []
+        last = (len(spans) - 1) // self.chunk * self.chunk if len(spans) > self.chunk else 0
+        for i in range(0, last, self.chunk):
+            self.consumer.consume({"seq": batch.get("seq", 0), "spans": spans[i:i + self.chunk],
+                                   "buffer_full": batch.get("buffer_full", 0)})
             time.sleep(0)
-        batch["raw"] = raw[:self.chunk]
-        self.pipeline.consume(batch)
+        self.consumer.consume({**batch, "spans": spans[last:]})
 
     def status(self) -> dict:
-        return self.pipeline.status()
+        st = self._final or self.consumer.status()
+        out = add_statuses(empty_status(), st)
+        out["summary"] = st.get("summary")
+        return out
 
     def flush(self, timeout_s: float) -> bool:
-        return self.pipeline.flush(timeout_s)
+        return self.consumer.flush(timeout_s)
 
-    def shutdown(self, timeout_s: float) -> None:
-        _bounded(lambda: self.pipeline.shutdown(timeout_s * 0.9), timeout_s)
+    def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> None:
+        def run():
+            self._final = self.consumer.shutdown(network_timeout_s * 0.9, end_epoch_s)
+        if not _bounded(run, None if self.local_only else network_timeout_s):
+            self._final = self.consumer.status(final=True)
 
 
 class ProcessTransport:
-    def __init__(self, config: dict, max_backlog_bytes: int = 16 << 20):
+    def __init__(self, config: dict, max_backlog_bytes: int = 16 << 20, start_wait_s: float = 3.0,
+                 stuck_s: float = 15.0):
+        self.config = config
+        self.local_only = spans_local_only(config.get("file_dir"))
+        self.start_wait_s = start_wait_s     # shutdown: how long a child that is not ready yet gets
+        self.stuck_s = stuck_s               # shutdown: no progress for this long -> fallback
+        self._max_backlog = max_backlog_bytes
+        self._out = bytearray(frame({"config": config}))
+        self._retained: deque = deque()      # (seq, n_spans, frame) not yet acknowledged
+        self._retained_bytes = 0
+        self._wlock = threading.Lock()       # _out, _retained
+        self._cv = threading.Condition()     # child messages
+        self.dead = False
+        self.ready = False
+        self._exited = False
+        self._final = None                   # the child's status after its shutdown
+        self._child: dict = empty_status()
+        self._buffer_full = 0                # spans refused because the backlog was full
+        self._gone = 0                       # spans neither child nor fallback could export
+        self._fallback = None
+        self._fallback_lock = threading.Lock()
+        self._notes: list[str] = []
+        self._acked = 0
+        self._seq = 0
         env = dict(os.environ)
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -78,15 +168,6 @@ class ProcessTransport:
         except OSError:
             pass
         os.set_blocking(self._fd, False)
-        self._max_backlog = max_backlog_bytes
-        self._out = bytearray(frame({"config": config}))
-        self._wlock = threading.Lock()
-        self._dead = False
-        self.dropped = 0
-        self._status: dict = {}
-        self._acked = 0
-        self._seq = 0
-        self._cv = threading.Condition()
         self._reader = threading.Thread(target=self._read_status, name="otel-exporter-status", daemon=True)
         self._reader.start()
         self._pump()
@@ -97,8 +178,10 @@ class ProcessTransport:
 
     def _forget_after_fork(self):
         self._wlock = threading.Lock()  # another thread may have held it at fork time
-        self._dead = True
+        self.dead = True
+        self._fallback = False          # a forked child exports nothing
         self._out.clear()
+        self._retained.clear()
         try:
             os.close(self._fd)
         except OSError:
@@ -106,18 +189,28 @@ class ProcessTransport:
 
     # ------------------------------------------------------------ writing
     def send(self, batch: dict) -> None:
+        if self.dead:
+            self._fallback_send(batch)
+            return
         data = frame(batch)  # pickling outside the lock
+        n_spans = len(batch.get("spans") or ()) + len(batch.get("cuda") or ())
         with self._wlock:
-            if self._dead or len(self._out) > self._max_backlog:
-                self.dropped += len(batch.get("raw") or ())
-            else:
-                self._out += data
-            self._pump_locked()
+            if not self.dead:
+                if self._retained_bytes + len(data) > self._max_backlog:
+                    self._buffer_full += n_spans
+                else:
+                    self._retained.append((batch.get("seq", 0), n_spans, data))
+                    self._retained_bytes += len(data)
+                    self._out += data
+                self._pump_locked()
+                return
+        self._fallback_send(batch)  # died while we pickled
 
     def _append(self, obj) -> None:
         with self._wlock:
-            if not self._dead:
+            if not self.dead:
                 self._out += frame(obj)
+                self._pump_locked()
 
     def _pump(self) -> None:
         with self._wlock:
@@ -125,29 +218,54 @@ class ProcessTransport:
 
     def _pump_locked(self) -> None:
         # callers hold _wlock: os.write exports the bytearray's buffer, so no other thread
-        # may resize it meanwhile (flush() runs in the caller's thread)
-        while self._out and not self._dead:
+        # may resize it meanwhile
+        while self._out and not self.dead:
             try:
                 n = os.write(self._fd, self._out)
             except BlockingIOError:
                 return
             except OSError:  # BrokenPipe: the child died
-                self._mark_dead()
+                self._mark_dead_locked("exporter process is gone")
                 return
             del self._out[:n]
 
-    def _mark_dead(self):
-        if not self._dead:
-            self._dead = True
+    def _mark_dead_locked(self, why: str) -> None:
+        if not self.dead:
+            self.dead = True
             self._out.clear()
-            print("otel: exporter process is gone; telemetry is dropped from now on", file=sys.stderr)
+            self._notes.append(f"{why}: this process exported the rest itself")
+            print(f"otel: {why}; exporting from the training process from now on", file=sys.stderr)
 
-    def _drain_out(self, deadline: float) -> bool:
-        while self._out and not self._dead and time.monotonic() < deadline:
-            self._pump()
-            if self._out:
-                time.sleep(0.002)
-        return not self._out
+    # ------------------------------------------------------------ the fallback
+    def _fallback_send(self, batch) -> None:
+        fb = self._take_over()
+        if fb:
+            fb.send(batch)
+        elif fb is None:
+            self._gone += len(batch.get("spans") or ()) + len(batch.get("cuda") or ())
+
+    def _take_over(self):
+        """Start the in-process fallback once, and give it every batch the child did not
+        acknowledge. None if it cannot run (its spans are exporter_gone); False after fork."""
+        with self._fallback_lock:
+            if self._fallback is None or self._fallback is False:
+                if self._fallback is False:
+                    return False
+                with self._wlock:
+                    retained, self._retained, self._retained_bytes = list(self._retained), deque(), 0
+                try:
+                    fb = InProcessTransport(self.config)
+                except Exception as e:
+                    self._notes.append(f"fallback exporter failed: {e!r}")
+                    self._gone += sum(n for _, n, _ in retained)
+                    self._fallback = "failed"
+                    return None
+                done = self._child.get("done_seq", 0)
+                for seq, n, data in retained:
+                    if seq > done:
+                        fb.send(unframe(data))
+                self._fallback = fb
+            return self._fallback if self._fallback != "failed" else None
 
     # ------------------------------------------------------------ status
     def _read_status(self):
@@ -157,47 +275,117 @@ class ProcessTransport:
             except ValueError:
                 continue
             with self._cv:
-                if "status" in msg:
-                    self._status = msg["status"]
+                if msg.get("ready"):
+                    self.ready = True
+                status = msg.get("status") or msg.get("final")
+                if status:
+                    self._child = status
+                    self._release(status.get("done_seq", 0))
+                if "final" in msg:
+                    self._final = msg["final"]
                 if "flushed" in msg:
                     self._acked = max(self._acked, msg["flushed"])
                 self._cv.notify_all()
         with self._cv:
+            self._exited = True
             self._cv.notify_all()
+        if self._final is None:
+            with self._wlock:
+                self._mark_dead_locked("exporter process is gone")
+
+    def _release(self, done_seq: int) -> None:
+        with self._wlock:
+            while self._retained and self._retained[0][0] <= done_seq:
+                self._retained_bytes -= len(self._retained.popleft()[2])
 
     def status(self) -> dict:
-        return dict(self._status)
+        child = self._child
+        fb = self._fallback
+        st = add_statuses(empty_status(), child)
+        if fb:
+            st = add_statuses(st, fb.status())
+        st["dropped"]["buffer_full"] += self._buffer_full
+        st["dropped"]["exporter_gone"] += self._gone
+        st["notes"] = st["notes"] + [n for n in self._notes if n not in st["notes"]]
+        st["summary"] = child.get("summary")
+        if fb and not (child.get("summary") or {}).get("stages"):
+            st["summary"] = fb.status().get("summary")
+        return st
 
     def flush(self, timeout_s: float) -> bool:
+        if self.dead:
+            fb = self._take_over()
+            return bool(fb) and fb.flush(timeout_s)
         deadline = time.monotonic() + timeout_s
-        if self._dead:
-            return False
         self._seq += 1
         seq = self._seq
         self._append({"flush": seq, "timeout_s": timeout_s * 0.8})
-        if not self._drain_out(deadline):
-            return False
+        while self._out and not self.dead and time.monotonic() < deadline:
+            self._pump()
+            if self._out:
+                time.sleep(0.002)
         with self._cv:
-            while self._acked < seq and self.proc.poll() is None:
+            while self._acked < seq and not self._exited:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
                 self._cv.wait(left)
         return self._acked >= seq
 
-    def shutdown(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        if not self._dead:
-            self._append({"shutdown": max(timeout_s * 0.7, 0.05)})
-            self._drain_out(deadline - 0.05)
+    # ------------------------------------------------------------ shutdown
+    def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> None:
+        deadline = None if self.local_only else time.monotonic() + network_timeout_s
+        if not self.dead:
+            self._append({"shutdown": max(network_timeout_s * 0.8, 0.05), "end_epoch_s": end_epoch_s})
+            finished = self._wait_child(deadline)
+            if not finished:
+                self.proc.kill()
+                with self._wlock:
+                    self._mark_dead_locked("exporter process " + (
+                        "made no progress" if self.ready else "was not ready") + " at shutdown")
         try:
-            self.proc.stdin.close()  # EOF: the child flushes within its budget and exits
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            self.proc.kill()  # the bound wins over the last spans
-            self.proc.wait()
-        self._reader.join(timeout=max(min(0.2, deadline - time.monotonic()), 0.01))
-        self._dead = True
+            self.proc.kill()
+        self._reader.join(timeout=1.0)
+        if self.dead and self._final is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                # the bound is spent: what the child held counts as lost to the bound
+                with self._wlock:
+                    left = sum(n for seq, n, _ in self._retained if seq > self._child.get("done_seq", 0))
+                    self._retained.clear()
+                self._child = add_statuses(self._child, {"dropped": {"shutdown_timeout": left}})
+                self._fallback = self._fallback or False
+            fb = self._take_over()
+            if fb:
+                fb.shutdown(max(network_timeout_s, 0.05) if deadline is None else
+                            max(deadline - time.monotonic(), 0.05), end_epoch_s)
+
+    def _wait_child(self, deadline) -> bool:
+        """Write out what is pending, close the pipe, wait for the child's final status.
+        False if the child must be given up on (never ready, stuck, or past the bound)."""
+        t0 = last_progress = time.monotonic()
+        closed = False
+        mark = None
+        while True:
+            self._pump()
+            if not self._out and not closed:
+                try:
+                    self.proc.stdin.close()  # EOF: the child finishes and exits
+                except OSError:
+                    pass
+                closed = True
+            with self._cv:
+                if self._final is not None or self._exited:
+                    return self._final is not None
+                self._cv.wait(0.05 if self._out else 0.5)
+                progress = (self._child.get("done_seq", 0), _cpu_ticks(self.proc.pid), len(self._out))
+            now = time.monotonic()
+            if progress != mark:
+                mark, last_progress = progress, now
+            if deadline is not None and now >= deadline:
+                return False
+            if not self.ready and now - t0 > self.start_wait_s:
+                return False  # never started (e.g. starved of CPU while importing): take over
+            if now - last_progress > self.stuck_s:
+                return False

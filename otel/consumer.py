@@ -1,0 +1,132 @@
+"""The receiving end of the shipped batches: everything that looks at records one by one.
+
+It runs where the OpenTelemetry SDK runs (the exporter process, or the background thread
+in "thread" mode), so the training process never pays per-record Python work beyond the
+hot path's tuple append. Per batch it:
+- feeds the stage records to the profile (console table, summary percentiles) and to the
+  live idle attribution (busy / idle-by-cause counters and the busy-fraction gauge);
+- sums counter points per (name, attributes) and records histogram points;
+- builds span tuples (ids, epoch times, per-key roots) and queues them for export, with
+  the batch's sequence number so that completion can be acknowledged batch by batch.
+
+A batch (built by otel.background):
+  {"seq": int, "spans": [stage records], "cuda": [stage records, device seconds resolved],
+   "points": [metric points], "buffer_full": int, "final": bool,
+   "instruments": {...}, "gauges": {...}}
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from otel.profile import Profile, format_table
+from otel.records import ADD, KIND, POINT_ATTRS, POINT_NAME, RECORD, VALUE
+from otel.sdk_pipeline import ExportPipeline
+from otel.span_builder import SpanBuilder
+
+
+def _key(name, attrs):
+    key = name, tuple(sorted(attrs.items()))
+    try:
+        hash(key)
+        return key
+    except TypeError:  # an unhashable attribute value (a list, ...)
+        return name, tuple(sorted((k, str(v)) for k, v in attrs.items()))
+
+
+class BatchConsumer:
+    def __init__(self, config: dict, pipeline: ExportPipeline | None = None):
+        self.config = config
+        self.pipeline = pipeline or ExportPipeline(config)
+        self.builder = SpanBuilder(config["run_id"], config["epoch_offset_ns"], config.get("root_spans", True))
+        self.profile = Profile()
+        self.epoch_offset_ns = int(config["epoch_offset_ns"])
+        self.start_epoch_s = float(config.get("start_epoch_s") or time.time())
+        self.end_epoch_s = None
+        self.console_interval_s = config.get("console_interval_s") or 0
+        self.title = f"{config['service_name']} telemetry profile ({config.get('mode', 'process')} mode)"
+        self._last_console = time.monotonic()
+        self.metric_failures = 0
+        self.idle = None
+        if config.get("idle_attribution", True):
+            from otel.idle_metrics import IdleMetrics
+            rules = config.get("idle_rules")
+            self.idle = IdleMetrics(config["service_name"], **({"rules": rules} if rules else {}))
+            self.pipeline.declare({
+                self.idle.busy_name: ("counter", "s", "Worker time inside compute stages."),
+                self.idle.idle_name: ("counter", "s", "Worker idle time by cause."),
+            })
+            self.pipeline.observable_gauge(self.idle.fraction_name, self.idle.fractions, "1",
+                                           "Worker busy time / wall time so far.")
+
+    # ------------------------------------------------------------ per batch
+    def consume(self, batch: dict) -> None:
+        final = bool(batch.get("final"))
+        if batch.get("instruments"):
+            self.pipeline.declare(batch["instruments"])
+        records = batch.get("spans") or []
+        if batch.get("cuda"):
+            records = records + batch["cuda"]
+        try:
+            self._metrics(batch, records, final)
+        except Exception as e:  # metrics must never cost the batch its spans
+            self.metric_failures += 1
+            if self.metric_failures == 1:
+                print(f"otel exporter: metrics of a batch failed: {e!r}", file=sys.stderr, flush=True)
+        spans = self.builder.build(records, final) if (records or final) else []
+        self.pipeline.enqueue(batch.get("seq", 0), spans, len(records), len(spans) - len(records),
+                              int(batch.get("buffer_full", 0)))
+        self._maybe_print()
+
+    def _metrics(self, batch, records, final) -> None:
+        if records:
+            self.profile.add_records(records)
+        adds: dict = {}
+        for p in batch.get("points") or ():
+            if p[KIND] == ADD:
+                k = _key(p[POINT_NAME], p[POINT_ATTRS])
+                adds[k] = adds.get(k, 0) + p[VALUE]
+            elif p[KIND] == RECORD:
+                self.pipeline.metric_point(p[POINT_NAME], "histogram", p[VALUE], p[POINT_ATTRS])
+        if self.idle is not None:
+            if records:
+                self.idle.feed(records)
+            # the records' clock: the training process's perf_counter_ns
+            now_ns = time.time_ns() - self.epoch_offset_ns
+            for name, attrs, secs in self.idle.deltas(now_ns, final):
+                adds[(name, attrs)] = adds.get((name, attrs), 0) + secs
+        for (name, attrs), value in adds.items():
+            self.pipeline.metric_point(name, "counter", value, dict(attrs))
+        if batch.get("gauges"):
+            self.pipeline.set_gauges(batch["gauges"])
+
+    def _maybe_print(self) -> None:
+        ci = self.console_interval_s
+        if ci and time.monotonic() - self._last_console >= ci:
+            self._last_console = time.monotonic()
+            print(format_table({**self.summary(), "health": self.pipeline.status()}, self.title),
+                  file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------ reporting
+    def summary(self, final: bool = False) -> dict:
+        """Stage percentiles and per-worker busy/idle, as of now (final: everything)."""
+        wall = (self.end_epoch_s or time.time()) - self.start_epoch_s
+        out = {"wall_s": wall, "stages": self.profile.summary(wall)}
+        if self.idle is not None:
+            out["workers"] = self.idle.summary(final=final)
+        return out
+
+    def status(self, final: bool = False) -> dict:
+        """Export counts (committed batch by batch) plus the summary."""
+        st = self.pipeline.final_status() if final else self.pipeline.status()
+        st["summary"] = self.summary(final)
+        return st
+
+    def flush(self, timeout_s: float) -> bool:
+        return self.pipeline.flush(timeout_s)
+
+    def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> dict:
+        """Export everything local, network within the bound; returns the final status."""
+        self.end_epoch_s = end_epoch_s or time.time()
+        self.pipeline.shutdown(network_timeout_s)
+        return self.status(final=True)

@@ -1,0 +1,49 @@
+"""Span accounting: every stage record the hot path saw ends in exactly one bucket.
+
+  recorded = exported + dropped (by reason) + queued,   at any moment
+
+- recorded: stage records (including those a full buffer refused) plus the synthesized
+  per-key root spans;
+- dropped, by reason:
+    buffer_full       a per-thread list or the transport's bounded backlog was full
+    collector_down    a span exporter refused the spans, or its bounded queue was full
+    exporter_gone     the exporter process died and its batches could not be re-exported
+    shutdown_timeout  a network exporter was still busy when the shutdown bound ran out
+- queued: waiting for CUDA events, in flight to the exporter, or in its export queue.
+
+The exporter side commits its counts batch by batch (otel.sdk_pipeline), so the sum holds
+for any status snapshot, not only at the end.
+"""
+from __future__ import annotations
+
+DROP_REASONS = ("buffer_full", "collector_down", "exporter_gone", "shutdown_timeout")
+
+
+def empty_status() -> dict:
+    """What a transport reports before its exporter said anything."""
+    return {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0, "export_failures": 0,
+            "dropped": {r: 0 for r in DROP_REASONS}, "notes": []}
+
+
+def add_statuses(a: dict, b: dict) -> dict:
+    """Two exporters' committed counts together (an exporter process and the fallback
+    that took over from it)."""
+    out = dict(a)
+    for k in ("spans_done", "roots", "spans_exported", "export_failures"):
+        out[k] = a.get(k, 0) + b.get(k, 0)
+    out["dropped"] = {r: a.get("dropped", {}).get(r, 0) + b.get("dropped", {}).get(r, 0) for r in DROP_REASONS}
+    out["notes"] = list(a.get("notes", [])) + [n for n in b.get("notes", []) if n not in a.get("notes", [])]
+    return out
+
+
+def health(buffer_full: int, pending: int, shipped: int, status: dict) -> dict:
+    """buffer_full: records the hot path's lists refused; pending: records waiting for CUDA
+    events; shipped: records handed to the transport; status: the transport's counts."""
+    dropped = {r: status.get("dropped", {}).get(r, 0) for r in DROP_REASONS}
+    in_transport = dropped["buffer_full"] + dropped["exporter_gone"]  # never reached an exporter
+    dropped["buffer_full"] += buffer_full
+    recorded = buffer_full + pending + shipped + status.get("roots", 0)
+    queued = pending + shipped - status.get("spans_done", 0) - in_transport
+    return {"spans_recorded": recorded, "spans_exported": status.get("spans_exported", 0),
+            "spans_dropped": sum(dropped.values()), "spans_queued": queued,
+            "dropped": dropped, "export_failures": status.get("export_failures", 0)}
