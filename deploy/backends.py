@@ -331,7 +331,11 @@ def main(argv=None) -> int:
         return 1
     b.with_prometheus = shutil.which("prometheus") is not None
     t0 = time.monotonic()
-    b.start()
+    try:
+        b.start()
+    except RuntimeError as e:
+        print(f"backends: {e}", file=sys.stderr)
+        return 1
     for proc in b.procs.values():   # they outlive this command: `make backends-down` stops them
         proc.returncode = 0
     p = b.ports
