@@ -1,5 +1,4 @@
 """OTEL_SDK_DISABLED=true: the same API, a near-free no-op, no exporter process."""
-import time
 
 import psutil
 
@@ -13,14 +12,10 @@ def test_sdk_disabled_makes_stage_a_near_free_noop(monkeypatch):
     assert isinstance(tel, otel.DisabledTelemetry) and not tel.enabled
     assert {p.pid for p in psutil.Process().children()} == children_before
 
-    n = 100_000
-    t0 = time.perf_counter()
-    for i in range(n):
+    for i in range(1000):  # its cost is measured in bench/hot_path.py, not asserted here
         with tel.stage("model_forward", trace=("batch", i), worker="t0") as st:
             st.set(tokens=1)
             st.event("e")
-    per_call_us = (time.perf_counter() - t0) / n * 1e6
-    assert per_call_us < 3.0, per_call_us  # generous; ~0.3 us measured
 
     tel.add("c", 1)
     tel.record("h", 1.0)
@@ -36,3 +31,22 @@ def test_sdk_disabled_makes_stage_a_near_free_noop(monkeypatch):
     assert tel.flush() is True
     tel.shutdown()
     assert otel.Telemetry.disabled().stage("a") is tel.stage("b")
+
+
+def _public(cls) -> dict:
+    import inspect
+    return {name: inspect.signature(getattr(cls, name)) for name in dir(cls)
+            if not name.startswith("_") and callable(getattr(cls, name)) and name not in ("from_env", "disabled")}
+
+
+def test_enabled_and_disabled_share_one_public_api():
+    """Code written against one works against the other, as with OpenTelemetry's tracer
+    and no-op tracer: same public methods, same signatures, both satisfy the Protocol."""
+    from otel.api import TelemetryAPI
+
+    real, noop = _public(otel.Telemetry), _public(otel.DisabledTelemetry)
+    assert real.keys() == noop.keys()
+    for name in real:
+        assert list(real[name].parameters) == list(noop[name].parameters), name
+    assert set(real) >= {n for n in dir(TelemetryAPI) if not n.startswith("_")} - {"enabled", "mode", "run_id"}
+    assert isinstance(otel.Telemetry.disabled(), TelemetryAPI)

@@ -71,3 +71,25 @@ def test_file_sink_lines_parse_as_otlp_json(tmp_path, mode, make_tel):
     assert len(filesink.read_spans(str(tmp_path))) == len(spans)
     assert any(p["name"] == "dflash.tokens" and p["value"] == 5
                for p in filesink.read_metrics(str(tmp_path)))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_failing_stage_carries_an_exception_event(tmp_path, mode, make_tel):
+    """OpenTelemetry's exception conventions: ERROR status plus an `exception` event with
+    type, message and stack trace, so the failure is readable in Jaeger."""
+    tel = make_tel(mode=mode, file_dir=str(tmp_path))
+
+    def deep():
+        raise RuntimeError("expected scalar type Float but found BFloat16")
+
+    with pytest.raises(RuntimeError):
+        with tel.stage("drafter_forward", worker="drafter0"):
+            deep()
+    tel.shutdown()
+    (span,) = filesink.read_spans(str(tmp_path))
+    assert span["status"]["code"] == 2  # STATUS_CODE_ERROR
+    assert span["status"]["message"].startswith("RuntimeError: expected scalar type")
+    (ev,) = [e for e in span["events"] if e["name"] == "exception"]
+    assert ev["attributes"]["exception.type"] == "RuntimeError"
+    assert ev["attributes"]["exception.message"] == "expected scalar type Float but found BFloat16"
+    assert "in deep" in ev["attributes"]["exception.stacktrace"]
