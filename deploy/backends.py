@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="deploy/backends.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("action", choices=["up", "down", "status"])
     ap.add_argument("--dir", default=str(ROOT / "runs" / "backends"), help="pids, logs, configs (runs/backends)")
+    ap.add_argument("--free-ports", action="store_true",
+                    help="up: free loopback ports instead of the usual ones (written to DIR/ports.json)")
     a = ap.parse_args(argv)
     workdir = Path(a.dir).resolve()
     if a.action == "down":
@@ -323,7 +325,7 @@ def main(argv=None) -> int:
            for n in NAMES):
         print(f"backends already running (pids in {workdir}); `make backends-down` first", file=sys.stderr)
         return 1
-    b = Backends(workdir)
+    b = Backends(workdir, Ports.free() if a.free_ports else None)
     taken = [f"{f.name}={getattr(b.ports, f.name)}" for f in dataclasses.fields(b.ports)
              if port_open(getattr(b.ports, f.name))]
     if taken:
@@ -339,6 +341,7 @@ def main(argv=None) -> int:
     for proc in b.procs.values():   # they outlive this command: `make backends-down` stops them
         proc.returncode = 0
     p = b.ports
+    (workdir / "ports.json").write_text(json.dumps(dataclasses.asdict(p), indent=2) + "\n")
     print(f"backends up in {time.monotonic() - t0:.1f} s (pids and logs in {workdir}):")
     print(f"  Collector  OTLP gRPC 127.0.0.1:{p.otlp_grpc}, HTTP 127.0.0.1:{p.otlp_http}; "
           f"metrics :{p.collector_metrics}, own :{p.collector_self}, health :{p.collector_health}")

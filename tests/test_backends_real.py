@@ -161,6 +161,31 @@ def test_repo_collector_config_loads_in_the_real_collector(bins, tmp_path):
         assert used == built, f"{kind}: config uses {sorted(used)}, binary has {sorted(built)}"
 
 
+@pytest.mark.timeout(1800)
+def test_backends_up_and_down_leave_nothing_running(bins, tmp_path):
+    """What `make backends` / `make backends-down` run (on free ports here)."""
+    script = str(ROOT / "deploy" / "backends.py")
+    p = subprocess.run([sys.executable, script, "up", "--dir", str(tmp_path), "--free-ports"],
+                       capture_output=True, text=True, timeout=300)
+    try:
+        assert p.returncode == 0, p.stdout + p.stderr
+        ports = json.loads((tmp_path / "ports.json").read_text())
+        pids = {n: int((tmp_path / f"{n}.pid").read_text()) for n in ("jaeger", "otelcol")}
+        assert bk.http_get(f"http://127.0.0.1:{ports['jaeger_query']}/api/services")[0] == 200
+        assert bk.http_get(f"http://127.0.0.1:{ports['collector_health']}/")[0] == 200
+        if PROMETHEUS:
+            pids["prometheus"] = int((tmp_path / "prometheus.pid").read_text())
+            assert bk.http_get(f"http://127.0.0.1:{ports['prometheus']}/-/ready")[0] == 200
+        assert "already running" in subprocess.run([sys.executable, script, "up", "--dir", str(tmp_path)],
+                                                   capture_output=True, text=True).stderr
+    finally:
+        d = subprocess.run([sys.executable, script, "down", "--dir", str(tmp_path)], capture_output=True, text=True)
+    assert d.returncode == 0 and all(n in d.stdout for n in pids), d.stdout
+    for n, pid in pids.items():
+        assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text(), n
+    assert not list(tmp_path.glob("*.pid"))
+
+
 # ------------------------------------------------------------------ helpers for the runs
 
 def _train_env(b: bk.Backends) -> dict:
