@@ -41,9 +41,9 @@ build_one() {
   echo "building $name -> $out (first time only; several minutes on 2 cores)" >&2
   case "$name" in
     otelcol)
-      (cd "$here/otelcol" && go build -trimpath -ldflags "-s -w -X main.version=$OTELCOL_CONTRIB_VERSION" -o "$tmp" .) ;;
+      (cd "$here/otelcol" && go build -buildvcs=false -trimpath -ldflags "-s -w -X main.version=$OTELCOL_CONTRIB_VERSION" -o "$tmp" .) ;;
     jaeger)   # the module's tool directive pins github.com/jaegertracing/jaeger@v$JAEGER_MODULE_VERSION
-      (cd "$here/jaeger" && go build -trimpath -ldflags "-s -w -X github.com/jaegertracing/jaeger/internal/version.latestVersion=v$JAEGER_VERSION" -o "$tmp" github.com/jaegertracing/jaeger/cmd/jaeger) ;;
+      (cd "$here/jaeger" && go build -buildvcs=false -trimpath -ldflags "-s -w -X github.com/jaegertracing/jaeger/internal/version.latestVersion=v$JAEGER_VERSION" -o "$tmp" github.com/jaegertracing/jaeger/cmd/jaeger) ;;
   esac
   mv -f "$tmp" "$out"
   echo "built $name in $((SECONDS - t0)) s" >&2
