@@ -1,6 +1,9 @@
 """Per-record cost of the hot path, side by side in one run:
 bare loop | tel.stage | tel.add | OpenTelemetry SDK start_span(start_time).end(end_time) |
-NoOp tracer. Last line: one JSON object.
+NoOp tracer; the background thread's cost per record; and the whole in-process cost: a
+tight loop of 100,000 stages with attributes while the background thread and the
+exporter process run as in training (hot path + the background thread's GIL share),
+against an SDK span with explicit times. Last line: one JSON object.
 
     .venv/bin/python bench/hot_path.py [--n 200000]
 """
@@ -46,6 +49,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=20_000)
     ap.add_argument("--mode", default="process")
+    ap.add_argument("--total-n", type=int, default=100_000, help="records in the in-process-total loop")
     args = ap.parse_args()
     n = args.n
 
@@ -132,6 +136,42 @@ def main():
     res["background_cycle_us_per_record"] = best / n * 1e6
     tel.shutdown()
 
+    # the whole in-process cost, as a training process pays it: background thread at its
+    # default 100 ms cycle, exporter process consuming; the loop's wall time includes every
+    # GIL handoff to the background thread, and the final cycle ships the remainder
+    total_n = args.total_n
+    tel = otel.Telemetry.from_env(console=False, mode=args.mode, max_queue=4 * total_n)
+    tel.flush(timeout_s=30)  # exporter ready before timing
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        st = tel.stage
+        for i in range(total_n):
+            with st("model_forward", worker="target0", batch_id=i):
+                pass
+        tel._bg.cycle()
+        best = min(best, time.perf_counter() - t0)
+        tel.flush(timeout_s=60)  # let the exporter catch up between rounds
+    res["in_process_total_us_per_record"] = best / total_n * 1e6
+    tel.shutdown(timeout_s=30)
+
+    # naming the record fields with a NamedTuple instead of a plain tuple: what the hot
+    # path would pay to build one (otel/records.py explains the choice)
+    from collections import namedtuple
+    NT = namedtuple("StageRecord", "name t0 t1 trace links attrs extra events cuda error")
+    a = {"worker": "target0"}
+
+    def plain_tuple(n):
+        for i in range(n):
+            ("model_forward", i, i, None, None, a, None, None, None, None)
+
+    def named_tuple(n):
+        for i in range(n):
+            NT("model_forward", i, i, None, None, a, None, None, None, None)
+
+    res["record_as_tuple_us"] = per_call_us(plain_tuple, n, 7)
+    res["record_as_namedtuple_us"] = per_call_us(named_tuple, n, 7)
+
     b = res["bare_loop_us"]
     res["sdk_over_stage"] = res["sdk_span_explicit_times_us"] / res["stage_us"]
     res["sdk_bsp_over_stage"] = res["sdk_span_with_batch_processor_us"] / res["stage_us"]
@@ -139,20 +179,24 @@ def main():
                                          / res["stage_with_trace_and_3_attrs_us"])
     res["sdk_over_stage_net_of_loop"] = (res["sdk_span_explicit_times_us"] - b) / (res["stage_us"] - b)
     res["stage_over_noop"] = res["stage_us"] / res["noop_tracer_span_us"]
-    res["goal_stage_le_1us"] = res["stage_us"] <= 1.0
-    res["goal_sdk_ge_15x"] = res["sdk_bsp_over_stage"] >= 15
+    res["sdk_over_in_process_total"] = res["sdk_span_explicit_times_us"] / res["in_process_total_us_per_record"]
+    res["goal_in_process_total_le_1_5us"] = res["in_process_total_us_per_record"] <= 1.5
+    res["goal_sdk_ge_20x_in_process_total"] = res["sdk_over_in_process_total"] >= 20
     res["mode"] = args.mode
     res["n"] = n
 
     print(f"{'case':<42}{'us/record':>10}")
     for k in ("bare_loop_us", "stage_us", "stage_with_trace_and_3_attrs_us", "add_us",
               "sdk_span_explicit_times_us", "sdk_span_with_batch_processor_us",
-              "sdk_span_with_batch_processor_3_attrs_us", "noop_tracer_span_us", "background_cycle_us_per_record"):
+              "sdk_span_with_batch_processor_3_attrs_us", "noop_tracer_span_us", "background_cycle_us_per_record",
+              "in_process_total_us_per_record", "record_as_tuple_us", "record_as_namedtuple_us"):
         print(f"{k:<42}{res[k]:>10.3f}")
     print(f"SDK span / tel.stage: {res['sdk_over_stage']:.1f}x without a processor, "
           f"{res['sdk_bsp_over_stage']:.1f}x with a BatchSpanProcessor, "
           f"{res['sdk_bsp_over_stage_3_attrs']:.1f}x with 3 attributes each "
           f"(net of loop: {res['sdk_over_stage_net_of_loop']:.1f}x); tel.stage / NoOp span: {res['stage_over_noop']:.2f}")
+    print(f"whole in-process cost {res['in_process_total_us_per_record']:.3f} us/record (goal <= 1.5); "
+          f"SDK explicit-time span / that: {res['sdk_over_in_process_total']:.1f}x (goal >= 20)")
     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in res.items()}))
 
 
