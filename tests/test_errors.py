@@ -1,9 +1,13 @@
 """An unexpected failure inside a worker is debuggable: the worker's own traceback, its name
 and stage on stderr and in OUT/error.txt (exit 1). Bad input stays one line (exit 2):
 tests/test_cli_errors.py."""
+import os
+
 import pytest
 
 from helpers import TINY, run_dflash
+
+NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}  # telemetry to local OTLP/JSON files
 
 
 @pytest.mark.parametrize("stage,worker,frame,extra", [
@@ -14,7 +18,7 @@ from helpers import TINY, run_dflash
 def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp_path, stage, worker, frame, extra):
     run = tmp_path / "run"
     p = run_dflash("train", "--out", run, "--target", "tiny-llama", "--steps", 3, *TINY, *extra,
-                   "--inject-fault", f"{stage}=1", "--no-telemetry", check=False, timeout=300)
+                   "--inject-fault", f"{stage}=1", env=NO_OTEL_ENV, check=False, timeout=300)
     assert p.returncode == 1, p.stderr[-3000:]
     message = f"InjectedFault: injected fault in {stage} at step 1"
     err = p.stderr
@@ -29,3 +33,18 @@ def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp
     assert f"worker: {worker}\nstage: {stage}\n" in text
     assert frame in text and message in text and "Traceback (most recent call last)" in text
     assert not (run / "checkpoint").exists(), "a failed run saves no checkpoint"
+
+    # the failing span carries it too: an `exception` event per OpenTelemetry's conventions
+    from otel.filesink import read_spans
+
+    spans = [s for f in sorted((run / "telemetry").rglob("traces.jsonl")) for s in read_spans(f)]
+    failed = [s for s in spans if s["name"] == stage and s["attributes"].get("step") == 1]
+    assert len(failed) == 1, [(s["name"], s["attributes"].get("step")) for s in spans]
+    span = failed[0]
+    assert span["attributes"]["worker"] == worker and span["status"].get("code") == 2  # ERROR
+    (event,) = [e for e in span["events"] if e["name"] == "exception"]
+    attrs = event["attributes"]
+    assert attrs["exception.type"] == "InjectedFault"
+    assert attrs["exception.message"] == f"injected fault in {stage} at step 1"
+    assert attrs["exception.stacktrace"].startswith("Traceback (most recent call last)")
+    assert 'faults.py", line' in attrs["exception.stacktrace"]
