@@ -27,6 +27,7 @@ class ModelConfig:
     num_target_layers: int = 3           # n layers fused into the context
     target_layer_ids: list[int] = field(default_factory=list)  # empty: spread evenly
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
 
 
 @dataclass
@@ -48,11 +49,14 @@ class TrainConfig:
     num_anchors: int = 8
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    loss_gamma: float = 0.0              # decay of the per-slot loss weights; 0: by block size (7 for 16)
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     seed: int = 0
     save_every: int = 0                  # 0: only at the end
     stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
+    estimate_every: int = 0              # >0: acceptance estimate on held-out samples every N steps
+    estimate_samples: int = 4            # samples kept out of training for that estimate
 
 
 @dataclass
@@ -215,6 +219,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.num_layers={m.num_layers}: expected >= 1")
     if m.num_target_layers < 1:
         raise ConfigError(f"model.num_target_layers={m.num_target_layers}: expected >= 1")
+    if m.drafter_init not in ("random", "target"):
+        raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
+    if cfg.train.loss_gamma < 0:
+        raise ConfigError(f"train.loss_gamma={cfg.train.loss_gamma}: expected > 0 (or 0: by block size)")
+    if cfg.train.estimate_every < 0 or cfg.train.estimate_samples < 1:
+        raise ConfigError(f"train.estimate_every={cfg.train.estimate_every}, estimate_samples="
+                          f"{cfg.train.estimate_samples}: expected estimate_every >= 0 and estimate_samples >= 1")
     if m.dtype == "float16":  # refused, not half-supported: see README "Precision"
         raise ConfigError("model.dtype=float16: not supported (fp16 needs loss scaling, which this trainer "
                           "does not do, and bf16-trained targets can overflow in fp16); use bfloat16")

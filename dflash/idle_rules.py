@@ -12,6 +12,7 @@ DFLASH_RULES = IdleRules(
     carve_before={"model_forward": ("data_wait_s", "data_wait"),
                   "data_load": ("blocked_before_s", "queue_full")},
     busy=frozenset({"data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue",
-                    "drafter_forward", "backward", "optimizer_step"}),
+                    "drafter_forward", "backward", "optimizer_step", "acceptance_estimate",
+                    "checkpoint_write"}),
     ignore=frozenset({"skipped_step"}),
 )

@@ -32,6 +32,10 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
                              f"{describe_lossless(e)}; accepted+1 histogram {hist})")
+    est = (s.get("acceptance_estimate") or {}).get("last")
+    if est:
+        t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} (held-out replies, one forward, "
+                                  f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} ...)")
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"
         share = w["idle_s"].get(top, 0) / w["wall_s"] if w.get("wall_s") and top != "-" else 0
@@ -44,7 +48,7 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                                f"dropped {h.get('spans_dropped', 0)}{f' ({dropped})' if dropped else ''}, "
                                f"queued {h.get('spans_queued', 0)}, export failures {h.get('export_failures', 0)}")
     # only what is on disk: a run whose telemetry went to a collector has no telemetry/
-    written = [name for name in ("checkpoint", "summary.json", "telemetry/", "error.txt")
+    written = [name for name in ("checkpoint", "summary.json", "learning_curve.png", "telemetry/", "error.txt")
                if (Path(out_dir) / name.rstrip("/")).exists()]
     t.add_row("files", "  ".join(f"{out_dir}/{name}" for name in written) or "none")
     con.print(t)

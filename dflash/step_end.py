@@ -23,6 +23,10 @@ class StepEnd:
         tel.add("dflash.train.steps", 1, worker=worker)
         self._record(step, loss, acc, gnorm, nonfinite)
         self.bar.update(tokens)
+        est = ctx.estimate
+        if est is not None and est.due(ctx.step.step):
+            with tel.stage("acceptance_estimate", trace=("batch", step), worker=worker, step=step):
+                est(ctx.step.step)
         if self.save_every and ctx.step.step % self.save_every == 0:
             from .train import save
             save(ctx)

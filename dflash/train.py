@@ -46,6 +46,7 @@ class RunContext:
     nonfinite: list = field(default_factory=list)    # steps whose update was skipped
     targets: list = field(default_factory=list)      # one target replica per target worker
     vote: object = None                              # distributed.StopVote
+    estimate: object = None                          # acceptance_estimate.AcceptanceEstimate, if enabled
     writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
     warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
 
@@ -175,9 +176,19 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
         # the saved count is the all-rank total: rank 0 carries it, so sums stay exact
         start, tokens = tstate["step"], jstate.get("tokens", 0) if rank == 0 else 0
         history = [tuple(h) for h in jstate.get("history", [])]
+    samples, held_out = prep.samples, []
+    if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
+        # kept out of training: the acceptance estimate must measure held-out replies
+        samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
     ctx = RunContext(cfg=cfg, tel=tel, target=target, tokenizer=tok, layer_ids=layer_ids, step=step,
-                     samples=prep.samples, eval_convs=prep.eval_convs, out=out, rank=rank, world_size=world,
+                     samples=samples, eval_convs=prep.eval_convs, out=out, rank=rank, world_size=world,
                      start_step=start, history=history, tokens=tokens)
+    if held_out:
+        from .acceptance_estimate import AcceptanceEstimate
+        ctx.estimate = AcceptanceEstimate(ctx, held_out, cfg.train.estimate_every)
+        tel.observable_gauge("dflash.train.acceptance_estimate",
+                             lambda: [(e[1], {})] if (e := ctx.estimate.latest()) else [], "1",
+                             "Estimated acceptance length on held-out replies (one forward, no decoding).")
     import copy
     replicas = {tdev: target}
     for d in tdevs:  # one frozen replica per target device; workers on one device share it
@@ -266,6 +277,8 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
             summary["eval_before"] = run_eval(ctx, "before training")
         t0 = time.perf_counter()
         tokens0, step0 = ctx.tokens, ctx.step.step
+        if ctx.estimate is not None:  # the curve's first point: where training starts from
+            ctx.estimate(ctx.step.step)
         loop = run_pipelined if cfg.pipeline.pipelined else run_reference
         loop(ctx)
         ctx.finish_readback()
@@ -288,6 +301,12 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
             "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
             "world_size": ctx.world_size, "train_samples": len(ctx.samples),
         })
+        if ctx.estimate is not None:
+            summary["acceptance_estimate"] = ctx.estimate.summary()
+        if ctx.rank == 0 and ctx.history:
+            from .learning_curve import write_png
+            write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
+                      cfg.model.block_size, f"{cfg.model.target}: drafter training")
         if ctx.warmup_s is not None:
             summary["warmup_s"] = round(ctx.warmup_s, 2)
         if ctx.writer is not None:  # off the drafter's path, but worth knowing

@@ -70,7 +70,11 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
     torch.manual_seed(cfg.train.seed)
-    return DFlashDrafter(dcfg)
+    drafter = DFlashDrafter(dcfg)
+    if cfg.model.drafter_init == "target":
+        from .drafter_init import init_from_target
+        init_from_target(drafter, target)
+    return drafter
 
 
 def cosine_with_warmup(total_steps: int, warmup_ratio: float):
@@ -98,7 +102,7 @@ class DrafterStep:
                                      weight_decay=cfg.train.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, cosine_with_warmup(max(1, cfg.train.steps), cfg.train.warmup_ratio))
-        self.weights = loss_weights(cfg.model.block_size).to(self.device)[1:]
+        self.weights = loss_weights(cfg.model.block_size, cfg.train.loss_gamma or None).to(self.device)[1:]
         self.step = 0
 
     def forward(self, features: torch.Tensor, batch: Batch):

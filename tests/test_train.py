@@ -44,9 +44,16 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
     p = run_dflash("eval", "--checkpoint", base / "checkpoint", "--json")
     before = last_json(p.stdout)
     assert {"acceptance_length", "block_size", "prompts", "histogram", "lossless"} <= set(before)
-    run_dflash("train", "--out", trained, "--target", "tiny-qwen3", "--steps", 120, "--no-telemetry", *TINY)
+    run_dflash("train", "--out", trained, "--target", "tiny-qwen3", "--steps", 120, "--no-telemetry", *TINY,
+               "--set", "train.estimate_every=40")
     after = last_json(run_dflash("eval", "--checkpoint", trained / "checkpoint", "--json").stdout)
     s = _summary(trained)
+    # the learning curve: a held-out acceptance estimate at steps 0, 40, 80, 120, and its picture
+    est = s["acceptance_estimate"]
+    assert [step for step, _ in est["history"]] == [0, 40, 80, 120]
+    assert est["history"][0][1] < 1.5 and est["history"][-1][1] > est["history"][0][1] + 1.0, est
+    assert len(est["last"]["slot_accuracy"]) == 7 and est["held_out_sequences"] == 4
+    assert (trained / "learning_curve.png").stat().st_size > 10_000
     assert s["loss_last"] < s["loss_first"]
     assert before["lossless"] and after["lossless"]
     assert before["acceptance_length"] < 1.5

@@ -1,0 +1,91 @@
+"""A cheap learning curve for acceptance: every `train.estimate_every` steps, one no-grad
+drafter forward over a fixed held-out batch, no decoding.
+
+The held-out batch is a few regenerated samples kept out of training; their target
+features are captured once at setup, so an estimate costs one drafter forward. For each
+sampled anchor the drafter's greedy guesses for slots 1..B-1 are compared with the
+labels, which are the target's own greedy tokens (regenerated replies). DFlash drafts all
+slots of a block in parallel, so the number of leading correct slots is exactly what a
+verify step would accept at that anchor: the mean of (leading correct + 1) is an estimate
+of tau over the held-out replies, and the per-slot accuracies say where a block breaks.
+(It skips decoding's feedback: real anchors are wherever the last verify stopped.)
+
+Values come back through a deferred read-back (no host sync on the drafter's thread).
+"""
+from __future__ import annotations
+
+import torch
+
+from . import data as data_mod
+from .drafter import sample_anchors
+from .readback import DeferredScalars
+from .trainer import Batch, target_features
+
+ESTIMATE_ANCHORS = 64   # per held-out sequence: more anchors, less noise, same single forward
+
+
+class AcceptanceEstimate:
+    def __init__(self, ctx, samples: list, every: int):
+        self.every = every
+        self.step = ctx.step
+        cfg = ctx.cfg
+        d = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
+                                  pad_id=ctx.tokenizer.pad_token_id, bucket=False))
+        self.batch = Batch.from_dict(d)
+        dev = self.step.device
+        with torch.no_grad():
+            self.features = target_features(ctx.target, self.batch, ctx.layer_ids, ctx.target.device).to(dev)
+        g = torch.Generator().manual_seed(cfg.train.seed + 7919)
+        anchors, valid = sample_anchors(self.batch.loss_mask, ESTIMATE_ANCHORS, cfg.model.block_size, generator=g)
+        self.ids = self.batch.input_ids.to(dev)
+        self.anchors, self.valid = anchors.to(dev), valid.to(dev)
+        Bk = cfg.model.block_size
+        pos = self.anchors[..., None] + torch.arange(1, Bk, device=dev)
+        lm = self.batch.loss_mask.to(dev)
+        self.label_ok = torch.gather(lm, 1, pos.clamp(max=self.ids.shape[1] - 1).view(self.ids.shape[0], -1)
+                                     ).view_as(pos).bool() & self.valid[..., None]
+        self.readback = DeferredScalars()
+        self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1])
+        self.block_size = Bk
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step % self.every == 0
+
+    @torch.no_grad()
+    def __call__(self, step: int) -> None:
+        """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
+        st = self.step
+        model = st.drafter
+        was_training = model.training
+        model.eval()
+        try:
+            logits, labels = model.train_forward(self.features, self.ids, self.anchors, self.valid,
+                                                 st.embed, st.lm_head)
+        finally:
+            model.train(was_training)
+        ok = self.label_ok
+        correct = (logits.argmax(-1) == labels) & ok
+        blocks = ok[..., 0]                                   # anchors whose slot 1 is a reply token
+        leading = correct.int().cumprod(-1).sum(-1).float()   # accepted drafts per block
+        n = blocks.sum().clamp_min(1)
+        tau = 1.0 + (leading * blocks).sum() / n
+        per_slot = correct.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp_min(1)
+        self.readback.put(step, tau=tau, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
+        self.collect()
+
+    def collect(self, blocking: bool = False) -> list:
+        done = self.readback.drain_blocking() if blocking else self.readback.ready()
+        for s, v in done:
+            self.history.append((s, v["tau"], [v[f"acc{k}"] for k in range(1, self.block_size)]))
+        return done
+
+    def latest(self):
+        return self.history[-1] if self.history else None
+
+    def summary(self) -> dict:
+        self.collect(blocking=True)
+        return {"every": self.every, "held_out_sequences": len(self.batch.lengths),
+                "history": [[s, round(t, 4)] for s, t, _ in self.history],
+                "last": ({"step": self.history[-1][0], "tau": round(self.history[-1][1], 4),
+                          "slot_accuracy": [round(a, 4) for a in self.history[-1][2]]}
+                         if self.history else None)}
