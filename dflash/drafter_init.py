@@ -1,11 +1,17 @@
 """Start the drafter from the target's own weights instead of random ones.
 
-`model.drafter_init=target` copies, for drafter layer i of n, the target's decoder layer
-L-n+i (the last ones: the layers closest to the lm_head the drafter shares), and the
-target's final norm into the drafter's. Only tensors with the same role and shape are
-copied: attention projections, the q/k norms where the target has them (Qwen3), the MLP
-and the two layer norms. A target layer without attention projections (a linear-attention
-layer of a hybrid model) is skipped. docs/demo-recipe.md measures what this buys.
+With `model.drafter_init=target` the drafter begins as a continuation of the target at
+its deepest fused layer: the context enters the drafter's first layer as the keys and
+values that the target's next layer computes from that hidden state.
+- `fc` (n*H -> H) selects the deepest fused layer's features (identity on that block,
+  zero elsewhere), and `hidden_norm` takes the input norm of the target layer after it;
+- drafter layer i copies target decoder layer d+1+i, where the deepest fused feature is
+  `hidden_states[d+1]` (the input of layer d+1), clipped to the last layers; layers
+  without attention projections (a hybrid model's linear-attention layers) are skipped;
+- the drafter's final norm copies the target's (the lm_head is the target's anyway).
+Only tensors with the same role and shape are copied: attention projections, q/k norms
+where the target has them (Qwen3), the MLP and the layer norms. docs/demo-recipe.md
+measures what this buys.
 """
 from __future__ import annotations
 
@@ -25,8 +31,13 @@ _LAYER_MAP = {
 
 def _decoder(target):
     inner = getattr(target, "model", None)
-    inner = getattr(inner, "language_model", inner)
-    return inner
+    return getattr(inner, "language_model", inner)
+
+
+def _copy(dst: torch.Tensor, src, copied: list, name: str) -> None:
+    if src is not None and src.shape == dst.shape:
+        dst.copy_(src.to(dst.dtype))
+        copied.append(name)
 
 
 @torch.no_grad()
@@ -34,19 +45,27 @@ def init_from_target(drafter, target) -> list[str]:
     """Copy what fits; returns the names of the drafter tensors that were copied."""
     dec = _decoder(target)
     layers = list(getattr(dec, "layers", []))
-    copied = []
+    attn = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "self_attn", None), "q_proj")]
     n = len(drafter.layers)
-    attn_layers = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "self_attn", None), "q_proj")]
-    chosen = attn_layers[-n:] if len(attn_layers) >= n else attn_layers
+    deepest = max(drafter.cfg.target_layer_ids)
+    after = [i for i in attn if i > deepest]
+    chosen = (after + [i for i in attn if i <= deepest][::-1])[:n]  # next layers first
+    chosen.sort()
+    copied: list[str] = []
     for i, t_idx in enumerate(chosen):
         src = dict(layers[t_idx].named_parameters())
         for name, p in drafter.layers[i].named_parameters():
-            t = src.get(_LAYER_MAP.get(name, ""))
-            if t is not None and t.shape == p.shape:
-                p.copy_(t.to(p.dtype))
-                copied.append(f"layers.{i}.{name}")
+            _copy(p, src.get(_LAYER_MAP.get(name, "")), copied, f"layers.{i}.{name}")
+    if chosen:
+        norm = getattr(layers[chosen[0]], "input_layernorm", None)
+        _copy(drafter.hidden_norm.weight, getattr(norm, "weight", None), copied, "hidden_norm.weight")
+    H = drafter.cfg.hidden_size
+    k = len(drafter.cfg.target_layer_ids)
+    order = sorted(range(k), key=lambda j: drafter.cfg.target_layer_ids[j])
+    fc = torch.zeros_like(drafter.fc.weight)
+    fc[:, order[-1] * H:(order[-1] + 1) * H] = torch.eye(H, dtype=fc.dtype)
+    drafter.fc.weight.copy_(fc)
+    copied.append("fc.weight")
     norm = getattr(dec, "norm", None)
-    if norm is not None and getattr(norm, "weight", None) is not None and norm.weight.shape == drafter.norm.weight.shape:
-        drafter.norm.weight.copy_(norm.weight.to(drafter.norm.weight.dtype))
-        copied.append("norm.weight")
+    _copy(drafter.norm.weight, getattr(norm, "weight", None), copied, "norm.weight")
     return copied
