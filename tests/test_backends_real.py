@@ -474,7 +474,8 @@ def _ts(rfc3339: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_collector_killed_and_restarted_mid_run(bins, tmp_path):
-    b = bk.Backends(tmp_path / "backends", bk.Ports.free(), with_prometheus=False)
+    b = bk.Backends(tmp_path / "backends", bk.Ports.free(), scrape_interval="1s", evaluation_interval="1s",
+                    alerts=_short_alerts(tmp_path), with_prometheus=PROMETHEUS is not None)
     b.start()
     try:
         _kill_and_restart_mid_run(b, tmp_path / "run")
@@ -527,9 +528,18 @@ def _kill_and_restart_mid_run(b: bk.Backends, out: Path):
     in_jaeger = _wait_for(lambda: (lambda n: n if n >= accepted else None)(
         sum(len(t["spans"]) for t in _jaeger_traces(b, run["run_id"]))), "Jaeger to hold what the new Collector accepted")
     assert in_jaeger < health["spans_recorded"]
+    alert = "no Prometheus"
+    if b.with_prometheus:   # the gap's failures reach Prometheus through the restarted Collector
+        prom = Prom(b.prometheus_url)
+        alerts = ["DflashTelemetryExportFailing"] + (["DflashTelemetryDroppingSpans"] if health["spans_dropped"] else [])
+        for name in alerts:
+            _wait_for(lambda: [a for a in prom.alerts(name)
+                               if a["labels"].get("run_id") == run["run_id"] and a["state"] == "firing"],
+                      f"{name} to fire")
+        alert = " and ".join(alerts) + " firing"
     print(f"\nkill/restart: recorded {health['spans_recorded']}, exported {health['spans_exported']}, "
           f"dropped {health['spans_dropped']}, export failures {health['export_failures']}; "
-          f"new Collector accepted {accepted:g}; Jaeger holds {in_jaeger} spans, {len(after)} started after the restart")
+          f"new Collector accepted {accepted:g}; Jaeger holds {in_jaeger} spans, {len(after)} started after the restart; {alert}")
 
 
 class _DeadPort:
