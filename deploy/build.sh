@@ -6,7 +6,8 @@
 #
 #   deploy/build.sh [otelcol|jaeger|all] [--print]    # --print: only print the paths
 #
-# Needs Go (1.24+) and the Go module proxy the first time. Prints one path per binary.
+# Needs Go 1.26+ (the collector 0.165 modules ask for it) and the Go module proxy the
+# first time. Prints one path per binary.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 # shellcheck source=deploy/versions.env
