@@ -461,6 +461,20 @@ def test_starved_drafter_alert_fires_for_a_slow_target_and_not_for_a_calm_run(st
           f"calm run share {calm_ratio:.3f}, no alert")
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_target_blocked_alert_fires_for_a_slow_drafter(stack, slow_run, tmp_path):
+    prom = _prom(stack)
+    run = _train(stack, tmp_path / "slow-drafter", SLOW_STEPS, "--inject-delay", "backward=1.0")
+    rid = run["run_id"]
+    firing = _wait_for(lambda: [a for a in prom.alerts("DflashTargetBlocked")
+                                if a["labels"].get("run_id") == rid and a["state"] == "firing"],
+                       "DflashTargetBlocked to fire for the slowed-drafter run")
+    assert firing[0]["labels"]["worker"].startswith("target")
+    assert not [a for a in prom.alerts("DflashDrafterStarved") if a["labels"].get("run_id") == rid]
+    print(f"\nDflashTargetBlocked: firing for a slowed drafter (queue_full share {float(firing[0]['value']):.2f})")
+
+
 def _ts(rfc3339: str) -> float:
     """Prometheus' lastEvaluation (RFC 3339 with nanoseconds) -> epoch seconds."""
     m = re.match(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(\.\d+)?(Z|[+-]\d\d:\d\d)", rfc3339)
