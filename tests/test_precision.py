@@ -1,8 +1,6 @@
 """Mixed precision: a bf16 target with a drafter that keeps fp32 master weights and computes
 in bf16, end to end on the CPU (which has bf16) — the path `model.dtype=auto` takes on CUDA."""
 import json
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -18,10 +16,11 @@ def bf16_target():
 def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
     from dflash.trainer import Batch, DrafterStep, build_drafter
 
+    from dflash.config import load_config
+
     model, tok = bf16_target
-    cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-3, weight_decay=0.0, steps=10, warmup_ratio=0.0,
-                                                grad_clip=1.0, seed=0, num_anchors=4),
-                          model=SimpleNamespace(block_size=8, num_layers=1, target="tiny-qwen3"))
+    cfg = load_config(None, ["model.block_size=8", "model.dtype=bfloat16", "train.num_anchors=4", "train.lr=1e-3",
+                             "train.warmup_ratio=0", "train.steps=10", "train.weight_decay=0"])
     drafter = build_drafter(cfg, model, tok, [1, 2, 3])
     st = DrafterStep(cfg, drafter, model.get_input_embeddings(), model.get_output_embeddings(), "cpu")
     g = torch.Generator().manual_seed(0)
