@@ -238,12 +238,13 @@ class ProcessTransport:
                 return
             del self._out[:n]
 
-    def _mark_dead_locked(self, why: str) -> None:
+    def _mark_dead_locked(self, why: str, take_over: bool = True) -> None:
         if not self.dead:
             self.dead = True
             self._out.clear()
-            self._notes.append(f"{why}: this process exported the rest itself")
-            print(f"otel: {why}; exporting from the training process from now on", file=sys.stderr)
+            then = "this process exported the rest itself" if take_over else "the rest is counted as dropped"
+            self._notes.append(f"{why}: {then}")
+            print(f"otel: {why}; {then}", file=sys.stderr)
 
     # ------------------------------------------------------------ the fallback
     def _fallback_send(self, batch) -> None:
@@ -346,12 +347,12 @@ class ProcessTransport:
         deadline = None if self.local_only else time.monotonic() + network_timeout_s
         if not self.dead:
             self._append({"shutdown": max(network_timeout_s * 0.8, 0.05), "end_epoch_s": end_epoch_s})
-            finished = self._wait_child(deadline)
-            if not finished:
+            why = self._wait_child(deadline)
+            if why:
                 self.proc.kill()
                 with self._wlock:
-                    self._mark_dead_locked("exporter process " + (
-                        "made no progress" if self.ready else "was not ready") + " at shutdown")
+                    self._mark_dead_locked(f"exporter process {why}", take_over=deadline is None or
+                                           time.monotonic() < deadline)
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -359,20 +360,20 @@ class ProcessTransport:
         self._reader.join(timeout=1.0)
         if self.dead and self._final is None:
             if deadline is not None and time.monotonic() >= deadline:
-                # the bound is spent: what the child held counts as lost to the bound
+                # the network bound is spent: what the child still held is lost to it
                 with self._wlock:
                     left = sum(n for seq, n, _ in self._retained if seq > self._child.get("done_seq", 0))
                     self._retained.clear()
-                self._child = add_statuses(self._child, {"dropped": {"shutdown_timeout": left}})
+                self._child = add_statuses(self._child, {"spans_done": left, "dropped": {"shutdown_timeout": left}})
                 self._fallback = self._fallback or False
             fb = self._take_over()
             if fb:
                 fb.shutdown(max(network_timeout_s, 0.05) if deadline is None else
                             max(deadline - time.monotonic(), 0.05), end_epoch_s)
 
-    def _wait_child(self, deadline) -> bool:
+    def _wait_child(self, deadline):
         """Write out what is pending, close the pipe, wait for the child's final status.
-        False if the child must be given up on (never ready, stuck, or past the bound)."""
+        None when it came; else why the child must be given up on."""
         t0 = last_progress = time.monotonic()
         closed = False
         mark = None
@@ -386,15 +387,15 @@ class ProcessTransport:
                 closed = True
             with self._cv:
                 if self._final is not None or self._exited:
-                    return self._final is not None
+                    return None if self._final is not None else "exited without a final status"
                 self._cv.wait(0.05 if self._out else 0.5)
                 progress = (self._child.get("done_seq", 0), _cpu_ticks(self.proc.pid), len(self._out))
             now = time.monotonic()
             if progress != mark:
                 mark, last_progress = progress, now
             if deadline is not None and now >= deadline:
-                return False
+                return "ran past the shutdown bound"
             if not self.ready and now - t0 > self.start_wait_s:
-                return False  # never started (e.g. starved of CPU while importing): take over
+                return "was not ready at shutdown"  # e.g. starved of CPU while importing the SDK
             if now - last_progress > self.stuck_s:
-                return False
+                return "made no progress at shutdown"
