@@ -21,3 +21,10 @@ def free_port() -> int:
 
 def closed_port_endpoint() -> str:
     return f"http://127.0.0.1:{free_port()}"
+
+
+def point_env_at_dead_collector(monkeypatch) -> None:
+    """OTLP/gRPC to a closed port, with a short export timeout: every export fails fast."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", closed_port_endpoint())
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")

@@ -9,7 +9,7 @@ import time
 
 import psutil
 import pytest
-from otel_test_helpers import MODES, closed_port_endpoint
+from otel_test_helpers import MODES, point_env_at_dead_collector
 
 from otel import filesink
 
@@ -22,9 +22,7 @@ def _balanced(h: dict) -> bool:
 
 @pytest.mark.parametrize("mode", MODES)
 def test_sum_holds_at_every_moment_under_a_dead_collector(mode, monkeypatch, make_tel):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", closed_port_endpoint())
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    point_env_at_dead_collector(monkeypatch)
     tel = make_tel(mode=mode, max_queue=300)
     for i in range(3000):
         with tel.stage("step", trace=("batch", i // 100)):

@@ -4,7 +4,7 @@ import socket
 import time
 
 import pytest
-from otel_test_helpers import MODES, closed_port_endpoint, free_port
+from otel_test_helpers import MODES, closed_port_endpoint, free_port, point_env_at_dead_collector
 from otlp_receivers import OtlpGrpcReceiver, OtlpHttpReceiver
 
 
@@ -51,9 +51,7 @@ def test_shutdown_with_hanging_collector_is_bounded(blackhole_endpoint, mode, mo
 
 @pytest.mark.parametrize("mode", MODES)
 def test_dead_collector_drops_and_counts_instead_of_growing(mode, monkeypatch, make_tel):
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", closed_port_endpoint())
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "1")
+    point_env_at_dead_collector(monkeypatch)
     tel = make_tel(mode=mode, max_queue=500)
     for i in range(5000):
         with tel.stage("step"):
