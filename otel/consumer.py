@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 import time
 
+from otel.health import health
 from otel.profile import Profile, format_table
 from otel.records import ADD, KIND, POINT_ATTRS, POINT_NAME, RECORD, VALUE
 from otel.sdk_pipeline import ExportPipeline
@@ -47,6 +48,7 @@ class BatchConsumer:
         self.title = f"{config['service_name']} telemetry profile ({config.get('mode', 'process')} mode)"
         self._last_console = time.monotonic()
         self.metric_failures = 0
+        self.received = 0                # stage records consumed
         self.idle = None
         if config.get("idle_attribution", True):
             from otel.idle_metrics import IdleMetrics
@@ -73,6 +75,7 @@ class BatchConsumer:
             self.metric_failures += 1
             if self.metric_failures == 1:
                 print(f"otel exporter: metrics of a batch failed: {e!r}", file=sys.stderr, flush=True)
+        self.received += len(records)
         spans = self.builder.build(records, final) if (records or final) else []
         self.pipeline.enqueue(batch.get("seq", 0), spans, len(records), len(spans) - len(records),
                               int(batch.get("buffer_full", 0)))
@@ -104,8 +107,9 @@ class BatchConsumer:
         ci = self.console_interval_s
         if ci and time.monotonic() - self._last_console >= ci:
             self._last_console = time.monotonic()
-            print(format_table({**self.summary(), "health": self.pipeline.status()}, self.title),
-                  file=sys.stderr, flush=True)
+            st = self.pipeline.status()
+            h = health(st["buffer_full"], 0, self.received, {**st, "dropped": dict(st["dropped"])})
+            print(format_table({**self.summary(), "health": h}, self.title), file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------ reporting
     def summary(self, final: bool = False) -> dict:
