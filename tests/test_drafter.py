@@ -129,3 +129,32 @@ def test_nonfinite_step_is_skipped_on_device():
     _, skipped = st.optimizer_step(torch.tensor(1.0))
     assert not bool(skipped)
     assert not torch.equal(before["fc.weight"], d.state_dict()["fc.weight"])
+
+
+def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
+    """model.drafter_init=target: the context the drafter's first layer reads is exactly
+    what the target's next layer reads (its input norm of the deepest fused hidden state),
+    and that layer's weights, plus the final norm, are the target's."""
+    from dflash import target as target_mod
+    from dflash.config import Config
+    from dflash.drafter_init import init_from_target
+    from dflash.trainer import build_drafter
+
+    cfg = Config()
+    cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"
+    target, tok = target_mod.load_target("tiny-qwen3")
+    ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
+    drafter = build_drafter(cfg, target, tok, ids)
+    nxt = target.model.layers[max(ids) + 1]
+    assert torch.equal(drafter.layers[0].q_proj.weight, nxt.self_attn.q_proj.weight)
+    assert torch.equal(drafter.layers[0].k_norm.weight, nxt.self_attn.k_norm.weight)
+    assert torch.equal(drafter.layers[0].down_proj.weight, nxt.mlp.down_proj.weight)
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    input_ids = torch.randint(0, 1000, (2, 12))
+    with torch.no_grad():
+        hs = target(input_ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in ids], dim=-1)
+        torch.testing.assert_close(drafter.fuse(feats), nxt.input_layernorm(hs[max(ids) + 1]))
+    cfg.model.drafter_init = "random"
+    copied = init_from_target(build_drafter(cfg, target, tok, ids), target)
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.q_proj.weight"} <= set(copied)
