@@ -30,7 +30,7 @@ def describe_lossless(res: dict) -> str:
 
 def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens: int,
              max_prompt_len: int, check_lossless: bool = True, progress: bool = True,
-             stop=None, mode: str = "auto") -> dict:
+             stop=None, mode: str = "auto", keep_outputs: bool = False) -> dict:
     """`stop` (a threading.Event): when set, finish the current prompt and return what was
     measured so far, marked ``interrupted`` (a preempted job must exit within its grace period)."""
     ids = data_mod.prompts_for_eval(tokenizer, convs, max_prompt_len=max_prompt_len)[:prompts]
@@ -39,13 +39,14 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     eos = {t for t in eos | {tokenizer.eos_token_id} if t is not None}
     B = drafter.cfg.block_size
     hist = [0] * (B + 1)
-    taus, divergences, done = [], [], 0
+    taus, divergences, done, outputs = [], [], 0, []
     t0 = time.perf_counter()
     drafter.eval()
     for i, prompt in enumerate(tqdm(ids, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
             break
         res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode)
+        outputs.append(res.tokens)
         if res.acceptance:
             taus.append(res.tau)
         for a in res.acceptance:
@@ -59,7 +60,8 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
                 margin = margins[pos] if pos < len(margins) else float("nan")
                 divergences.append({"prompt": i, "position": pos, "margin": round(margin, 6)})
         done += 1
-    return {
+    extra = {"outputs": outputs} if keep_outputs else {}
+    return extra | {
         "acceptance_length": round(sum(taus) / max(1, len(taus)), 4),
         "block_size": B,
         "prompts": done,
