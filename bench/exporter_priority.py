@@ -1,4 +1,5 @@
-"""Which niceness should the exporter process run at? Side by side in one run, for each
+"""Which niceness should the exporter process run at (after its start-up, which always runs
+at the training process's priority)? Side by side in one run, for each
 candidate: while CPU burners saturate the host (as a training job does), a producer
 records stages at a training-like rate next to a busy Python thread (bench/gil_stall.py's
 stand-in for a worker), then shuts the telemetry down. Per niceness it prints
@@ -50,8 +51,9 @@ def main():
     rows: dict = {}
     try:
         for _ in range(args.rounds):
-            base = measure(args.seconds, lambda: None)["iterations"]
             for nice in [int(x) for x in args.nices.split(",")]:
+                # the baseline right before each candidate: the load drifts between them
+                base = measure(args.seconds, lambda: None)["iterations"]
                 d = tempfile.mkdtemp(prefix=f"prio{nice}-")
                 tel = otel.Telemetry.from_env(console=False, file_dir=d, exporter_nice=nice, run_id="prio")
                 counter = [0]

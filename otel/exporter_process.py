@@ -74,9 +74,10 @@ def main() -> int:
     if not first or "config" not in first:
         return 1
     config = first["config"]
-    _nice(config)
     from otel.consumer import BatchConsumer
-    consumer = BatchConsumer(config)
+    consumer = BatchConsumer(config)  # imports and start-up at the parent's priority
+    # then yield to the workers; raising one's own niceness needs no privilege
+    _nice(config)
     lock = threading.Lock()   # consume vs status snapshots (the summary walks live dicts)
     stop = threading.Event()
 

@@ -19,7 +19,7 @@ from otel.profile import format_table
 
 _TRUE = ("1", "true", "yes", "on")
 # niceness increment of the exporter process (see docs/otel.md, "Exporter priority")
-EXPORTER_NICE = 0
+EXPORTER_NICE = 10
 
 
 def _env_resource_attributes() -> dict:
