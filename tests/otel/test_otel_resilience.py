@@ -60,7 +60,7 @@ def test_dead_collector_drops_and_counts_instead_of_growing(mode, monkeypatch, m
             time.sleep(0.06)  # let the background thread drain the per-thread buffer
     tel.flush(timeout_s=0.5)
     # queue bound 500 plus at most one chunk in flight: the rest is dropped and counted
-    # (the exporter runs at nice 19, so on a loaded machine this can take a while)
+    # (the exporter runs at a low priority, so on a loaded machine this can take a while)
     expected_drops = 5000 - 500 - 512
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
