@@ -10,9 +10,11 @@ How the target's state follows the committed sequence (`_TargetRunner`, mode):
   partial accept.
 - ``snapshot``: hybrid targets (Gated-DeltaNet / linear-attention layers: qwen3_5,
   qwen3_next) keep a recurrent and a conv state that cannot be cropped. Before a verify
-  we clone those states (a few KB per layer); after a partial accept we put them back,
-  crop the attention layers' KV, and replay only the accepted tokens. A verify step costs
-  O(block), not O(sequence).
+  we clone those states (a few KB per layer); after a partial accept we put them back and
+  crop the attention layers' KV, so the cache lags the sequence by the accepted tokens;
+  those go in front of the next verify's block (one forward per step, not a verify plus
+  a replay), or are replayed on their own once there are a block's worth. A verify step
+  costs O(block), not O(sequence).
 - ``rerun``: no cache; every forward re-runs the whole committed sequence. O(length) per
   step; kept as the reference the snapshot path is tested against.
 
@@ -98,38 +100,41 @@ def cache_mode(target) -> str:
 class _TargetRunner:
     """Target forwards that return (next-token argmax ids, features) for new tokens only."""
 
-    def __init__(self, target, layer_ids, mode: str = "auto"):
+    def __init__(self, target, layer_ids, mode: str = "auto", max_pending: int = 16):
         if mode not in MODES:
             raise ValueError(f"cache mode {mode!r}: expected one of {', '.join(MODES)}")
         self.target, self.layer_ids = target, layer_ids
         self.mode = cache_mode(target) if mode == "auto" else mode
         self.cache = None if self.mode == "rerun" else _new_cache(target)
         self.seq: list[int] = []  # tokens whose target forward is committed
-        self._saved = None        # snapshot mode: linear-attention states before the last forward
+        # snapshot mode: the cache may lag the committed sequence by `pending` tokens (those
+        # kept from a partially accepted block); they go in front of the next forward instead
+        # of a replay forward of their own, until there are max_pending of them
+        self.pending: list[int] = []
+        self.max_pending = max_pending
+        self._saved = None        # linear-attention states as they were before the last forward
 
-    def _run(self, ids: list[int], *, hidden: bool):
+    def _run(self, ids: list[int], *, hidden: bool, keep: int = 1):
         t = torch.tensor([ids], device=self.target.device)
-        if hidden:
-            kw = dict(output_hidden_states=True)
-        else:  # only the last position's logits are read: skip the rest of the lm_head
-            kw = dict(logits_to_keep=1) if _takes_logits_to_keep(type(self.target)) else {}
+        kw = dict(output_hidden_states=True) if hidden else {}
+        if _takes_logits_to_keep(type(self.target)):  # the lm_head only where logits are read
+            kw["logits_to_keep"] = keep
         if self.cache is None:
             return self.target(input_ids=t, use_cache=False, **kw)
         return self.target(input_ids=t, **_cache_kw(self.target, self.cache), use_cache=True, **kw)
 
     def forward(self, new_tokens: list[int]):
+        n = len(new_tokens)
         if self.cache is None:
-            out = self._run(self.seq + new_tokens, hidden=True)
-            n = len(new_tokens)
-            return out.logits[0, -n:].argmax(-1), _features(out, self.layer_ids)[0, -n:]
-        if self.mode == "snapshot":
-            self._saved = self._snapshot()
-        out = self._run(new_tokens, hidden=True)
-        return out.logits[0].argmax(-1), _features(out, self.layer_ids)[0]
+            out = self._run(self.seq + new_tokens, hidden=True, keep=n)
+        else:
+            if self.mode == "snapshot":
+                self._saved = self._snapshot()
+            out = self._run(self.pending + new_tokens, hidden=True, keep=n)
+        return out.logits[0, -n:].argmax(-1), _features(out, self.layer_ids)[0, -n:]
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
-        n = len(self.seq)
         self.seq.extend(tokens[:kept])
         if self.cache is None:
             return
@@ -140,10 +145,14 @@ class _TargetRunner:
             return
         saved, self._saved = self._saved, None
         if kept == len(tokens) or saved is None:
-            return  # the whole block stays: the states after the verify are the right ones
-        self._restore(saved, n)
-        # replay only the accepted tokens from the restored state; no hidden states, one logit
-        self._run(tokens[:kept], hidden=False)
+            self.pending = []  # the whole forward stays: the states after it are the right ones
+            return
+        # back to the states before that forward (which lacked the old pending tokens too)
+        self._restore(saved, len(self.seq) - kept - len(self.pending))
+        self.pending = self.pending + tokens[:kept]
+        if len(self.pending) >= self.max_pending:  # bound the next forward: replay them now
+            self._run(self.pending, hidden=False)
+            self.pending = []
 
     # -- snapshot mode -------------------------------------------------------------------
     def _snapshot(self) -> list:
@@ -192,7 +201,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     layer_ids = drafter.cfg.target_layer_ids
     B = drafter.cfg.block_size
-    runner = _TargetRunner(target, layer_ids, mode)
+    runner = _TargetRunner(target, layer_ids, mode, max_pending=B)
 
     preds, feats = runner.forward(prompt)
     runner.commit(prompt, len(prompt))
