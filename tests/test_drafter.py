@@ -114,7 +114,7 @@ def test_nonfinite_step_is_skipped_on_device():
     d, embed, head = make(layers=1)
     d = d.float()
     cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0,
-                                                grad_clip=1.0, seed=0),
+                                                grad_clip=1.0, seed=0, loss_gamma=0.0),
                           model=SimpleNamespace(block_size=BK))
     st = DrafterStep(cfg, d, embed.float(), head.float(), "cpu")
     before = {k: v.clone() for k, v in d.state_dict().items()}
