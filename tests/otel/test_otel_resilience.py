@@ -21,7 +21,9 @@ def test_shutdown_with_unreachable_collector_is_bounded(protocol, mode, monkeypa
     t0 = time.monotonic()
     tel.shutdown(timeout_s=1.0)
     took = time.monotonic() - t0
-    assert took < 1.5, took
+    # bounded: without the bound an OTLP exporter retries for a minute; the slack is for a
+    # loaded host (killing the exporter and joining threads take a time slice or two)
+    assert took < 1.0 + 5.0, took
     tel.shutdown(timeout_s=1.0)  # idempotent
 
 
@@ -46,7 +48,7 @@ def test_shutdown_with_hanging_collector_is_bounded(blackhole_endpoint, mode, mo
     time.sleep(0.3)
     t0 = time.monotonic()
     tel.shutdown(timeout_s=1.0)
-    assert time.monotonic() - t0 < 1.5
+    assert time.monotonic() - t0 < 1.0 + 5.0  # bounded (slack for a loaded host, as above)
 
 
 @pytest.mark.parametrize("mode", MODES)
