@@ -191,10 +191,11 @@ class ProcessTransport:
         self._fallback = False          # a forked child exports nothing
         self._out.clear()
         self._retained.clear()
-        try:
-            os.close(self._fd)
-        except OSError:
-            pass
+        if self._fd is not None:  # after shutdown the number may belong to someone else now
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
 
     # ------------------------------------------------------------ writing
     def send(self, batch: dict) -> None:
@@ -228,7 +229,7 @@ class ProcessTransport:
     def _pump_locked(self) -> None:
         # callers hold _wlock: os.write exports the bytearray's buffer, so no other thread
         # may resize it meanwhile
-        while self._out and not self.dead:
+        while self._out and not self.dead and self._fd is not None:
             try:
                 n = os.write(self._fd, self._out)
             except BlockingIOError:
@@ -357,6 +358,7 @@ class ProcessTransport:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self._close_pipe()
         self._reader.join(timeout=1.0)
         if self.dead and self._final is None:
             if deadline is not None and time.monotonic() >= deadline:
@@ -371,6 +373,15 @@ class ProcessTransport:
                 fb.shutdown(max(network_timeout_s, 0.05) if deadline is None else
                             max(deadline - time.monotonic(), 0.05), end_epoch_s)
 
+    def _close_pipe(self) -> None:
+        with self._wlock:
+            if self._fd is not None:
+                self._fd = None
+                try:
+                    self.proc.stdin.close()
+                except OSError:
+                    pass
+
     def _wait_child(self, deadline):
         """Write out what is pending, close the pipe, wait for the child's final status.
         None when it came; else why the child must be given up on."""
@@ -380,10 +391,7 @@ class ProcessTransport:
         while True:
             self._pump()
             if not self._out and not closed:
-                try:
-                    self.proc.stdin.close()  # EOF: the child finishes and exits
-                except OSError:
-                    pass
+                self._close_pipe()  # EOF: the child finishes and exits
                 closed = True
             with self._cv:
                 if self._final is not None or self._exited:
