@@ -94,6 +94,7 @@ def test_forked_child_neither_buffers_nor_holds_the_pipe(tmp_path, make_tel):
             os.write(w, b"1" if (fd_closed and not tel._registry.get().spans) else b"0")
         finally:
             os._exit(0)
+    os.close(w)  # a child that dies before writing gives EOF here, not a hang
     os.waitpid(pid, 0)
     assert os.read(r, 1) == b"1"
     with tel.stage("in_parent"):
