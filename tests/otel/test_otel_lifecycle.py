@@ -131,3 +131,32 @@ def test_exporter_process_death_is_loud_and_loses_nothing(tmp_path, make_tel, ca
     from otel import filesink
     names = [s["name"] for s in filesink.read_spans(str(tmp_path))]
     assert names.count("after_death") == 10000 and names.count("before_death") == 1
+
+
+def test_a_shut_down_transport_never_closes_a_reused_fd_in_a_fork(tmp_path, make_tel):
+    """After shutdown the pipe's fd number is free and may be reused (here: forced with
+    dup2); a later fork must not close it on the new owner's behalf."""
+    old = make_tel(mode="process", file_dir=str(tmp_path))
+    number = old._transport._fd
+    old.shutdown()
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, number)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            try:
+                os.fstat(number)
+                ok = b"1"
+            except OSError:
+                ok = b"0"
+            os.write(w, ok)
+        finally:
+            os._exit(0)
+    os.close(w)
+    os.waitpid(pid, 0)
+    try:
+        assert os.read(r, 1) == b"1", "the fork closed an fd the old transport no longer owns"
+    finally:
+        for fd in (r, devnull, number):
+            os.close(fd)
