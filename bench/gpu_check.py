@@ -182,7 +182,7 @@ def make_random_qwen3_dir(root: str, layers: int = 28) -> str:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from dflash import target as T
+    from dflash.model import target as T
 
     path = os.path.join(root, f"qwen3-1.5b-random-{layers}l")
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -218,14 +218,14 @@ def forward_flops(model, seqs: int, padded_len: int) -> float:
 
 class _Memo:
     """Load each target and prepare its data once for all rounds: the rounds compare
-    telemetry on/off, not model loading. Patches dflash.train's references while active."""
+    telemetry on/off, not model loading. Patches dflash.run.train's references while active."""
 
     def __init__(self):
         self.targets, self.prepared = {}, {}
 
     def __enter__(self):
-        import dflash.train as tr
-        from dflash import target as T
+        import dflash.run.train as tr
+        from dflash.model import target as T
 
         self._tr, self._T = tr, T
         self._load, self._prep = T.load_target, tr.prepare
@@ -258,8 +258,9 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
     target forward's achieved TFLOP/s, device-clock stage times and, with `checkpoint`,
     what a checkpoint costs the drafter's thread."""
     from dflash.config import load_config
-    from dflash.pipeline import run_pipelined
-    from dflash.train import save, setup, wait_for_checkpoint
+    from dflash.run.pipeline import run_pipelined
+    from dflash.run.saving import save, wait_for_checkpoint
+    from dflash.run.train import setup
     from otel import filesink
 
     cuda = device.startswith("cuda")
@@ -371,7 +372,7 @@ def main() -> int:
                                  steps=args.steps or 3, device="cpu", deadline=t_start + args.budget_s,
                                  checkpoint=True)
             # the 1.5B-shaped dir, one layer deep: the writer and the FLOP count, not the size
-            from dflash import target as T
+            from dflash.model import target as T
             model, _ = T.load_target(make_random_qwen3_dir(out_dir, layers=1))
             res["one_layer_1.5b_shape_forward_gflops_8x384"] = round(forward_flops(model, 8, 384) / 1e9, 1)
         print(f"pipeline[tiny-qwen3, cpu smoke]: {res}")

@@ -40,10 +40,10 @@ def main() -> int:
 
     import torch
 
-    from dflash import data as data_mod
-    from dflash import target as T
-    from dflash.drafter import DFlashDrafter, DrafterConfig
-    from dflash.spec_decode import cache_mode, greedy_generate, speculative_generate
+    from dflash.data import dataset as data_mod
+    from dflash.model import target as T
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.spec_decode import cache_mode, greedy_generate, speculative_generate
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     model, tok = T.load_target(a.target, seed=a.seed)

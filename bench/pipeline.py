@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import load_config  # noqa: E402
-from dflash.loop import run_reference  # noqa: E402
-from dflash.pipeline import run_pipelined  # noqa: E402
-from dflash.train import setup  # noqa: E402
+from dflash.run.loop import run_reference  # noqa: E402
+from dflash.run.pipeline import run_pipelined  # noqa: E402
+from dflash.run.train import setup  # noqa: E402
 
 
 def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode: str,

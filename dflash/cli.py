@@ -62,21 +62,21 @@ def _train(a) -> int:
                          os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
         from .config import ConfigError
         raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
-    from .train import train  # torch and transformers: only once the input is known to be good
+    from .run.train import train  # torch and transformers: only once the input is known to be good
 
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
     if s.get("steps") is not None and s.get("rank", 0) == 0:
-        from .report import print_summary
+        from .analysis.report import print_summary
         print_summary(s, cfg.out)
     return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
 
 
 def _eval(a) -> int:
-    from . import checkpoint as ckpt
+    from .model import checkpoint as ckpt
     from .config import ConfigError, load_config
-    from .evaluate import evaluate
-    from .prepare import split
-    from .target import load_target
+    from .model.evaluate import evaluate
+    from .data.prepare import split
+    from .model.target import load_target
 
     try:
         path = ckpt.resolve(a.checkpoint)
@@ -102,7 +102,7 @@ def _eval(a) -> int:
                    max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
                    max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check)
     res["checkpoint"] = str(path)
-    from .evaluate import describe_lossless
+    from .model.evaluate import describe_lossless
     print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
           f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})")
     print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))

@@ -104,7 +104,7 @@ def idle_from_spans(run_dir: Path, rank: int = 0, world_size: int = 1, max_bytes
     from otel.filesink import read_spans
     from otel.idle import attribute_idle
 
-    from .idle_rules import DFLASH_RULES
+    from .analysis.idle_rules import DFLASH_RULES
 
     try:
         snap = attribute_idle(read_spans(str(path)), DFLASH_RULES)

@@ -36,7 +36,7 @@ CAUSES = ("queue_empty", "queue_full", "data_wait", "host", "sync", "checkpoint"
 class IdleRules:
     """The mapping from stages to causes: plain data, override any field. The defaults know
     no pipeline: every stage is busy, gaps are host time, sync-like names are `sync`; a
-    pipeline passes its own rules (dflash: dflash/idle_rules.py)."""
+    pipeline passes its own rules (dflash: dflash/analysis/idle_rules.py)."""
     stage_causes: Mapping[str, str] = field(default_factory=dict)
     # (regex searched in the lower-cased stage name, cause); first match wins
     pattern_causes: tuple = (

@@ -5,8 +5,8 @@ import threading
 import pytest
 import torch
 
-from dflash import checkpoint as ckpt
-from dflash.drafter import DFlashDrafter, DrafterConfig
+from dflash.model import checkpoint as ckpt
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 
 def _drafter():

@@ -6,8 +6,8 @@ import time
 import pytest
 import torch
 
-from dflash import data as D
-from dflash import target as T
+from dflash.data import dataset as D
+from dflash.model import target as T
 
 CONV = [
     {"role": "system", "content": "Be brief."},

@@ -2,7 +2,7 @@
 import torch
 from torch import nn
 
-from dflash.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
+from dflash.model.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
                             weighted_block_loss)
 
 H, V, BK = 64, 101, 8
@@ -109,7 +109,7 @@ def test_nonfinite_step_is_skipped_on_device():
     """A NaN loss must leave weights and optimizer state untouched (no host read decides it)."""
     from types import SimpleNamespace
 
-    from dflash.trainer import DrafterStep
+    from dflash.model.trainer import DrafterStep
 
     d, embed, head = make(layers=1)
     d = d.float()
@@ -135,10 +135,10 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     """model.drafter_init=target: the context the drafter's first layer reads is exactly
     what the target's next layer reads (its input norm of the deepest fused hidden state),
     and that layer's weights, plus the final norm, are the target's."""
-    from dflash import target as target_mod
+    from dflash.model import target as target_mod
     from dflash.config import Config
-    from dflash.drafter_init import init_from_target
-    from dflash.trainer import build_drafter
+    from dflash.model.drafter_init import init_from_target
+    from dflash.model.trainer import build_drafter
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"

@@ -9,12 +9,12 @@ from helpers import TINY, last_json, run_dflash
 
 @pytest.fixture(scope="module")
 def bf16_target():
-    from dflash import target as T
+    from dflash.model import target as T
     return T.load_target("tiny-qwen3", seed=0, dtype=torch.bfloat16)
 
 
 def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
-    from dflash.trainer import Batch, DrafterStep, build_drafter
+    from dflash.model.trainer import Batch, DrafterStep, build_drafter
 
     from dflash.config import load_config
 
@@ -55,7 +55,7 @@ def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
 
 def test_float32_target_is_untouched_by_autocast():
     """fp32 targets take no autocast: CPU fp32 runs stay bit-for-bit what they were."""
-    from dflash.drafter import compute_precision
+    from dflash.model.drafter import compute_precision
 
     w = torch.zeros(2, 2)
     with compute_precision(w):

@@ -3,8 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash import data as data_mod
-from dflash import prepare as prep
+from dflash.data import dataset as data_mod
+from dflash.data import prepare as prep
 from dflash.config import ConfigError, load_config
 
 
@@ -25,7 +25,7 @@ def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, dev
 
 
 def test_regenerate_batches_are_sorted_by_length(monkeypatch):
-    from dflash import target as T
+    from dflash.model import target as T
 
     tok = T.load_tokenizer("tiny-qwen3")
     widths = []
@@ -49,8 +49,8 @@ def test_negative_regen_batch_size_is_refused():
 
 
 def test_warm_up_is_a_no_op_on_cpu_and_runs_when_forced(capsys):
-    from dflash import target as T
-    from dflash.warmup import warm_up
+    from dflash.model import target as T
+    from dflash.model.warmup import warm_up
 
     model, _ = T.load_target("tiny-qwen3", seed=0)
     assert warm_up(model, batch_size=2, seq_len=8) is None  # nothing to compile on the CPU

@@ -15,9 +15,9 @@ import pytest
 
 from helpers import TINY, last_json, run_dflash
 from otel.filesink import read_spans
-from dflash.idle_rules import DFLASH_RULES
+from dflash.analysis.idle_rules import DFLASH_RULES
 from otel.idle import IdleAccumulator, IdleRules, attribute_idle
-from dflash.stalls import jaeger_to_spans, worker_of
+from dflash.analysis.stalls import jaeger_to_spans, worker_of
 
 NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6

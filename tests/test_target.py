@@ -5,8 +5,8 @@ import time
 import pytest
 import torch
 
-from dflash import target as T
-from dflash.data import load_conversations, tokenize_conversation
+from dflash.model import target as T
+from dflash.data.dataset import load_conversations, tokenize_conversation
 
 
 @pytest.fixture(scope="module")

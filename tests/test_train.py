@@ -63,7 +63,7 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
 
 def test_local_hf_model_dir_as_target(tmp_path):
     """Any local Hugging Face model dir works as --target (here: a tiny Qwen3 saved to disk)."""
-    from dflash import target as T
+    from dflash.model import target as T
 
     model, tok = T.load_target("tiny-qwen3", seed=3)
     mdir = tmp_path / "my-model"

@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from dflash.hidden_queue import Closed, HiddenQueue
-from dflash.pipeline import PinnedPool
-from dflash.readback import DeferredScalars
+from dflash.run.hidden_queue import Closed, HiddenQueue
+from dflash.run.pipeline import PinnedPool
+from dflash.run.readback import DeferredScalars
 
 DONE_S = 10.0      # upper bound for something that must happen
 BLOCKED_S = 0.05   # how long "still blocked" is watched

@@ -1,13 +1,13 @@
-"""The one end-of-step path (dflash.step_end.StepEnd), shared by the reference loop and the
+"""The one end-of-step path (dflash.run.step_end.StepEnd), shared by the reference loop and the
 pipeline: tokens, read-back into history and metrics, non-finite markers, save cadence."""
 import contextlib
 
 import torch
 
-import dflash.train as train_mod
+import dflash.run.step_end as step_end_mod
 from dflash.config import Config
-from dflash.step_end import StepEnd
-from dflash.train import RunContext
+from dflash.run.context import RunContext
+from dflash.run.step_end import StepEnd
 
 
 class FakeTel:
@@ -77,7 +77,7 @@ def test_step_end_marks_a_nonfinite_step_in_its_batch_trace(tmp_path):
 
 def test_step_end_saves_on_the_save_every_cadence(tmp_path, monkeypatch):
     saved = []
-    monkeypatch.setattr(train_mod, "save", lambda ctx: saved.append(ctx.step.step))
+    monkeypatch.setattr(step_end_mod, "save", lambda ctx: saved.append(ctx.step.step))
     ctx = _ctx(tmp_path, save_every=2)
     end = StepEnd(ctx, "main")
     for step in range(5):

@@ -1,5 +1,5 @@
 """The run's learning curve as a picture: training loss and the held-out acceptance
-estimate (dflash/acceptance_estimate.py) against steps, written next to the run's other
+estimate (dflash/run/acceptance_estimate.py) against steps, written next to the run's other
 files as OUT/learning_curve.png."""
 from __future__ import annotations
 

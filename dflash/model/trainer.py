@@ -5,7 +5,7 @@ Drafter side: unpack -> drafter_forward (anchors, one-pass block forward, loss)
               -> backward -> optimizer_step (clip, AdamW, cosine schedule)
 
 Every function here is free of host reads of device tensors: loss, accuracy and grad
-norm come back as device tensors and are read later (see readback.py).
+norm come back as device tensors and are read later (see run/readback.py).
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..config import Config
 from . import target as target_mod
-from .config import Config
 from .drafter import DFlashDrafter, DrafterConfig, loss_weights, sample_anchors, weighted_block_loss
 
 

@@ -20,7 +20,7 @@ from otel.idle import BUSY, attribute_idle
 
 from .idle_rules import DFLASH_RULES
 
-from .config import ConfigError
+from ..config import ConfigError
 
 # The prefetcher runs ahead by design: its waits are not device idle, so they are kept out
 # of the top-stalls list (its busy fraction is still reported).

@@ -24,11 +24,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import WorkerError, naming_stages
+from ..errors import WorkerError, naming_stages
+from ..model.trainer import pack, target_features, unpack
 from .faults import inject
 from .hidden_queue import Closed, HiddenQueue
 from .step_end import StepEnd
-from .trainer import pack, target_features, unpack
 
 
 @dataclass

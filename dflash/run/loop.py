@@ -5,10 +5,10 @@ updates => the same loss trajectory) and the fallback for debugging.
 """
 from __future__ import annotations
 
-from .errors import WorkerError, naming_stages
+from ..errors import WorkerError, naming_stages
+from ..model.trainer import pack, target_features, unpack
 from .faults import inject
 from .step_end import StepEnd
-from .trainer import pack, target_features, unpack
 
 
 def run_reference(ctx) -> None:

@@ -8,6 +8,7 @@ a `skipped_step` marker in its batch's trace), move the progress bar, and save w
 from __future__ import annotations
 
 from .progress import Progress
+from .saving import save
 
 
 class StepEnd:
@@ -28,7 +29,6 @@ class StepEnd:
             with tel.stage("acceptance_estimate", trace=("batch", step), worker=worker, step=step):
                 est(ctx.step.step)
         if self.save_every and ctx.step.step % self.save_every == 0:
-            from .train import save
             save(ctx)
 
     def _record(self, step, loss, acc, gnorm, nonfinite) -> None:

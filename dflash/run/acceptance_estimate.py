@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import torch
 
-from . import data as data_mod
-from .drafter import sample_anchors
+from ..data import dataset as data_mod
+from ..model.drafter import sample_anchors
+from ..model.trainer import Batch, target_features
 from .readback import DeferredScalars
-from .trainer import Batch, target_features
 
 ESTIMATE_ANCHORS = 16   # per held-out sequence; the lm_head over every slot is most of the cost
 

@@ -8,83 +8,19 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from . import checkpoint as ckpt
-from . import data as data_mod
+from ..analysis.idle_rules import DFLASH_RULES
+from ..config import Config, dump, resolve_dtype
+from ..data.prepare import prepare
+from ..model import checkpoint as ckpt
+from ..model import target as target_mod
+from ..model.trainer import DrafterStep, build_drafter
 from . import distributed as dist_mod
-from . import target as target_mod
-from .config import Config, dump, resolve_dtype
-from .idle_rules import DFLASH_RULES
-from .prepare import prepare
-from .readback import DeferredScalars
-from .trainer import Batch, DrafterStep, build_drafter
-
-
-@dataclass
-class RunContext:
-    """Everything a loop needs; built once by `setup`."""
-    cfg: Config
-    tel: object
-    target: object
-    tokenizer: object
-    layer_ids: list[int]
-    step: DrafterStep
-    samples: list
-    eval_convs: list
-    out: Path
-    rank: int = 0
-    world_size: int = 1
-    start_step: int = 0
-    history: list = field(default_factory=list)      # (step, loss, acc, grad_norm)
-    readback: DeferredScalars = field(default_factory=DeferredScalars)
-    stop: threading.Event = field(default_factory=threading.Event)   # Ctrl-C: finish the step, save
-    tokens: int = 0
-    nonfinite: list = field(default_factory=list)    # steps whose update was skipped
-    targets: list = field(default_factory=list)      # one target replica per target worker
-    vote: object = None                              # distributed.StopVote
-    estimate: object = None                          # acceptance_estimate.AcceptanceEstimate, if enabled
-    writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
-    warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
-
-    @property
-    def nonfinite_steps(self) -> int:
-        return len(self.nonfinite)
-
-    def more_steps(self) -> bool:
-        t = self.cfg.train
-        end = min(t.steps, t.stop_after) if t.stop_after else t.steps
-        stop = self.vote(self.stop.is_set())  # every rank votes every step: same stop step everywhere
-        return self.step.step < end and not stop
-
-    def batch_stream(self):
-        """Deterministic batches of this rank; skips what a resumed run already consumed."""
-        shard = self.samples[self.rank::self.world_size]
-        it = data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
-                              pad_id=self.tokenizer.pad_token_id, start=self.start_step)
-        for i, d in enumerate(it, start=self.start_step):
-            b = Batch.from_dict(d)
-            b.index = i  # the step that consumes it: one global batch = every rank's share
-            yield b
-
-    def record(self, step: int, loss, acc, gnorm, nonfinite):
-        """Called on the drafter thread after each optimizer step: no host read here."""
-        # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
-        self.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
-        for s, v in self.readback.ready():
-            self._log(s, v)
-
-    def _log(self, s, v):
-        self.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
-        if v["nonfinite"]:
-            self.nonfinite.append(s)
-
-    def finish_readback(self):
-        for s, v in self.readback.drain_blocking():
-            self._log(s, v)
+from .context import RunContext
+from .saving import save, wait_for_checkpoint
 
 
 def _make_telemetry(cfg: Config, out: Path, rank: int, world_size: int, run_id: str):
@@ -148,7 +84,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     target, tok = target_mod.load_target(cfg.model.target, device=tdev, dtype=resolve_dtype(cfg, tdev),
                                          seed=cfg.model.target_seed)
-    from .warmup import warm_up
+    from ..model.warmup import warm_up
     # CUDA only: Triton compile/autotune and first-call costs, paid and reported before
     # regeneration, the eval and the timed loop (None on the CPU)
     warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=rank != 0)
@@ -206,30 +142,8 @@ def _local(dev: str) -> str:
     return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
 
 
-def save(ctx: RunContext) -> None:
-    ctx.finish_readback()  # the saved loss history must include every step so far
-    tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))  # every rank calls save
-    if ctx.rank != 0:
-        return
-    state = {"step": ctx.step.step, "tokens": tokens, "history": ctx.history}
-    if ctx.writer is None:
-        ctx.writer = ckpt.CheckpointWriter(ctx.tel)
-    # the drafter's thread only takes a device-side snapshot; the writer thread does the
-    # device->host copy and the atomic write (waiting here only if the last one still runs)
-    with ctx.tel.stage("checkpoint", worker="drafter0", step=ctx.step.step):
-        snap = ckpt.snapshot(ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
-                             training_state=ctx.step.state())
-        ctx.writer.submit(ctx.out / "checkpoint", snap)
-
-
-def wait_for_checkpoint(ctx: RunContext) -> None:
-    """Block until the last checkpoint is on disk (end of run); re-raises a failed write."""
-    if ctx.writer is not None:
-        ctx.writer.wait()
-
-
 def run_eval(ctx: RunContext, label: str) -> dict:
-    from .evaluate import describe_lossless, evaluate
+    from ..model.evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
     drafter = ctx.step.drafter
@@ -253,7 +167,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
     from .loop import run_reference
     from .pipeline import run_pipelined
 
-    from . import wandb_bridge
+    from .. import wandb_bridge
 
     ctx = setup(cfg, resume=resume)
     if ctx.rank == 0:
@@ -304,7 +218,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         if ctx.estimate is not None:
             summary["acceptance_estimate"] = ctx.estimate.summary()
         if ctx.rank == 0 and ctx.history:
-            from .learning_curve import write_png
+            from ..analysis.learning_curve import write_png
             write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
                       cfg.model.block_size, f"{cfg.model.target}: drafter training")
         if ctx.warmup_s is not None:

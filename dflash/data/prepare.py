@@ -13,9 +13,9 @@ import os
 import sys
 from dataclasses import dataclass
 
-from . import data as data_mod
-from .config import Config
-from .inputs import cache_dir
+from ..config import Config
+from ..inputs import cache_dir
+from . import dataset as data_mod
 
 
 @dataclass

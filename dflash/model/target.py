@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .data import _ids
-from .inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
+from ..data.dataset import _ids
+from ..inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
     SMOLLM2, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
 
 

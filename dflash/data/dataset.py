@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-from .inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401  (DatasetError: re-exported)
+from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401  (DatasetError: re-exported)
 
 log = logging.getLogger(__name__)
 

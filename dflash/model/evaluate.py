@@ -13,7 +13,7 @@ import time
 
 from tqdm import tqdm
 
-from . import data as data_mod
+from ..data import dataset as data_mod
 from .spec_decode import first_divergence, greedy_generate, speculative_generate
 
 
