@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--reference", action="store_true", help="single-process reference loop (no pipeline)")
     t.add_argument("--target-devices", help="comma list, e.g. cuda:0,cuda:1 (default cpu)")
     t.add_argument("--drafter-devices", help="comma list, e.g. cuda:2 (default cpu)")
+    t.add_argument("--layout", help="under torchrun: roles by rank, e.g. target:5,drafter:3 "
+                                    "(first 5 ranks hold a target replica each, the next 3 train the drafter)")
     t.add_argument("--inject-delay", action="append", default=[], metavar="STAGE=SECONDS",
                    help="sleep in a stage: a tool for testing dashboards, alerts and stall reports")
     t.add_argument("--inject-fault", action="append", default=[], metavar="STAGE=STEP",
@@ -51,6 +53,7 @@ def _train(a) -> int:
 
     flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
              "pipeline.target_devices": a.target_devices, "pipeline.drafter_devices": a.drafter_devices,
+             "pipeline.layout": a.layout,
              "pipeline.inject_delay": ",".join(a.inject_delay) or None,
              "pipeline.inject_fault": ",".join(a.inject_fault) or None,
              "pipeline.pipelined": False if a.reference else None,
@@ -62,13 +65,33 @@ def _train(a) -> int:
                          os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
         from .config import ConfigError
         raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
+    if cfg.pipeline.layout:
+        _check_layout_launch(cfg, a.eval)
     from .run.train import train  # torch and transformers: only once the input is known to be good
 
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
-    if s.get("steps") is not None and s.get("rank", 0) == 0:
+    if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
         from .analysis.report import print_summary
         print_summary(s, cfg.out)
     return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
+
+
+def _check_layout_launch(cfg, eval_flag: bool) -> None:
+    """A layout needs torchrun with exactly its number of ranks, and has no eval step."""
+    from .config import ConfigError
+    from .run.roles.layout import Layout, LayoutError
+
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise ConfigError(f"--layout {cfg.pipeline.layout}: roles are given to torchrun's ranks; launch with "
+                          f"torchrun --nproc_per_node N -m dflash train ... (N = ranks on this node)")
+    try:
+        Layout.parse(cfg.pipeline.layout).check_world(int(world))
+    except LayoutError as e:
+        raise ConfigError(str(e)) from None
+    if eval_flag:
+        raise ConfigError(f"--eval with --layout {cfg.pipeline.layout}: no rank holds both the target and the "
+                          f"drafter; after training run: dflash eval --checkpoint {cfg.out}/checkpoint")
 
 
 def _eval(a) -> int:

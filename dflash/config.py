@@ -75,6 +75,8 @@ class PipelineConfig:
     min_ready: int = 1
     prefetch: int = 8
     stall_threshold_s: float = 0.05      # queue_get waits longer than this get a span event
+    layout: str = ""                     # under torchrun: "target:N,drafter:M" (roles by rank); empty: every rank a replica
+    rank_timeout_s: float = 600.0        # layout: how long a rank waits on a peer that hangs (a dead one fails at once)
     inject_delay: dict[str, float] = field(default_factory=dict)  # STAGE -> seconds (testing)
     inject_fault: dict[str, int] = field(default_factory=dict)    # STAGE -> step at which it raises (testing)
 
@@ -250,6 +252,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.num_conversations={d.num_conversations}: expected >= 2")
     if not 0 < d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction}: expected 0 < x < 1")
+    if p.layout:
+        from .run.roles.layout import Layout, LayoutError
+        try:
+            Layout.parse(p.layout)
+        except LayoutError as e:
+            raise ConfigError(str(e)) from None
+        if cfg.train.estimate_every:
+            raise ConfigError(f"train.estimate_every={cfg.train.estimate_every} with pipeline.layout={p.layout!r}: "
+                              "no rank holds both the target and the drafter; set train.estimate_every=0")
+        if p.rank_timeout_s <= 0:
+            raise ConfigError(f"pipeline.rank_timeout_s={p.rank_timeout_s}: expected seconds > 0")
     if p.queue_size < 1 or not 1 <= p.min_ready <= p.queue_size:
         raise ConfigError(f"pipeline.min_ready={p.min_ready}, queue_size={p.queue_size}: expected 1 <= min_ready <= queue_size")
     for dev in p.target_devices + p.drafter_devices:

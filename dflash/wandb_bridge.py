@@ -141,6 +141,12 @@ def run_summary(summary: dict, idle: dict | None, source: str) -> dict:
             if secs:
                 out[f"idle_s/{w}/{cause}"] = round(secs, 6)
     out["idle_source"] = source
+    bal = summary.get("balance")
+    if isinstance(bal, dict):  # the same figure as the summary and `dflash stalls`
+        out["balance/targets_per_drafter"] = bal["balanced_targets_per_drafter"]
+        out["balance/idle_fraction"] = bal["idle_fraction"]
+        out["balance/idle_side"] = bal["idle_side"] or "none"
+        out["balance/best_split_speedup"] = bal["best_split"]["speedup"]
     for key, label in (("eval_after", "tau"), ("eval_before", "tau_before")):
         if isinstance(summary.get(key), dict) and "acceptance_length" in summary[key]:
             out[label] = summary[key]["acceptance_length"]
@@ -329,8 +335,8 @@ def _quiet(fn):
 
 
 def start(ctx):
-    """The bridge for this run, or None (not asked for, or not rank 0)."""
-    if not ctx.cfg.telemetry.wandb or ctx.rank != 0:
+    """The bridge for this run, or None (not asked for, or not the lead rank)."""
+    if not ctx.cfg.telemetry.wandb or not ctx.is_lead:
         return None
     return WandbBridge(ctx).start()
 

@@ -153,22 +153,22 @@ def test_real_prometheus_sees_the_runs_own_numbers(scraped_run):
 # ------------------------------------------------------------------ per-rank scrape ports
 
 def test_each_torchrun_rank_gets_its_own_prometheus_port(monkeypatch):
-    from dflash.run.train import _rank_prometheus_port
+    from dflash.run.train import rank_prometheus_port
 
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp,prometheus")
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9500")
     for local in (0, 1, 3):
         monkeypatch.setenv("LOCAL_RANK", str(local))
-        with _rank_prometheus_port():
+        with rank_prometheus_port():
             assert os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] == str(9500 + local)
         assert os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] == "9500"  # the base is left as given
     monkeypatch.delenv("OTEL_EXPORTER_PROMETHEUS_PORT")
     monkeypatch.setenv("LOCAL_RANK", "2")
-    with _rank_prometheus_port():
+    with rank_prometheus_port():
         assert os.environ["OTEL_EXPORTER_PROMETHEUS_PORT"] == "9466"      # default base 9464
     assert "OTEL_EXPORTER_PROMETHEUS_PORT" not in os.environ
     monkeypatch.delenv("LOCAL_RANK")                                       # not under torchrun
-    with _rank_prometheus_port():
+    with rank_prometheus_port():
         assert "OTEL_EXPORTER_PROMETHEUS_PORT" not in os.environ
 
 

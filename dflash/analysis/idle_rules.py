@@ -6,7 +6,9 @@ from otel.idle import IdleRules
 DFLASH_RULES = IdleRules(
     stage_causes={"queue_get": "queue_empty", "checkpoint": "checkpoint"},
     # the end of an enqueue spent blocked on a full queue is back-pressure
-    carve_inside={"cpu_copy_enqueue": ("blocked_s", "queue_full")},
+    carve_inside={"cpu_copy_enqueue": ("blocked_s", "queue_full"),
+                  # DDP's all-reduce wait at the end of backward (drafter ranks of a layout)
+                  "backward": ("sync_s", "sync")},
     # time right before a stage spent waiting: target for the prefetcher; prefetcher
     # for room in its (full) batch queue, i.e. it is ahead of the targets
     carve_before={"model_forward": ("data_wait_s", "data_wait"),

@@ -147,6 +147,16 @@ def worker_order(key):
     return (key[0], kind, key[1])
 
 
+def role_of(span) -> str:
+    """target | drafter | other: the rank's role (a layout's resource attribute), else the
+    worker's kind (the single-process pipeline's threads)."""
+    role = (span.get("resource") or {}).get("role")
+    if role:
+        return str(role)
+    w = str((span.get("attributes") or {}).get("worker", ""))
+    return "target" if w.startswith("target") else "drafter" if w.startswith("drafter") else "other"
+
+
 def worker_label(key) -> str:
     return f"rank{key[0]}/{key[1]}"
 
@@ -227,20 +237,45 @@ def _top_stalls(segments, t0, top):
 def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, source="") -> dict:
     snap, segments = attribute(spans, window, rules)
     t0 = run_start_ns(spans)
+    roles = {}
+    for s in spans:
+        k = worker_of(s)
+        if k is not None and k not in roles:
+            roles[k] = role_of(s) if not k[1].startswith(("prefetch", "checkpoint")) else "other"
     workers = []
     for key in sorted(snap, key=worker_order):
         d = snap[key]
         idle = {c: v for c, v in d["idle_s"].items()}
         top_cause = max(idle, key=idle.get) if any(idle.values()) else None
-        workers.append({"worker": key[1], "rank": key[0], "label": worker_label(key),
+        workers.append({"worker": key[1], "rank": key[0], "label": worker_label(key), "role": roles.get(key, "other"),
                         "busy_fraction": d["busy_fraction"], "busy_s": d["busy_s"], "wall_s": d["wall_s"],
                         "idle_s": idle, "top_idle_cause": top_cause})
     ranks = {w["rank"] for w in workers}
-    return {"run_id": run_id, "source": source, "ranks": len(ranks),
+    from .balance import balance
+    return {"run_id": run_id, "source": source, "ranks": len(ranks), "by_role": _by_role(workers),
+            "balance": balance(spans),
             "window_s": list(window) if window else None,
             "wall_s": (max(s["end_ns"] for s in spans) - t0) / 1e9,
             "workers": workers, "critical_path": _typical_step(spans, t0),
             "top_stalls": _top_stalls(segments, t0, top)}
+
+
+def _by_role(workers) -> dict:
+    """Busy fraction and idle seconds by cause, summed over the workers of each role."""
+    out: dict = {}
+    for w in workers:
+        if w["role"] == "other":
+            continue
+        r = out.setdefault(w["role"], {"workers": 0, "busy_s": 0.0, "wall_s": 0.0, "idle_s": defaultdict(float)})
+        r["workers"] += 1
+        r["busy_s"] += w["busy_s"]
+        r["wall_s"] += w["wall_s"]
+        for c, v in w["idle_s"].items():
+            r["idle_s"][c] += v
+    for r in out.values():
+        r["busy_fraction"] = r["busy_s"] / r["wall_s"] if r["wall_s"] else 0.0
+        r["idle_s"] = dict(r["idle_s"])
+    return out
 
 
 # ------------------------------------------------------------------ text
@@ -261,6 +296,14 @@ def format_report(rep: dict) -> str:
                      + "".join(f"{w['idle_s'].get(c, 0):>12.3f}" for c in causes)
                      + (f"   {top} ({w['idle_s'][top] / w['wall_s']:.0%} of wall)"
                         if (top := w["top_idle_cause"]) and w["wall_s"] else "   -"))
+    if len(rep.get("by_role") or {}) > 1:
+        lines += ["", "by role (all ranks of the role together)"]
+        for role, r in sorted(rep["by_role"].items(), key=lambda kv: kv[0] != "target"):
+            top = max(r["idle_s"], key=r["idle_s"].get) if any(r["idle_s"].values()) else None
+            lines.append(f"  {role:<8}{r['workers']:>3} worker(s)  busy {r['busy_fraction']:>6.1%}"
+                         + (f"   top idle cause: {top} ({r['idle_s'][top]:.3f}s)" if top else ""))
+    from .balance import format_balance
+    lines += format_balance(rep.get("balance"))
     cp = rep["critical_path"]
     if cp:
         lines += ["", f"typical step: batch {cp['batch_id']}, {cp['duration_s'] * 1e3:.1f} ms end to end "

@@ -39,6 +39,12 @@ class RunContext:
     estimate: object = None                          # acceptance_estimate.AcceptanceEstimate, if enabled
     writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
     warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
+    lead: bool | None = None                         # saves and summarises; None: rank 0
+    worker: str = "drafter0"                         # this process's drafter worker (span attribute)
+
+    @property
+    def is_lead(self) -> bool:
+        return self.rank == 0 if self.lead is None else self.lead
 
     @property
     def nonfinite_steps(self) -> int:

@@ -45,8 +45,9 @@ class StopVote:
     and reads the previous step's result: ranks already meet once per step in DDP, so
     the wait is free, and nothing touches the GPU."""
 
-    def __init__(self, world_size: int):
-        self.group = dist.new_group(backend="gloo") if world_size > 1 else None
+    def __init__(self, world_size: int, group=None):
+        # group: the ranks that vote (a layout's drafter ranks); default: a new gloo group of all
+        self.group = group if group is not None else dist.new_group(backend="gloo") if world_size > 1 else None
         self._pending = None
 
     def __call__(self, local_stop: bool) -> bool:

@@ -73,19 +73,22 @@ class Pipeline:
         self.errors: list[tuple[str, BaseException]] = []
         self.threads: list[threading.Thread] = []
         self.drafter_device = ctx.step.device
+        self.worker = "drafter0"
         self._register_metrics()
 
     # -- metrics read by the telemetry thread (callbacks never touch a worker) ------------
     def _register_metrics(self):
-        tel, hq = self.tel, self.hq
+        tel = self.tel
         rank = {"rank": self.ctx.rank}
-        tel.observable_gauge("dflash.queue.depth", lambda: [(hq.depth(), rank)], unit="{batch}",
+        # read self.hq at call time: a drafter rank replaces the queue after this runs
+        tel.observable_gauge("dflash.queue.depth", lambda: [(self.hq.depth(), rank)], unit="{batch}",
                              description="hidden-state batches waiting for the drafter")
-        tel.observable_gauge("dflash.queue.min_ready_ratio", lambda: [(hq.depth() / hq.min_ready, rank)],
+        tel.observable_gauge("dflash.queue.min_ready_ratio",
+                             lambda: [(self.hq.depth() / self.hq.min_ready, rank)],
                              unit="1", description="queue depth / min_ready (>= 1: drafter can start at once)")
-        tel.observable_gauge("dflash.queue.producer_blocked", lambda: [(hq.blocked_s, rank)], unit="s",
+        tel.observable_gauge("dflash.queue.producer_blocked", lambda: [(self.hq.blocked_s, rank)], unit="s",
                              description="total time target workers waited on a full queue")
-        tel.observable_gauge("dflash.queue.consumer_starved", lambda: [(hq.starved_s, rank)], unit="s",
+        tel.observable_gauge("dflash.queue.consumer_starved", lambda: [(self.hq.starved_s, rank)], unit="s",
                              description="total time the drafter waited on an empty queue")
         if self.drafter_device.type == "cuda":
             dev = self.drafter_device
@@ -220,31 +223,48 @@ class Pipeline:
                 self.hq.producers_done()
 
     # -- drafter (runs on the calling thread) --------------------------------------------
+    # hooks a drafter rank of a layout overrides (roles/drafter_rank.py)
+    def batch_id(self, step: int) -> int:
+        """The global batch trained at `step` (here: one batch per step)."""
+        return step
+
+    def taken(self, step: int) -> None:
+        """A batch left the queue (a drafter rank grants its target a new credit)."""
+
+    def sync_wait(self) -> float:
+        """Seconds the last backward waited on DDP's all-reduce (0 without a measured wait)."""
+        return 0.0
+
     def drafter_loop(self):
         ctx, tel, st = self.ctx, self.tel, self.ctx.step
         stage = naming_stages(tel.stage)  # a failure names its stage
         dev = self.drafter_device
         cuda = dev.type == "cuda"
-        end_step = StepEnd(ctx, "drafter0")  # tokens, read-back, progress, save cadence
+        worker = self.worker
+        end_step = StepEnd(ctx, worker)  # tokens, read-back, progress, save cadence
         thr = self.cfg.pipeline.stall_threshold_s
         try:
             while ctx.more_steps() and not self.stop.is_set():
                 step = st.step
-                key = ("batch", step)
-                a = dict(worker="drafter0", device=str(dev), rank=ctx.rank, batch_id=step, step=step)
+                bid = self.batch_id(step)
+                key = ("batch", bid)
+                a = dict(worker=worker, device=str(dev), rank=ctx.rank, batch_id=bid, step=step)
                 with stage("queue_get", trace=key, **a) as s:
                     item, waited = self.hq.get(step)
+                    self.taken(step)
                     self._inject("queue_get", step)
                     s.set(wait_s=round(waited, 6), queue_depth=self.hq.depth())
                     if waited > thr:
                         s.event("stall", cause="queue_empty", wait_s=round(waited, 6))
-                tel.add("dflash.queue.consumer_starved_seconds", waited, worker="drafter0")
+                tel.add("dflash.queue.consumer_starved_seconds", waited, worker=worker)
                 b = item.batch
                 a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 cur = torch.cuda.current_stream(dev) if cuda else None
                 with stage("drafter_forward", trace=key, stream=cur, **a):
                     if item.ready is not None:
                         cur.wait_event(item.ready)     # device-side wait, the host moves on
+                    if item.packed.device == dev and cuda:
+                        item.packed.record_stream(cur)  # made on another stream (NCCL receive)
                     x = item.packed.to(dev, non_blocking=True)
                     if item.release is not None:
                         done = torch.cuda.Event()
@@ -252,9 +272,12 @@ class Pipeline:
                         item.release(done)
                     loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
                     self._inject("drafter_forward", step)
-                with stage("backward", trace=key, stream=cur, **a):
+                with stage("backward", trace=key, stream=cur, **a) as s:
                     st.backward(loss)
                     self._inject("backward", step)
+                    sync = self.sync_wait()
+                    if sync:
+                        s.set(sync_s=round(sync, 6))
                 with stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
                     gnorm, nonfinite = st.optimizer_step(loss)
                     self._inject("optimizer_step", step)
@@ -277,6 +300,9 @@ class Pipeline:
         finally:
             self.shutdown_workers()
             self._join_workers()
+        self.raise_first_error()
+
+    def raise_first_error(self):
         if self.errors:  # the first failure; the others are usually its consequences
             name, err = self.errors[0]
             raise WorkerError.from_failure(name, err) from err

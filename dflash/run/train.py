@@ -43,7 +43,7 @@ def _prometheus_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def _rank_prometheus_port():
+def rank_prometheus_port():
     """Under torchrun each rank serves its own scrape endpoint: port = base + LOCAL_RANK,
     base = OTEL_EXPORTER_PROMETHEUS_PORT (default 9464). Set only while the telemetry
     layer is built (it reads the environment then), so the base stays as the user gave it."""
@@ -92,13 +92,14 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     prep = prepare(cfg, target, tok, device=tdev)
     if tel is None:  # after data prep: the profile's wall time is the training's
-        with _rank_prometheus_port():
+        with rank_prometheus_port():
             tel = _make_telemetry(cfg, out, rank, world, run_id)
 
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     if ddev != tdev:  # the drafter device holds its own frozen copies of embedding / lm_head
         import copy
-        embed, head = copy.deepcopy(embed).to(ddev), copy.deepcopy(head).to(ddev)
+        embed, head = copy.deepcopy((embed, head))  # one copy of the pair: a tied lm_head stays tied
+        embed, head = embed.to(ddev), head.to(ddev)
     start, history, tokens = 0, [], 0
     if resume:
         drafter, _ = ckpt.load_drafter(out / "checkpoint", device=ddev, dtype=torch.float32)
@@ -163,7 +164,43 @@ def eval_command(cfg: Config) -> str:
     return f"dflash eval --checkpoint {Path(cfg.out) / 'checkpoint'}"
 
 
+def summarize(ctx: RunContext, wall: float, step0: int, tokens0: int) -> dict:
+    """The training part of summary.json (every drafter rank calls it: the sums are collective)."""
+    cfg = ctx.cfg
+    losses = [h[1] for h in ctx.history]
+    # every rank trains on its own share of each global batch: totals are sums
+    tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))
+    tokens_run = int(dist_mod.sum_over_ranks(ctx.tokens - tokens0, ctx.vote.group))
+    return {
+        "rank": ctx.rank, "lead": ctx.is_lead, "steps": ctx.step.step, "steps_this_run": ctx.step.step - step0,
+        "tokens": tokens, "tokens_this_run": tokens_run, "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens_run / wall, 1) if wall > 0 else 0.0,
+        "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
+        "acc_last": ctx.history[-1][2] if ctx.history else None,
+        "loss_history": [[h[0], round(h[1], 6)] for h in ctx.history],
+        "nonfinite_steps": ctx.nonfinite_steps, "interrupted": ctx.stop.is_set(),
+        "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
+        "world_size": ctx.world_size, "train_samples": len(ctx.samples),
+    }
+
+
+def balance_from_files(out: Path) -> dict | None:
+    """The balance answer (analysis/balance.py) from this run's span files, as `dflash
+    stalls` computes it; None when spans went only to an OTLP endpoint (ask Jaeger then)."""
+    from ..analysis.balance import balance
+    from ..analysis.stalls import load_run, select_run
+    from ..config import ConfigError
+    try:
+        _, spans = select_run(load_run(out))
+    except ConfigError:
+        return None
+    return balance(spans)
+
+
 def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
+    if cfg.pipeline.layout:  # roles by rank under torchrun: a different set-up, the same stages
+        from .roles.run import train_with_layout
+        return train_with_layout(cfg, resume=resume)
     from .loop import run_reference
     from .pipeline import run_pipelined
 
@@ -199,22 +236,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         wall = time.perf_counter() - t0
         save(ctx)
         wait_for_checkpoint(ctx)  # the run's result is on disk before anything else happens
-        steps_done = ctx.step.step - step0
-        losses = [h[1] for h in ctx.history]
-        # every rank trains on its own share of each global batch: totals are sums
-        tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))
-        tokens_run = int(dist_mod.sum_over_ranks(ctx.tokens - tokens0, ctx.vote.group))
-        summary.update({
-            "rank": ctx.rank, "steps": ctx.step.step, "steps_this_run": steps_done, "tokens": tokens,
-            "tokens_this_run": tokens_run, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens_run / wall, 1) if wall > 0 else 0.0,
-            "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-            "acc_last": ctx.history[-1][2] if ctx.history else None,
-            "loss_history": [[h[0], round(h[1], 6)] for h in ctx.history],
-            "nonfinite_steps": ctx.nonfinite_steps, "interrupted": ctx.stop.is_set(),
-            "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
-            "world_size": ctx.world_size, "train_samples": len(ctx.samples),
-        })
+        summary.update(summarize(ctx, wall, step0, tokens0))
         if ctx.estimate is not None:
             summary["acceptance_estimate"] = ctx.estimate.summary()
         if ctx.rank == 0 and ctx.history:
@@ -240,6 +262,8 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         _linger_for_scrape(ctx.tel)
         ctx.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = ctx.tel.summary()
+        if ctx.is_lead and summary.get("steps") is not None:
+            summary["balance"] = balance_from_files(ctx.out)
         dist_mod.shutdown()
         if bridge is not None:  # bounded; falls back to OUT/wandb_fallback.jsonl
             try:
