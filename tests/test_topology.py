@@ -160,7 +160,8 @@ def test_a_dead_target_rank_ends_every_rank_and_is_named(tmp_path):
             p.kill()
     assert time.monotonic() - t0 < 60
     assert p.returncode != 0
-    assert "rank 0" in err or "rank: 0" in err or "rank      : 0" in err, err[-3000:]
+    # ours ("rank 0 is gone ..."), unless torchrun stopped the drafter first; then its report names rank 0
+    assert "rank 0 is gone" in err or "rank      : 0" in err, err[-3000:]
     assert not (run / "summary.json").exists()
 
 

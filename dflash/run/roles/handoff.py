@@ -68,12 +68,25 @@ def make_groups(layout: Layout, cuda: bool, timeout_s: float) -> Groups:
     return Groups(credits, headers, data, drafters, votes, setup, "nccl" if cuda else "gloo")
 
 
+def _gone(e: Exception, peer: int, what: str) -> PeerGone:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return PeerGone(f"rank {peer} is gone (died, or its connection broke) while this rank {what}: "
+                    f"{type(e).__name__}: {first}")
+
+
 def _wait(work, peer: int, what: str):
     try:
         work.wait()
     except Exception as e:  # gloo: connection closed / timeout; NCCL: watchdog error
-        raise PeerGone(f"rank {peer} stopped answering while this rank waited for {what}: "
-                       f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+        raise _gone(e, peer, f"waited for {what}") from e
+
+
+def _post(op, tensor, peer: int, group, what: str):
+    """isend / irecv; a peer that is already gone fails the call itself: name it."""
+    try:
+        return op(tensor, peer, group=group)
+    except Exception as e:
+        raise _gone(e, peer, what) from e
 
 
 class TargetSide:
@@ -93,7 +106,8 @@ class TargetSide:
         """Block until the drafter of batch g grants it; False when that drafter said END."""
         d, _ = self.layout.consumer(g)
         src = self.layout.drafter_rank(d)
-        _wait(dist.irecv(self._cred, src=src, group=self.g.credits), src, f"a credit for batch {g}")
+        _wait(_post(dist.irecv, self._cred, src, self.g.credits, "asked for a credit"), src,
+              f"a credit for batch {g}")
         got = int(self._cred[0])
         if got == END:
             self._ended.add(d)
@@ -110,8 +124,8 @@ class TargetSide:
         packed = packed.contiguous()
         header = torch.tensor([g, int(stop), packed.shape[0], packed.shape[1], _DTYPES.index(packed.dtype)],
                               dtype=torch.int64)
-        hw = dist.isend(header, dst=dst, group=self.g.headers)
-        pw = dist.isend(packed, dst=dst, group=self.g.data)
+        hw = _post(dist.isend, header, dst, self.g.headers, f"sent batch {g}")
+        pw = _post(dist.isend, packed, dst, self.g.data, f"sent batch {g}")
         self._in_flight.append((hw, header, dst))
         self._in_flight.append((pw, packed, dst))
         while len(self._in_flight) > 2 * self.max_in_flight:
@@ -123,7 +137,8 @@ class TargetSide:
         for d in range(self.layout.drafters):
             src = self.layout.drafter_rank(d)
             while d not in self._ended:
-                _wait(dist.irecv(self._cred, src=src, group=self.g.credits), src, "the end of the run")
+                _wait(_post(dist.irecv, self._cred, src, self.g.credits, "waited for the end of the run"), src,
+                      "the end of the run")
                 if int(self._cred[0]) == END:
                     self._ended.add(d)
         while self._in_flight:
@@ -170,7 +185,8 @@ class DrafterSide:
 
     def _send_credit(self, g: int, dst: int) -> None:
         t = torch.tensor([g], dtype=torch.int64)
-        self._sends.append((dist.isend(t, dst=dst, group=self.g.credits), t, dst))
+        what = "sent its end of the run" if g == END else f"granted a credit for batch {g}"
+        self._sends.append((_post(dist.isend, t, dst, self.g.credits, what), t, dst))
         while self._sends and self._sends[0][0].is_completed():
             self._sends.popleft()
 
@@ -189,7 +205,7 @@ class DrafterSide:
             g = self.layout.batch_id(step, self.d)
             src = self.layout.target_rank(self.layout.producer(g))
             t0 = time.perf_counter()
-            _wait(dist.irecv(header, src=src, group=self.g.headers), src, f"batch {g}")
+            _wait(_post(dist.irecv, header, src, self.g.headers, f"asked for batch {g}"), src, f"batch {g}")
             hg, stopflag, n, width, code = (int(v) for v in header)
             if hg != g:
                 raise RuntimeError(f"hand-off out of step: expected batch {g} from rank {src}, got {hg}")
@@ -198,12 +214,13 @@ class DrafterSide:
             if self.recv_stream is not None and dev.type == "cuda":
                 with torch.cuda.stream(self.recv_stream):
                     buf = torch.empty(n, width, dtype=_DTYPES[code], device=dev)
-                    dist.irecv(buf, src=src, group=self.g.data).wait()  # a stream wait on NCCL
+                    _wait(_post(dist.irecv, buf, src, self.g.data, f"asked for batch {g}"), src,
+                          f"batch {g}")  # a stream wait on NCCL
                     ready = torch.cuda.Event()
                     ready.record(self.recv_stream)
             else:
                 buf = torch.empty(n, width, dtype=_DTYPES[code])
-                _wait(dist.irecv(buf, src=src, group=self.g.data), src, f"batch {g}")
+                _wait(_post(dist.irecv, buf, src, self.g.data, f"asked for batch {g}"), src, f"batch {g}")
             with self._cv:
                 self.next_receive += 1
             deliver(step, g, buf, ready, bool(stopflag), time.perf_counter() - t0)
