@@ -57,6 +57,9 @@ class TrainConfig:
     stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
     estimate_every: int = 0              # >0: acceptance estimate on held-out samples every N steps
     estimate_samples: int = 4            # samples kept out of training for that estimate
+    feature_cache: bool = False          # keep every training sequence's target features in memory after its
+                                         # first forward, so later epochs skip the (frozen) target: for small
+                                         # data sets that fit (demo: ~120 seqs x 160 tokens x 3 layers, ~130 MB)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class PipelineConfig:
     prefetch: int = 8
     stall_threshold_s: float = 0.05      # queue_get waits longer than this get a span event
     layout: str = ""                     # under torchrun: "target:N,drafter:M" (roles by rank); empty: every rank a replica
+    handoff: str = "auto"                # layout: what carries hidden states: auto (nccl when all on CUDA) | nccl | gloo
     rank_timeout_s: float = 600.0        # layout: how long a rank waits on a peer that hangs (a dead one fails at once)
     inject_delay: dict[str, float] = field(default_factory=dict)  # STAGE -> seconds (testing)
     inject_fault: dict[str, int] = field(default_factory=dict)    # STAGE -> step at which it raises (testing)
@@ -261,6 +265,14 @@ def validate(cfg: Config) -> None:
         if cfg.train.estimate_every:
             raise ConfigError(f"train.estimate_every={cfg.train.estimate_every} with pipeline.layout={p.layout!r}: "
                               "no rank holds both the target and the drafter; set train.estimate_every=0")
+        if cfg.train.feature_cache:
+            raise ConfigError(f"train.feature_cache=true with pipeline.layout={p.layout!r}: the cache lives with "
+                              "the drafter's own target, which a layout's target ranks do not use")
+        if p.handoff not in ("auto", "nccl", "gloo"):
+            raise ConfigError(f"pipeline.handoff={p.handoff!r}: expected auto, nccl or gloo")
+        if p.handoff == "nccl" and not all(d.startswith("cuda") for d in p.target_devices + p.drafter_devices):
+            raise ConfigError(f"pipeline.handoff=nccl: expected every target and drafter device on CUDA "
+                              f"(got {p.target_devices} / {p.drafter_devices})")
         if p.rank_timeout_s <= 0:
             raise ConfigError(f"pipeline.rank_timeout_s={p.rank_timeout_s}: expected seconds > 0")
     if p.queue_size < 1 or not 1 <= p.min_ready <= p.queue_size:

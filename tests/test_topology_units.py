@@ -67,6 +67,8 @@ def test_balance_measures_work_not_waits():
     ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--eval"], "no rank holds both the target and the drafter"),
     ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "train.estimate_every=5"],
      "train.estimate_every=5 with pipeline.layout"),
+    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "pipeline.handoff=nccl"],
+     "pipeline.handoff=nccl: expected every target and drafter device on CUDA"),
 ])
 def test_a_layout_that_cannot_run_is_one_line_and_exit_2(tmp_path, env, args, expect):
     import os
@@ -87,3 +89,20 @@ def test_the_wandb_summary_carries_the_balance_figure():
     out = run_summary({"steps": 3, "balance": b}, None, "spans")
     assert out["balance/targets_per_drafter"] == b["balanced_targets_per_drafter"]
     assert out["balance/idle_side"] == "drafter" and out["balance/best_split_speedup"] == b["best_split"]["speedup"]
+
+
+def test_the_payload_goes_over_nccl_only_between_distinct_gpus():
+    from dflash.config import load_config
+    from dflash.run.roles.run import _device, handoff_backend
+
+    def cfg(t, d, handoff="auto"):
+        return load_config(None, [f"pipeline.target_devices={t}", f"pipeline.drafter_devices={d}",
+                                  f"pipeline.handoff={handoff}"])
+    assert handoff_backend(cfg("cuda", "cuda")) == "nccl"              # cuda:LOCAL_RANK on each rank
+    assert handoff_backend(cfg("cuda:0,cuda:1", "cuda:2")) == "nccl"
+    assert handoff_backend(cfg("cuda:0", "cuda:0")) == "gloo"          # one GPU for both roles: NCCL refuses
+    assert handoff_backend(cfg("cpu", "cpu")) == "gloo"
+    assert handoff_backend(cfg("cuda:0", "cuda:0", "nccl")) == "nccl"  # the user's call
+    c = cfg("cuda:0,cuda:1,cuda:2,cuda:3,cuda:4", "cuda:5,cuda:6,cuda:7")
+    assert [_device(c, "target", i) for i in range(5)] == [f"cuda:{i}" for i in range(5)]
+    assert [_device(c, "drafter", i) for i in range(3)] == ["cuda:5", "cuda:6", "cuda:7"]

@@ -56,16 +56,16 @@ class Groups:
     transport: str          # what carries the payload: nccl | gloo
 
 
-def make_groups(layout: Layout, cuda: bool, timeout_s: float) -> Groups:
+def make_groups(layout: Layout, nccl_payload: bool, drafters_cuda: bool, timeout_s: float) -> Groups:
     """Every rank must call this, in the same order (torch.distributed's rule)."""
     t = timedelta(seconds=timeout_s)
     credits = dist.new_group(backend="gloo", timeout=t)
     headers = dist.new_group(backend="gloo", timeout=t)
-    data = dist.new_group(backend="nccl" if cuda else "gloo", timeout=t)
-    drafters = dist.new_group(layout.drafter_ranks, backend="nccl" if cuda else "gloo", timeout=t)
+    data = dist.new_group(backend="nccl" if nccl_payload else "gloo", timeout=t)
+    drafters = dist.new_group(layout.drafter_ranks, backend="nccl" if drafters_cuda else "gloo", timeout=t)
     votes = dist.new_group(layout.drafter_ranks, backend="gloo", timeout=t)
     setup = dist.new_group(backend="gloo", timeout=timedelta(hours=6))
-    return Groups(credits, headers, data, drafters, votes, setup, "nccl" if cuda else "gloo")
+    return Groups(credits, headers, data, drafters, votes, setup, "nccl" if nccl_payload else "gloo")
 
 
 def _gone(e: Exception, peer: int, what: str) -> PeerGone:

@@ -70,9 +70,28 @@ class RoleContext:
     stop: threading.Event = field(default_factory=threading.Event)
 
 
-def _device(cfg: Config, role: str) -> str:
+def _device(cfg: Config, role: str, index: int = 0) -> str:
+    """`cuda`: this rank's GPU (cuda:LOCAL_RANK, torchrun's convention); an explicit list
+    (`cuda:0,cuda:1,...`): entry `index` of the role's list (round robin), e.g. both roles on
+    cuda:0 to try a layout on one GPU; `cpu`: the CPU."""
     devs = cfg.pipeline.target_devices if role == TARGET else cfg.pipeline.drafter_devices
-    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if devs[0].startswith("cuda") else "cpu"
+    if not devs[0].startswith("cuda"):
+        return "cpu"
+    if devs[0] == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return devs[index % len(devs)]
+
+
+def handoff_backend(cfg: Config) -> str:
+    """nccl | gloo for the payload. auto: NCCL when every rank is on CUDA, unless the two
+    roles name the same GPU explicitly (NCCL refuses two ranks of one communicator on one
+    device; gloo then carries it through the host)."""
+    p = cfg.pipeline
+    if p.handoff != "auto":
+        return p.handoff
+    both = p.target_devices[0].startswith("cuda") and p.drafter_devices[0].startswith("cuda")
+    shared = set(p.target_devices) & set(p.drafter_devices) - {"cuda"}
+    return "nccl" if both and not shared else "gloo"
 
 
 def held_parameters() -> int:
@@ -96,13 +115,17 @@ def _join(cfg: Config, layout: Layout) -> tuple[int, int, str, Groups]:
     layout.check_world(world)
     rank = int(os.environ["RANK"])
     role = layout.role(rank)
-    cuda = _device(cfg, TARGET).startswith("cuda") and _device(cfg, DRAFTER).startswith("cuda")
-    if _device(cfg, role).startswith("cuda"):
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    index = rank if role == TARGET else layout.drafter_index(rank)
+    mine = _device(cfg, role, index)
+    nccl = handoff_backend(cfg) == "nccl"
+    drafters_cuda = cfg.pipeline.drafter_devices[0].startswith("cuda")
+    any_cuda = drafters_cuda or cfg.pipeline.target_devices[0].startswith("cuda")
+    if mine.startswith("cuda"):
+        torch.cuda.set_device(torch.device(mine))
     timeout = timedelta(seconds=cfg.pipeline.rank_timeout_s)
     if not dist.is_initialized():
-        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=timeout)
-    groups = make_groups(layout, cuda, cfg.pipeline.rank_timeout_s)
+        dist.init_process_group(backend="cpu:gloo,cuda:nccl" if any_cuda else "gloo", timeout=timeout)
+    groups = make_groups(layout, nccl, drafters_cuda, cfg.pipeline.rank_timeout_s)
     box = [os.environ.get("DFLASH_RUN_ID") or __import__("uuid").uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=groups.setup)
     return rank, world, box[0], groups
@@ -135,7 +158,7 @@ def train_with_layout(cfg: Config, *, resume: bool = False) -> dict:
     role = layout.role(rank)
     index = rank if role == TARGET else layout.drafter_index(rank)
     lead = layout.drafter_rank(0)
-    dev = _device(cfg, role)
+    dev = _device(cfg, role, index)
     out.mkdir(parents=True, exist_ok=True)
     (out / "ranks").mkdir(exist_ok=True)
     torch.manual_seed(cfg.train.seed)
