@@ -158,3 +158,43 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     cfg.model.drafter_init = "random"
     copied = init_from_target(build_drafter(cfg, target, tok, ids), target)
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.q_proj.weight"} <= set(copied)
+
+
+def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkeypatch):
+    """train.feature_cache: a batch of sequences seen before is assembled from the cache
+    (no target forward), with the features a forward gives on the valid tokens and zeros
+    on padding; a batch with one new sequence runs the forward."""
+    from dflash.model import target as target_mod
+    from dflash.config import Config
+    from dflash.model.trainer import Batch, build_drafter, target_features
+
+    cfg = Config()
+    cfg.model.target, cfg.train.feature_cache = "tiny-qwen3", True
+    target, tok = target_mod.load_target("tiny-qwen3")
+    ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
+    build_drafter(cfg, target, tok, ids)
+
+    def batch(rows, width=10):
+        input_ids = torch.zeros(len(rows), width, dtype=torch.long)
+        am = torch.zeros_like(input_ids)
+        for i, r in enumerate(rows):
+            input_ids[i, :len(r)], am[i, :len(r)] = torch.tensor(r), 1
+        return Batch(index=0, input_ids=input_ids, attention_mask=am, loss_mask=am.clone(),
+                     lengths=[len(r) for r in rows])
+
+    a, b, c = list(range(5, 13)), list(range(40, 46)), list(range(70, 79))
+    first = target_features(target, batch([a, b]), ids, "cpu")
+    calls = []
+    real = target_mod.capture_hidden
+    monkeypatch.setattr(target_mod, "capture_hidden", lambda *x, **k: calls.append(1) or real(*x, **k))
+    again = target_features(target, batch([b, a], width=9), ids, "cpu")
+    assert not calls and again.shape == (2, 9, first.shape[-1])
+    torch.testing.assert_close(again[0, :6], first[1, :6])
+    torch.testing.assert_close(again[1, :8], first[0, :8])
+    assert not again[0, 6:].any()
+    target_features(target, batch([a, c]), ids, "cpu")
+    assert calls == [1]
+    cfg.train.feature_cache = False  # default: no cache, every batch runs the target
+    target2, _ = target_mod.load_target("tiny-qwen3")
+    build_drafter(cfg, target2, tok, ids)
+    assert getattr(target2, "_dflash_feature_cache", None) is None

@@ -97,3 +97,10 @@ def test_validation_runs_after_all_sources_are_merged(tmp_path):
     with pytest.raises(ConfigError, match="data.max_len"):
         load_config(path)
     assert load_config(path, ["data.max_len=512"]).model.block_size == 200
+
+
+def test_feature_cache_is_off_by_default_and_refused_with_a_layout():
+    assert load_config().train.feature_cache is False
+    assert load_config(None, ["train.feature_cache=true"]).train.feature_cache is True
+    with pytest.raises(ConfigError, match="train.feature_cache=true with pipeline.layout"):
+        load_config(None, ["train.feature_cache=true", "pipeline.layout=target:1,drafter:1"])

@@ -43,10 +43,29 @@ class Batch:
 
 
 def target_features(target, batch: Batch, layer_ids, device) -> torch.Tensor:
-    """model_forward: one target forward, selected layers concatenated: [B, S, n*H]."""
+    """model_forward: one target forward, selected layers concatenated: [B, S, n*H].
+
+    With `train.feature_cache` (see build_drafter) the target carries a dict of each
+    sequence's features, keyed by its token ids: a batch whose sequences were all seen
+    before is assembled from it without a forward (the target is frozen; padding rows are
+    zero, which is what pack/unpack hand the drafter anyway)."""
+    cache = getattr(target, "_dflash_feature_cache", None)
+    keys = None
+    if cache is not None:
+        keys = [(tuple(layer_ids), batch.input_ids[i, :n].numpy().tobytes()) for i, n in enumerate(batch.lengths)]
+        rows = [cache.get(k) for k in keys]
+        if all(r is not None for r in rows):
+            out = rows[0].new_zeros(len(rows), batch.padded_len, rows[0].shape[-1])
+            for i, r in enumerate(rows):
+                out[i, :r.shape[0]] = r
+            return out
     ids = batch.input_ids.to(device, non_blocking=True)
     am = batch.attention_mask.to(device, non_blocking=True)
-    return target_mod.capture_hidden(target, ids, am, layer_ids)
+    feats = target_mod.capture_hidden(target, ids, am, layer_ids)
+    if keys is not None:
+        for i, (k, n) in enumerate(zip(keys, batch.lengths)):
+            cache.setdefault(k, feats[i, :n].clone())
+    return feats
 
 
 def pack(features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -71,6 +90,8 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg)
+    if cfg.train.feature_cache:  # read by target_features: later epochs skip the target forward
+        target._dflash_feature_cache = {}
     if cfg.model.drafter_init == "target":
         from .drafter_init import init_from_target
         init_from_target(drafter, target)
