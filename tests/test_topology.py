@@ -144,22 +144,30 @@ def _started(run: Path, ranks) -> bool:
         s["name"] == "optimizer_step" for s in _spans(run)) if (run / "telemetry").is_dir() else False
 
 
-@pytest.mark.slow
-def test_a_dead_target_rank_ends_every_rank_and_is_named(tmp_path):
-    run = tmp_path / "run"
-    p = subprocess.Popen(_torchrun(2, "--out", run, "--target", "tiny-llama", "--steps", 300,
-                                   "--layout", "target:1,drafter:1", *TINY, "--inject-delay", "model_forward=0.2"),
+def _signal_rank0_mid_run(run: Path, drafters: int, delay: float, sig) -> tuple[int, str, float]:
+    """Start a 1-target layout, signal the target rank once training runs; (exit code, stderr,
+    seconds from the signal to the end of the job)."""
+    p = subprocess.Popen(_torchrun(1 + drafters, "--out", run, "--target", "tiny-llama", "--steps", 300,
+                                   "--layout", f"target:1,drafter:{drafters}", *TINY,
+                                   "--inject-delay", f"model_forward={delay}"),
                          cwd=ROOT, env=_env(NO_OTEL), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_for(lambda: _started(run, [0, 1]), 300, "training to start")
-        os.kill(int((run / "ranks" / "rank0.pid").read_text()), signal.SIGKILL)
+        _wait_for(lambda: _started(run, range(1 + drafters)), 300, "training to start")
+        os.kill(int((run / "ranks" / "rank0.pid").read_text()), sig)
         t0 = time.monotonic()
         _, err = p.communicate(timeout=120)
     finally:
         if p.poll() is None:
             p.kill()
-    assert time.monotonic() - t0 < 60
-    assert p.returncode != 0
+    return p.returncode, err, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_a_dead_target_rank_ends_every_rank_and_is_named(tmp_path):
+    run = tmp_path / "run"
+    returncode, err, took = _signal_rank0_mid_run(run, 1, 0.2, signal.SIGKILL)
+    assert took < 60
+    assert returncode != 0
     # ours ("rank 0 is gone ..."), unless torchrun stopped the drafter first; then its report names rank 0
     assert "rank 0 is gone" in err or "rank      : 0" in err, err[-3000:]
     assert not (run / "summary.json").exists()
@@ -168,16 +176,7 @@ def test_a_dead_target_rank_ends_every_rank_and_is_named(tmp_path):
 @pytest.mark.slow
 def test_sigterm_on_one_target_rank_stops_every_rank_at_the_same_step(tmp_path):
     run = tmp_path / "run"
-    p = subprocess.Popen(_torchrun(3, "--out", run, "--target", "tiny-llama", "--steps", 300,
-                                   "--layout", "target:1,drafter:2", *TINY, "--inject-delay", "model_forward=0.1"),
-                         cwd=ROOT, env=_env(NO_OTEL), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        _wait_for(lambda: _started(run, [0, 1, 2]), 300, "training to start")
-        os.kill(int((run / "ranks" / "rank0.pid").read_text()), signal.SIGTERM)
-        _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
+    _, err, _ = _signal_rank0_mid_run(run, 2, 0.1, signal.SIGTERM)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["interrupted"] and 0 < summary["steps"] < 300, err[-3000:]
     state = json.loads((run / "checkpoint" / "trainer_state.json").read_text())

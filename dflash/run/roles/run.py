@@ -30,6 +30,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -126,7 +127,7 @@ def _join(cfg: Config, layout: Layout) -> tuple[int, int, str, Groups]:
     if not dist.is_initialized():
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if any_cuda else "gloo", timeout=timeout)
     groups = make_groups(layout, nccl, drafters_cuda, cfg.pipeline.rank_timeout_s)
-    box = [os.environ.get("DFLASH_RUN_ID") or __import__("uuid").uuid4().hex if rank == 0 else None]
+    box = [os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=groups.setup)
     return rank, world, box[0], groups
 
@@ -173,19 +174,14 @@ def train_with_layout(cfg: Config, *, resume: bool = False) -> dict:
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
 
-    box = [None]
-    if rank == 0:
-        prep = prepare(cfg, target, tok, device=dev)
-        box = [prep.samples]
+    box = [prepare(cfg, target, tok, device=dev).samples if rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=groups.setup)
     samples = box[0]
     del target, box  # from here on only `holder` references it: a drafter rank lets it go
-    prep = None
 
     state = [None]
     if rank == lead and resume:
-        tstate, jstate = ckpt.load_training_state(out / "checkpoint")
-        state = [{"step": tstate["step"]}]
+        state = [{"step": ckpt.load_training_state(out / "checkpoint")[0]["step"]}]
     dist.broadcast_object_list(state, src=lead, group=groups.setup)
     start = state[0]["step"] if state[0] else 0
     rc = RoleContext(cfg=cfg, layout=layout, rank=rank, role=role, index=index, device=dev, groups=groups,
