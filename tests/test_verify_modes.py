@@ -78,7 +78,9 @@ def test_snapshot_verify_forwards_only_the_block(hybrid):
     """What makes it O(block): no forward after the prefill sees more than one block."""
     model, tok = hybrid
     seen = []
-    hook = model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    # the decoder: on the CPU the runner calls it alone (lm_head rows as read), else through the model
+    hook = model.get_decoder().register_forward_pre_hook(lambda m, a, kw: seen.append(kw["input_ids"].shape[1]),
+                                                         with_kwargs=True)
     try:
         torch.manual_seed(0)
         prompt = _prompts(tok)[0]
@@ -154,3 +156,65 @@ def test_divergence_is_reported_with_its_position(monkeypatch):
     assert [d["position"] for d in res["lossless_divergences"]] == [4, 4]
     assert all(d["margin"] >= 0 for d in res["lossless_divergences"])
     assert "2/2 prompts diverged" in E.describe_lossless(res)
+
+
+def test_cpu_verify_projects_only_the_rows_read(hybrid):
+    """On the CPU a cached verify runs the lm_head only for the rows the acceptance test
+    reads (on a small target the lm_head over a block costs more than its layers): a
+    rejected first draft costs one row, and each row's id is the full logits' argmax."""
+    from dflash.model import lazy_logits
+
+    model, tok = hybrid
+    assert lazy_logits.supported(model)
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, o: rows.append(a[0].shape[-2]))
+    try:
+        prompt = _prompts(tok)[0]
+        r = _TargetRunner(model, [1, 2], "snapshot")
+        preds, _ = r.forward(prompt)
+        last = preds[-1]
+        assert rows == [1], "the prefill reads its last position only"
+        r.commit(prompt, len(prompt))
+        block = [last, 101, 102, 103, 104, 105]
+        preds, feats = r.forward(block)
+        first = preds[0]
+        assert rows == [1, 1], "a first draft's check reads one row"
+        ids = preds.tolist()
+        assert rows == [1, 1, len(block) - 1], "reading on: the other rows in one product"
+        assert ids[0] == first and len(ids) == len(block)
+    finally:
+        hook.remove()
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor([prompt + block]), use_cache=False, output_hidden_states=True)
+    assert ref.logits[0, len(prompt) - 1].argmax().item() == last
+    assert ids == ref.logits[0, -len(block):].argmax(-1).tolist()
+    torch.testing.assert_close(feats, torch.cat([ref.hidden_states[i + 1] for i in (1, 2)], -1)[0, -len(block):],
+                               rtol=1e-4, atol=1e-4)
+    # the replay of kept tokens reads no logits at all; the re-run path keeps every row
+    r.commit(block, 1)
+    r.pending, rows[:] = list(range(200, 200 + r.max_pending - 1)), []
+    r.forward([7, 8])
+    r.commit([7, 8], 1)  # pending reaches max_pending: replayed
+    assert r.pending == [] and rows == []
+    slow = _TargetRunner(model, [1, 2], "rerun")
+    assert slow.decoder is None
+    preds, _ = slow.forward(prompt)
+    assert isinstance(preds, list) and preds[-1] == last
+
+
+def test_lazy_logits_only_where_logits_are_plain_lm_head(hybrid):
+    from dflash.model import lazy_logits
+
+    model, _ = hybrid
+    ids = lazy_logits.LazyArgmax(torch.randn(5, model.config.hidden_size), model.get_output_embeddings())
+    full = model.get_output_embeddings()(ids.hidden).argmax(-1).tolist()
+    assert ids[-2] == full[3] and ids.rows_computed == 1
+    assert ids.tolist() == full and ids.rows_computed == 5 and len(ids) == 5
+    with pytest.raises(IndexError):
+        ids[5]
+    model.config.final_logit_softcapping = 30.0  # a transform between lm_head and the logits
+    try:
+        assert not lazy_logits.supported(model)
+    finally:
+        del model.config.final_logit_softcapping
+    assert lazy_logits.supported(model)

@@ -16,7 +16,12 @@ How the target's state follows the committed sequence (`_TargetRunner`, mode):
   a replay), or are replayed on their own once there are a block's worth. A verify step
   costs O(block), not O(sequence).
 - ``rerun``: no cache; every forward re-runs the whole committed sequence. O(length) per
-  step; kept as the reference the snapshot path is tested against.
+  step; kept as the reference the snapshot path is tested against (and, in
+  bench/hybrid_verify.py, as the old path: every row's logits at once).
+
+On the CPU the cached modes project the target's hidden states through the lm_head only
+for the rows the acceptance test reads (`lazy_logits`: on a small target the lm_head over a
+block costs more than its layers).
 
 Precision: the target runs in its own dtype; the drafter computes in that dtype too (fp32
 master weights, autocast; see drafter.compute_precision), exactly as in training.
@@ -38,6 +43,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from . import lazy_logits
 from .drafter import DFlashDrafter
 
 try:  # transformers >= 5: hybrid caches keep linear-attention layers of this kind
@@ -98,7 +104,10 @@ def cache_mode(target) -> str:
 
 
 class _TargetRunner:
-    """Target forwards that return (next-token argmax ids, features) for new tokens only."""
+    """Target forwards that return (next-token argmax ids, features) for new tokens only.
+
+    The ids are a list, or (cached modes on the CPU) a `lazy_logits.LazyArgmax` that runs
+    the lm_head only for the positions read."""
 
     def __init__(self, target, layer_ids, mode: str = "auto", max_pending: int = 16):
         if mode not in MODES:
@@ -113,6 +122,8 @@ class _TargetRunner:
         self.pending: list[int] = []
         self.max_pending = max_pending
         self._saved = None        # linear-attention states as they were before the last forward
+        # the decoder alone, its lm_head applied per row read (None: the whole model, every row)
+        self.decoder = target.get_decoder() if self.cache is not None and lazy_logits.supported(target) else None
 
     def _run(self, ids: list[int], *, hidden: bool, keep: int = 1):
         t = torch.tensor([ids], device=self.target.device)
@@ -123,6 +134,13 @@ class _TargetRunner:
             return self.target(input_ids=t, use_cache=False, **kw)
         return self.target(input_ids=t, **_cache_kw(self.target, self.cache), use_cache=True, **kw)
 
+    def _run_decoder(self, ids: list[int], *, hidden: bool):
+        """The decoder alone (no lm_head) through the cache: final hidden states, and all
+        layers' if `hidden`."""
+        t = torch.tensor([ids], device=self.target.device)
+        kw = dict(output_hidden_states=True) if hidden else {}
+        return self.decoder(input_ids=t, **_cache_kw(self.decoder, self.cache), use_cache=True, **kw)
+
     def forward(self, new_tokens: list[int]):
         n = len(new_tokens)
         if self.cache is None:
@@ -130,8 +148,12 @@ class _TargetRunner:
         else:
             if self.mode == "snapshot":
                 self._saved = self._snapshot()
+            if self.decoder is not None:
+                out = self._run_decoder(self.pending + new_tokens, hidden=True)
+                preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
+                return preds, _features(out, self.layer_ids)[0, -n:]
             out = self._run(self.pending + new_tokens, hidden=True, keep=n)
-        return out.logits[0, -n:].argmax(-1), _features(out, self.layer_ids)[0, -n:]
+        return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
@@ -151,7 +173,10 @@ class _TargetRunner:
         self._restore(saved, len(self.seq) - kept - len(self.pending))
         self.pending = self.pending + tokens[:kept]
         if len(self.pending) >= self.max_pending:  # bound the next forward: replay them now
-            self._run(self.pending, hidden=False)
+            if self.decoder is not None:  # nothing reads its logits
+                self._run_decoder(self.pending, hidden=False)
+            else:
+                self._run(self.pending, hidden=False)
             self.pending = []
 
     # -- snapshot mode -------------------------------------------------------------------
@@ -219,8 +244,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
                                             for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
         draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head)[0].tolist()
         block = [anchor] + draft
-        preds, feats = runner.forward(block)
-        preds = preds.tolist()
+        preds, feats = runner.forward(block)  # ids read as far as the drafts hold (lazily on the CPU)
         accepted = 0
         while accepted < B - 1 and draft[accepted] == preds[accepted]:
             accepted += 1
