@@ -67,6 +67,8 @@ class EvalConfig:
     prompts: int = 8
     max_new_tokens: int = 48
     max_prompt_len: int = 128
+    before: bool = True                  # with `train --eval`: also measure the untrained drafter (tau ~1.0);
+                                         # off, the learning curve's step-0 estimate is the baseline
 
 
 @dataclass

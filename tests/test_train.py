@@ -61,6 +61,16 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
     assert sum(after["histogram"].values()) > 0 and after["block_size"] == 8
 
 
+def test_eval_before_off_measures_only_after_training(tmp_path):
+    # the demo's setting: the untrained drafter's tau (1.0) is the curve's step 0, not a decode
+    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,
+                   "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--set", "eval.before=false",
+                   "--eval")
+    s = _summary(tmp_path)
+    assert "eval_before" not in s and s["eval_after"]["prompts"] == 1
+    assert "tau before training" not in p.stderr and "tau after training" in p.stderr
+
+
 def test_local_hf_model_dir_as_target(tmp_path):
     """Any local Hugging Face model dir works as --target (here: a tiny Qwen3 saved to disk)."""
     from dflash.model import target as T

@@ -34,7 +34,9 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                              f"{describe_lossless(e)}; accepted+1 histogram {hist})")
     est = (s.get("acceptance_estimate") or {}).get("last")
     if est:
-        t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} (held-out replies, one forward, "
+        first = ((s.get("acceptance_estimate") or {}).get("history") or [[est["step"], est["tau"]]])[0]
+        start = f"from {first[1]:.3f} at step {first[0]}, " if first[0] != est["step"] else ""
+        t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}held-out replies, one forward, "
                                   f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} ...)")
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"

@@ -224,7 +224,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         signal.signal(signal.SIGINT, on_sigint)
         signal.signal(signal.SIGTERM, on_sigint)  # preemption / torchrun shutdown: save too
     try:
-        if eval_before_after:
+        if eval_before_after and cfg.eval.before:
             summary["eval_before"] = run_eval(ctx, "before training")
         t0 = time.perf_counter()
         tokens0, step0 = ctx.tokens, ctx.step.step
