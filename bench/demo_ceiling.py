@@ -117,16 +117,13 @@ def main() -> int:
     import torch
 
     from dflash.config import load_config
-    from dflash.data import dataset as data_mod
-    from dflash.data import prepare
+    from dflash.data.prepare import prepare
     from dflash.model import target as T
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     cfg = load_config(a.config)
     model, tok = T.load_target(cfg.model.target)
-    train_convs, _ = prepare.split(cfg)
-    convs = prepare._regen_cached(cfg, model, tok, train_convs, "cpu")
-    samples = data_mod.build_samples(tok, convs, max_len=cfg.data.max_len, min_loss_tokens=2)
+    samples = prepare(cfg, model, tok).samples  # the demo's own training samples (regenerated, cached)
     out = {"samples": len(samples), "held_out": a.held_out, "lookup_tau": {}}
     for block in (2, 4, 8, 16):
         ho, everything = lookup_tau(samples[-a.held_out:], block), lookup_tau(samples, block)

@@ -32,9 +32,10 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
                              f"{describe_lossless(e)}; accepted+1 histogram {hist})")
-    est = (s.get("acceptance_estimate") or {}).get("last")
+    curve = s.get("acceptance_estimate") or {}
+    est = curve.get("last")
     if est:
-        first = ((s.get("acceptance_estimate") or {}).get("history") or [[est["step"], est["tau"]]])[0]
+        first = (curve.get("history") or [[est["step"], est["tau"]]])[0]
         start = f"from {first[1]:.3f} at step {first[0]}, " if first[0] != est["step"] else ""
         t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}held-out replies, one forward, "
                                   f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} ...)")
