@@ -57,6 +57,8 @@ class TrainConfig:
     stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
     estimate_every: int = 0              # >0: acceptance estimate on held-out samples every N steps
     estimate_samples: int = 4            # samples kept out of training for that estimate
+    loss_vocab: int = 0                  # >0: the loss's softmax over the K most frequent training tokens plus
+                                         # the batch's own (a CPU step is mostly the 49k lm_head); 0: all
     feature_cache: bool = False          # keep every training sequence's target features in memory after its
                                          # first forward, so later epochs skip the (frozen) target: for small
                                          # data sets that fit (demo: ~120 seqs x 160 tokens x 3 layers, ~130 MB)
@@ -231,6 +233,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
     if cfg.train.loss_gamma < 0:
         raise ConfigError(f"train.loss_gamma={cfg.train.loss_gamma}: expected > 0 (or 0: by block size)")
+    if cfg.train.loss_vocab < 0:
+        raise ConfigError(f"train.loss_vocab={cfg.train.loss_vocab}: expected >= 0 (0: the whole vocabulary)")
     if cfg.train.estimate_every < 0 or cfg.train.estimate_samples < 1:
         raise ConfigError(f"train.estimate_every={cfg.train.estimate_every}, estimate_samples="
                           f"{cfg.train.estimate_samples}: expected estimate_every >= 0 and estimate_samples >= 1")

@@ -195,3 +195,26 @@ def test_regenerate_matches_unbatched_greedy(tok):
         assert conv[-1]["content"] == tok.decode(gen, skip_special_tokens=True)
         s = D.tokenize_conversation(tok, conv, max_len=10_000)
         assert s.input_ids == prompt + gen and s.loss_mask == [0] * len(prompt) + [1] * len(gen)
+
+
+@pytest.mark.parametrize("target", ["tiny-qwen3", "tiny-llama"])
+def test_regenerate_keeps_the_features_a_forward_gives(target):
+    """Regeneration's captured layers (prefill + decoding steps, left padded, KV cached) are the
+    teacher-forced forward's features for the same sequence; only the last token's row is zero."""
+    model, tok = T.load_target(target)
+    layer_ids = T.default_layer_ids(T.num_layers(model), 3)
+    convs = [CONV, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}],
+             [{"role": "user", "content": "Tell me a long story about a dragon. " * 4},
+              {"role": "assistant", "content": "y"}]]
+    feats: dict = {}
+    out = D.regenerate(model, tok, convs, max_new_tokens=12, batch_size=3, layer_ids=layer_ids, features=feats)
+    assert len(feats) == len(convs)
+    for conv in out:
+        s = D.tokenize_conversation(tok, conv, max_len=10_000)
+        got = feats[tuple(s.input_ids)]
+        ids = torch.tensor([s.input_ids])
+        want = T.capture_hidden(model, ids, torch.ones_like(ids), layer_ids)[0]
+        assert got.shape == want.shape
+        last = len(s.input_ids) - 1
+        torch.testing.assert_close(got[:last], want[:last], atol=2e-4, rtol=1e-3)
+        assert torch.count_nonzero(got[last]) == 0 or torch.allclose(got[last], want[last], atol=2e-4, rtol=1e-3)

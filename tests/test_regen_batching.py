@@ -30,9 +30,9 @@ def test_regenerate_batches_are_sorted_by_length(monkeypatch):
     tok = T.load_tokenizer("tiny-qwen3")
     widths = []
 
-    def fake_generate(model, prompts, pad, eos, max_new_tokens, device):
+    def fake_generate(model, prompts, pad, eos, max_new_tokens, device, layer_ids=None):
         widths.append([len(p) for p in prompts])
-        return [[1] for _ in prompts]
+        return [[1] for _ in prompts], None
 
     monkeypatch.setattr(data_mod, "_generate_left_padded", fake_generate)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tok.eos_token_id))

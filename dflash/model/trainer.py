@@ -52,7 +52,7 @@ def target_features(target, batch: Batch, layer_ids, device) -> torch.Tensor:
     cache = getattr(target, "_dflash_feature_cache", None)
     keys = None
     if cache is not None:
-        keys = [(tuple(layer_ids), batch.input_ids[i, :n].numpy().tobytes()) for i, n in enumerate(batch.lengths)]
+        keys = [feature_key(layer_ids, batch.input_ids[i, :n]) for i, n in enumerate(batch.lengths)]
         rows = [cache.get(k) for k in keys]
         if all(r is not None for r in rows):
             out = rows[0].new_zeros(len(rows), batch.padded_len, rows[0].shape[-1])
@@ -66,6 +66,22 @@ def target_features(target, batch: Batch, layer_ids, device) -> torch.Tensor:
         for i, (k, n) in enumerate(zip(keys, batch.lengths)):
             cache.setdefault(k, feats[i, :n].clone())
     return feats
+
+
+def feature_key(layer_ids, ids: torch.Tensor) -> tuple:
+    """The feature cache's key for one sequence: the layers and the int64 token ids."""
+    return tuple(layer_ids), ids.to(torch.long).numpy().tobytes()
+
+
+def preload_features(target, layer_ids, features: dict, max_len: int) -> int:
+    """Seed `train.feature_cache` with features regeneration kept (token-id tuple -> [len, n*H]),
+    cut to `data.max_len` as the samples are. Returns how many sequences went in."""
+    cache = getattr(target, "_dflash_feature_cache", None)
+    if cache is None or not features:
+        return 0
+    for ids, rows in features.items():
+        cache.setdefault(feature_key(layer_ids, torch.tensor(ids[:max_len])), rows[:max_len])
+    return len(features)
 
 
 def pack(features: torch.Tensor, lengths: list[int]) -> torch.Tensor:
@@ -125,6 +141,14 @@ class DrafterStep:
             self.opt, cosine_with_warmup(max(1, cfg.train.steps), cfg.train.warmup_ratio))
         self.weights = loss_weights(cfg.model.block_size, cfg.train.loss_gamma or None).to(self.device)[1:]
         self.step = 0
+        self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
+
+    def use_loss_vocab(self, samples) -> None:
+        """With `train.loss_vocab=K`, score the loss over the K most frequent tokens of these
+        (training) samples plus each batch's own tokens (model/loss_vocab.py)."""
+        if self.cfg.train.loss_vocab:
+            from .loss_vocab import frequent_tokens
+            self.loss_vocab = frequent_tokens(samples, self.cfg.train.loss_vocab)
 
     def forward(self, features: torch.Tensor, batch: Batch):
         """drafter_forward: returns (loss, accuracy) device tensors."""
@@ -135,8 +159,15 @@ class DrafterStep:
         anchors, valid = sample_anchors(batch.loss_mask, self.cfg.train.num_anchors,
                                         self.cfg.model.block_size, generator=g)
         anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        head = self.lm_head
+        if self.loss_vocab is not None:
+            from .loss_vocab import RowsHead, batch_vocab
+            head = RowsHead(self.lm_head, batch_vocab(self.loss_vocab, batch.input_ids).to(self.device,
+                                                                                          non_blocking=True))
         # fp32 master weights; the drafter autocasts to the frozen embedding's dtype itself
-        logits, labels = self.model(features, ids, anchors, valid, self.embed, self.lm_head)
+        logits, labels = self.model(features, ids, anchors, valid, self.embed, head)
+        if head is not self.lm_head:
+            labels = head.to_subset(labels)
         Bk = self.cfg.model.block_size
         pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
         label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)

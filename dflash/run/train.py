@@ -17,7 +17,7 @@ from ..config import Config, dump, resolve_dtype
 from ..data.prepare import prepare
 from ..model import checkpoint as ckpt
 from ..model import target as target_mod
-from ..model.trainer import DrafterStep, build_drafter
+from ..model.trainer import DrafterStep, build_drafter, preload_features
 from . import distributed as dist_mod
 from .context import RunContext
 from .saving import save, wait_for_checkpoint
@@ -90,7 +90,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=rank != 0)
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-    prep = prepare(cfg, target, tok, device=tdev)
+    prep = prepare(cfg, target, tok, device=tdev, layer_ids=layer_ids)
     if tel is None:  # after data prep: the profile's wall time is the training's
         with rank_prometheus_port():
             tel = _make_telemetry(cfg, out, rank, world, run_id)
@@ -106,6 +106,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
         tstate, jstate = ckpt.load_training_state(out / "checkpoint")
     else:
         drafter = build_drafter(cfg, target, tok, layer_ids).to(ddev)
+        # features regeneration kept: the first epoch needs no target forward either
+        preload_features(target, layer_ids, prep.features, cfg.data.max_len)
     ddp = dist_mod.wrap_ddp(drafter, ddev) if world > 1 else None
     step = DrafterStep(cfg, drafter, embed, head, ddev, ddp=ddp)
     if resume:
@@ -117,6 +119,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
         # kept out of training: the acceptance estimate must measure held-out replies
         samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
+    step.use_loss_vocab(samples)
     ctx = RunContext(cfg=cfg, tel=tel, target=target, tokenizer=tok, layer_ids=layer_ids, step=step,
                      samples=samples, eval_convs=prep.eval_convs, out=out, rank=rank, world_size=world,
                      start_step=start, history=history, tokens=tokens)

@@ -288,6 +288,7 @@ def _run_drafter(cfg, rc, holder, resume, out, lead):
     from .sync_timing import attach
     rc.sync_timer = attach(ddp, rc.groups.drafters)
     step = DrafterStep(cfg, drafter, embed, head, dev, ddp=ddp)
+    step.use_loss_vocab(rc.samples)  # every rank holds all samples: the same set everywhere
     if resume:
         step.load_state(tstate)
         tokens = jstate.get("tokens", 0) if rc.rank == lead else 0

@@ -1,0 +1,46 @@
+"""`train.loss_vocab`: score the training loss over part of the vocabulary.
+
+On the CPU the frozen lm_head is most of a drafter step: every scored slot is a row of a
+[rows x 49,152] product, then a 49k-wide log-softmax, both again in the backward. With
+``train.loss_vocab=K`` the loss's softmax runs over the K tokens most frequent in the
+training samples plus every token of the batch itself, so each label is in the set and the
+tokens a context-copying drafter would confuse it with are too (a sampled softmax with a
+fixed candidate set). Drafting (eval, the acceptance estimate) keeps the whole vocabulary.
+The set is built on the host from the batch's host-side ids: no device sync.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def frequent_tokens(samples, k: int) -> torch.Tensor:
+    """The ``k`` most frequent token ids over the samples' tokens (ties: smaller id first)."""
+    counts = Counter(t for s in samples for t in s.input_ids)
+    top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:k]
+    return torch.tensor(sorted(t for t, _ in top), dtype=torch.long)
+
+
+def batch_vocab(frequent: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Sorted ids: the frequent set plus every id of the (host) batch."""
+    return torch.unique(torch.cat([frequent, input_ids.flatten().cpu()]))
+
+
+class RowsHead(nn.Module):
+    """The frozen lm_head restricted to the rows ``ids`` (sorted): logits over that subset."""
+
+    def __init__(self, lm_head: nn.Module, ids: torch.Tensor):
+        super().__init__()
+        self.lm_head, self.ids = lm_head, ids
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        bias = getattr(self.lm_head, "bias", None)
+        w = self.lm_head.weight.index_select(0, self.ids)
+        return F.linear(h, w, None if bias is None else bias.index_select(0, self.ids))
+
+    def to_subset(self, labels: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary label ids -> positions in the subset (every label is in it)."""
+        return torch.searchsorted(self.ids, labels.contiguous())

@@ -1,0 +1,41 @@
+"""Regeneration keeps the target features it computes: with `train.feature_cache`, training
+never runs the target's forward on a regenerated sequence, and a second run finds the
+features on disk next to the replies."""
+import torch
+
+from dflash.config import load_config
+from dflash.data import dataset as data_mod
+from dflash.data.prepare import prepare
+from dflash.model import target as target_mod
+from dflash.model.trainer import Batch, build_drafter, preload_features, target_features
+
+
+def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    cfg = load_config(None, ["model.target=tiny-qwen3", "data.num_conversations=12", "data.max_len=40",
+                             "data.regen_max_new_tokens=24", "data.regen_max_prompt_len=32",
+                             "model.block_size=4", "train.feature_cache=true", "data.regenerate=on"])
+    target, tok = target_mod.load_target("tiny-qwen3")
+    ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
+    prep = prepare(cfg, target, tok, layer_ids=ids)
+    assert prep.features and len(prep.features) >= len(prep.samples)
+    build_drafter(cfg, target, tok, ids)
+    assert preload_features(target, ids, prep.features, cfg.data.max_len) == len(prep.features)
+
+    real = target_mod.capture_hidden
+    forwards = []
+    monkeypatch.setattr(target_mod, "capture_hidden", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    stream = data_mod.batches(prep.samples, batch_size=2, seed=0, pad_id=tok.pad_token_id)
+    for _ in range(len(prep.samples) // 2):
+        b = Batch.from_dict(next(stream))
+        got = target_features(target, b, ids, "cpu")
+        want = real(target, b.input_ids, b.attention_mask, ids)
+        for r, n in enumerate(b.lengths):  # all but each sequence's last token, never a context
+            torch.testing.assert_close(got[r, :n - 1], want[r, :n - 1], atol=2e-4, rtol=1e-3)
+    assert not forwards, "a regenerated sequence ran the target's forward again"
+
+    again = prepare(cfg, target, tok, layer_ids=ids)  # replies and features from the disk cache
+    assert again.features is not None and again.features.keys() == prep.features.keys()
+    k = next(iter(prep.features))
+    torch.testing.assert_close(again.features[k], prep.features[k])
+    assert prepare(cfg, target, tok).features is None  # no layers asked for: replies only
