@@ -1,6 +1,6 @@
 """What the demo's data allows: two reference figures for the drafter's held-out acceptance.
 
-The demo trains on ~120 replies that SmolLM2 regenerated itself (configs/demo.yaml). Two
+The demo trains on the replies SmolLM2 regenerated itself (configs/demo.yaml: 288). Two
 cheap measurements on those same replies say where a drafter's tau can come from
 (docs/demo-recipe.md discusses them):
 
