@@ -236,10 +236,12 @@ class _Memo:
                 self.targets[key] = self._load(spec, **kw)
             return self.targets[key]
 
-        def prep(cfg, target, tok, device="cpu"):
-            key = (cfg.model.target, json.dumps(cfg.to_dict()["data"], sort_keys=True))
+        def prep(cfg, target, tok, device="cpu", layer_ids=None):
+            # the kept features depend on the layers and on train.feature_cache as well
+            key = (cfg.model.target, json.dumps(cfg.to_dict()["data"], sort_keys=True),
+                   tuple(layer_ids or ()), cfg.train.feature_cache)
             if key not in self.prepared:
-                self.prepared[key] = self._prep(cfg, target, tok, device=device)
+                self.prepared[key] = self._prep(cfg, target, tok, device=device, layer_ids=layer_ids)
             return self.prepared[key]
 
         T.load_target, tr.prepare = load, prep

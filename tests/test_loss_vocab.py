@@ -57,7 +57,7 @@ def test_subset_loss_is_the_restricted_softmax_and_trains():
     logits, labels = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
     pos = anchors[..., None] + torch.arange(1, 4)
     lm = torch.gather(b.loss_mask, 1, pos.clamp(max=b.padded_len - 1).view(4, -1)).view_as(pos).float()
-    want, _ = weighted_block_loss(logits[..., vocab], torch.searchsorted(vocab, labels), valid, lm, step.weights)
+    want, _ = weighted_block_loss(logits[..., vocab], torch.searchsorted(vocab, labels.contiguous()), valid, lm, step.weights)
     torch.testing.assert_close(loss, want)
     assert loss < F.cross_entropy(logits.flatten(0, 2), labels.flatten()) + 1e-3  # fewer competitors
     first = loss.item()
