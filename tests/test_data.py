@@ -197,11 +197,13 @@ def test_regenerate_matches_unbatched_greedy(tok):
         assert s.input_ids == prompt + gen and s.loss_mask == [0] * len(prompt) + [1] * len(gen)
 
 
-@pytest.mark.parametrize("target", ["tiny-qwen3", "tiny-llama"])
-def test_regenerate_keeps_the_features_a_forward_gives(target):
+@pytest.mark.parametrize("target,use_cache", [("tiny-qwen3", True), ("tiny-llama", True), ("tiny-llama", False)])
+def test_regenerate_keeps_the_features_a_forward_gives(target, use_cache):
     """Regeneration's captured layers (prefill + decoding steps, left padded, KV cached) are the
-    teacher-forced forward's features for the same sequence; only the last token's row is zero."""
+    teacher-forced forward's features for the same sequence; only the last token's row is zero.
+    A checkpoint whose generation config turns the KV cache off gets it on for regeneration."""
     model, tok = T.load_target(target)
+    model.generation_config.use_cache = use_cache
     layer_ids = T.default_layer_ids(T.num_layers(model), 3)
     convs = [CONV, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}],
              [{"role": "user", "content": "Tell me a long story about a dragon. " * 4},

@@ -7,7 +7,7 @@ from dflash.config import load_config
 from dflash.data import dataset as data_mod
 from dflash.data.prepare import prepare
 from dflash.model import target as target_mod
-from dflash.model.trainer import Batch, build_drafter, preload_features, target_features
+from dflash.model.trainer import Batch, build_drafter, preload_features, replicate_target, target_features
 
 
 def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch):
@@ -39,3 +39,20 @@ def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch)
     k = next(iter(prep.features))
     torch.testing.assert_close(again.features[k], prep.features[k])
     assert prepare(cfg, target, tok).features is None  # no layers asked for: replies only
+
+
+def test_a_replica_gets_its_own_feature_cache():
+    """Each target device's replica holds the preloaded features itself (on its device), and
+    the original keeps its cache: a hit never hands a worker tensors from another device."""
+    cfg = load_config(None, ["model.target=tiny-qwen3", "train.feature_cache=true"])
+    target, tok = target_mod.load_target("tiny-qwen3")
+    ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
+    build_drafter(cfg, target, tok, ids)
+    rows = torch.randn(5, 3 * target.config.hidden_size)
+    assert preload_features(target, ids, {(1, 2, 3, 4, 5): rows}, max_len=4) == 1
+    replica = replicate_target(target, "cpu")
+    assert replica is not target and len(target._dflash_feature_cache) == 1
+    assert replica._dflash_feature_cache is not target._dflash_feature_cache
+    (k, v), = replica._dflash_feature_cache.items()
+    torch.testing.assert_close(v, rows[:4])
+    assert v.device == next(replica.parameters()).device

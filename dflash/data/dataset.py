@@ -335,8 +335,10 @@ def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_token
     am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     capture = LayerCapture(model, layer_ids) if layer_ids else contextlib.nullcontext()
     with torch.no_grad(), capture:
+        # use_cache: a checkpoint may ship `use_cache: false`, and then every step would re-run
+        # the whole sequence (what the capture below reads as one new token per step)
         seqs = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=pad, eos_token_id=sorted(eos))
+                              pad_token_id=pad, eos_token_id=sorted(eos), use_cache=True)
     gens = []
     for row in seqs[:, width:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
@@ -345,6 +347,9 @@ def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_token
         return gens, None
     prefill = capture.calls[0].cpu()                       # [B, width, F]: the prompt positions
     steps = capture.calls[1:]                              # reply token j is the input of step j
+    if any(c.shape[1] != 1 for c in steps):
+        raise RuntimeError("regeneration: a decoding step ran more than one token (no KV cache?); "
+                           "cannot keep its features")
     stepped = torch.cat(steps, dim=1).cpu() if steps else prefill[:, :0]
     feats = []
     for r, (p, gen) in enumerate(zip(prompts, gens)):

@@ -53,7 +53,8 @@ def _regen_cached(cfg: Config, target, tokenizer, convs, device, layer_ids=None)
     path = cache_dir() / "regenerated" / (hashlib.sha256(key.encode()).hexdigest()[:24] + ".json")
     fpath = None
     if layer_ids:
-        fkey = json.dumps({"replies": path.name, "layers": list(layer_ids), "dtype": str(target.dtype)})
+        fkey = json.dumps({"replies": path.name, "layers": list(layer_ids), "dtype": str(target.dtype),
+                           "attn": getattr(target.config, "_attn_implementation", None), "v": 1})
         fpath = path.with_name(path.stem + "-features-" + hashlib.sha256(fkey.encode()).hexdigest()[:12] + ".pt")
     if path.is_file():
         feats = torch.load(fpath, weights_only=True) if fpath is not None and fpath.is_file() else None

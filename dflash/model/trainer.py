@@ -75,13 +75,30 @@ def feature_key(layer_ids, ids: torch.Tensor) -> tuple:
 
 def preload_features(target, layer_ids, features: dict, max_len: int) -> int:
     """Seed `train.feature_cache` with features regeneration kept (token-id tuple -> [len, n*H]),
-    cut to `data.max_len` as the samples are. Returns how many sequences went in."""
+    cut to `data.max_len` as the samples are, on the target's device (where a forward would
+    have left them: a hit must look like a forward to the pipeline). Returns how many went in."""
     cache = getattr(target, "_dflash_feature_cache", None)
     if cache is None or not features:
         return 0
+    dev = next(target.parameters()).device
     for ids, rows in features.items():
-        cache.setdefault(feature_key(layer_ids, torch.tensor(ids[:max_len])), rows[:max_len])
+        cache.setdefault(feature_key(layer_ids, torch.tensor(ids[:max_len])), rows[:max_len].to(dev))
     return len(features)
+
+
+def replicate_target(target, device):
+    """A frozen copy of the target on `device`, with its own feature cache (if any) there:
+    a cache hit must come back on the replica's device, and the dict is not deep-copied twice."""
+    import copy
+
+    cache = getattr(target, "_dflash_feature_cache", None)
+    target._dflash_feature_cache = None
+    try:
+        replica = copy.deepcopy(target).to(device)
+    finally:
+        target._dflash_feature_cache = cache
+    replica._dflash_feature_cache = None if cache is None else {k: v.to(device) for k, v in cache.items()}
+    return replica
 
 
 def pack(features: torch.Tensor, lengths: list[int]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from ..config import Config, dump, resolve_dtype
 from ..data.prepare import prepare
 from ..model import checkpoint as ckpt
 from ..model import target as target_mod
-from ..model.trainer import DrafterStep, build_drafter, preload_features
+from ..model.trainer import DrafterStep, build_drafter, preload_features, replicate_target
 from . import distributed as dist_mod
 from .context import RunContext
 from .saving import save, wait_for_checkpoint
@@ -90,7 +90,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=rank != 0)
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-    prep = prepare(cfg, target, tok, device=tdev, layer_ids=layer_ids)
+    # a resumed run does not rebuild the feature cache (build_drafter is skipped): no features
+    prep = prepare(cfg, target, tok, device=tdev, layer_ids=None if resume else layer_ids)
     if tel is None:  # after data prep: the profile's wall time is the training's
         with rank_prometheus_port():
             tel = _make_telemetry(cfg, out, rank, world, run_id)
@@ -129,11 +130,10 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
         tel.observable_gauge("dflash.train.acceptance_estimate",
                              lambda: [(e[1], {})] if (e := ctx.estimate.latest()) else [], "1",
                              "Estimated acceptance length on held-out replies (one forward, no decoding).")
-    import copy
     replicas = {tdev: target}
     for d in tdevs:  # one frozen replica per target device; workers on one device share it
         if d not in replicas:
-            replicas[d] = copy.deepcopy(target).to(d)
+            replicas[d] = replicate_target(target, d)
             warm_up(replicas[d], batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=True)
     ctx.targets = [replicas[d] for d in tdevs]
     ctx.vote = dist_mod.StopVote(world)
