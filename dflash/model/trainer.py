@@ -17,6 +17,7 @@ import torch
 from ..config import Config
 from . import target as target_mod
 from .drafter import DFlashDrafter, DrafterConfig, loss_weights, sample_anchors, weighted_block_loss
+from .loss_vocab import RowsHead, batch_vocab, frequent_tokens
 
 
 @dataclass
@@ -164,7 +165,6 @@ class DrafterStep:
         """With `train.loss_vocab=K`, score the loss over the K most frequent tokens of these
         (training) samples plus each batch's own tokens (model/loss_vocab.py)."""
         if self.cfg.train.loss_vocab:
-            from .loss_vocab import frequent_tokens
             self.loss_vocab = frequent_tokens(samples, self.cfg.train.loss_vocab)
 
     def forward(self, features: torch.Tensor, batch: Batch):
@@ -178,7 +178,6 @@ class DrafterStep:
         anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
         head = self.lm_head
         if self.loss_vocab is not None:
-            from .loss_vocab import RowsHead, batch_vocab
             head = RowsHead(self.lm_head, batch_vocab(self.loss_vocab, batch.input_ids).to(self.device,
                                                                                           non_blocking=True))
         # fp32 master weights; the drafter autocasts to the frozen embedding's dtype itself
