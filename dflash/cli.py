@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--max-new-tokens", type=int)
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
     e.add_argument("--no-lossless-check", action="store_true")
+    e.add_argument("--no-copy-head", action="store_true",
+                   help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
     e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
 
     from .cli_analysis import add_analysis_commands
@@ -120,11 +122,14 @@ def _eval(a) -> int:
     target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
                               dtype=resolve_dtype(cfg, dev))
     drafter = drafter.to(dev)
+    drafter.use_copy = not a.no_copy_head
     _, eval_convs = split(cfg)
     res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
                    max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
                    max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check)
     res["checkpoint"] = str(path)
+    if drafter.copy is not None:
+        res["copy_head"] = drafter.use_copy
     from .model.evaluate import describe_lossless
     print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
           f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})")

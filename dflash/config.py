@@ -28,6 +28,7 @@ class ModelConfig:
     target_layer_ids: list[int] = field(default_factory=list)  # empty: spread evenly
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
+    copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
 
 
 @dataclass

@@ -18,6 +18,8 @@ def test_lookup_draft_prefers_the_longest_latest_match():
     # only a 1-token match (1 at positions 1 and 4): the latest one wins
     assert ceiling.lookup_draft([4, 1, 8, 1, 6, 1], 5, 2) == [6, 1]
     assert ceiling.lookup_draft([1, 2, 3], 2, 3) == []
+    # a match right before p copies only what is known at p, never the tokens being drafted
+    assert ceiling.lookup_draft([3, 3, 3, 3, 3], 1, 3) == [3]
 
 
 def test_lookup_tau_counts_accepted_plus_one_on_reply_tokens():

@@ -61,6 +61,23 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
     assert sum(after["histogram"].values()) > 0 and after["block_size"] == 8
 
 
+def test_a_copy_head_drafter_trains_estimates_both_ways_and_decodes_losslessly(tmp_path):
+    # model.copy_head end to end: the estimate reports the drafter with and without its copy
+    # proposals, the summary table says both, and eval (with or without them) stays lossless
+    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+                   "--set", "model.copy_head=true", "--set", "train.estimate_every=3")
+    est = _summary(tmp_path)["acceptance_estimate"]
+    assert [s for s, _ in est["history_no_copy"]] == [s for s, _ in est["history"]] == [0, 3, 6]
+    assert "tau_no_copy" in est["last"] and "without the copy head" in p.stderr
+    assert (tmp_path / "learning_curve.png").stat().st_size > 10_000
+    runs = {}
+    for flag in ([], ["--no-copy-head"]):
+        runs[bool(flag)] = last_json(run_dflash("eval", "--checkpoint", tmp_path / "checkpoint", "--prompts", 2,
+                                                "--max-new-tokens", 12, "--json", *flag).stdout)
+    assert runs[False]["copy_head"] is True and runs[True]["copy_head"] is False
+    assert runs[False]["lossless"] and runs[True]["lossless"]
+
+
 def test_eval_before_off_measures_only_after_training(tmp_path):
     # the demo's setting: the untrained drafter's tau (1.0) is the curve's step 0, not a decode
     p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,

@@ -23,6 +23,11 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
         steps, taus = zip(*[(s, t) for s, t, *_ in estimate_history])
         ax2.plot(steps, taus, color="tab:red", marker="o", markersize=3, linewidth=1.5,
                  label="acceptance estimate (held out)")
+        own = [(h[0], h[3]) for h in estimate_history if len(h) > 3 and h[3] is not None]
+        if own:  # a copy head's drafter: the same estimate without its copy proposals
+            ax2.plot(*zip(*own), color="tab:red", linestyle="--", marker="o", markersize=2, linewidth=1.0,
+                     alpha=0.7, label="estimate without the copy head")
+            ax2.legend(loc="lower right", fontsize=8)
         ax2.set_ylabel(f"estimated tau (block {block_size})", color="tab:red")
         ax2.set_ylim(bottom=1.0)
     ax.set_title(title or "learning curve")

@@ -37,8 +37,10 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
     if est:
         first = (curve.get("history") or [[est["step"], est["tau"]]])[0]
         start = f"from {first[1]:.3f} at step {first[0]}, " if first[0] != est["step"] else ""
+        own = f"; {est['tau_no_copy']:.3f} without the copy head" if "tau_no_copy" in est else ""
         t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}held-out replies, one forward, "
-                                  f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} ...)")
+                                  f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} "
+                                  f"...{own})")
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"
         share = w["idle_s"].get(top, 0) / w["wall_s"] if w.get("wall_s") and top != "-" else 0

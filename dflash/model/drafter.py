@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .copy_head import CopyHead
+
 
 @dataclass
 class DrafterConfig:
@@ -38,6 +40,7 @@ class DrafterConfig:
     mask_token_id: int
     num_hidden_layers: int = 1
     block_size: int = 16
+    copy_head: bool = False          # propose context copies with a learned bias (copy_head.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     target: str = ""
@@ -175,6 +178,8 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.copy = CopyHead(cfg.block_size - 1, cfg.hidden_size) if cfg.copy_head else None
+        self.use_copy = True  # False: the same drafter without its copy proposals (an ablation)
         self.apply(self._init)
 
     @staticmethod
@@ -204,7 +209,14 @@ class DFlashDrafter(nn.Module):
     def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
         """features [B, S, n*H]; input_ids [B, S]; anchors [B, A] (positions p, p <= S-B);
         anchor_valid [B, A] bool. Returns logits [B, A, Bk-1, V] for slots 1..Bk-1 and the
-        label ids [B, A, Bk-1] (token p+k for slot k)."""
+        label ids [B, A, Bk-1] (token p+k for slot k); with a copy head, its proposals are
+        mixed in (the logits are then log-probabilities)."""
+        logits, h, labels = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
+        return self.add_copies(logits, h, input_ids, anchors, lm_head), labels
+
+    def slot_outputs(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
+        """train_forward without the copy head: (the drafter's own logits, the slots' final
+        hidden [B, A, Bk-1, H], labels). The acceptance estimate scores both from one pass."""
         Bsz, S = input_ids.shape
         A, Bk = anchors.shape[1], self.cfg.block_size
         dev = input_ids.device
@@ -223,7 +235,14 @@ class DFlashDrafter(nn.Module):
             # flatten to rows first: on the strided 4-D slice, matmul falls back to a bmm
             # against the 49k-row weight expanded per batch (CPU: ~2 s of a 3 s step)
             logits = lm_head(h.reshape(-1, h.shape[-1])).view(Bsz, A, Bk - 1, -1)
-            return logits, labels[:, :, 1:]
+            return logits, h, labels[:, :, 1:]
+
+    def add_copies(self, logits, hidden, input_ids, anchors, lm_head):
+        """Logits [B, A, Bk-1, V] with the copy head's proposals mixed in (model/copy_head.py),
+        from the slots' hidden [B, A, Bk-1, H]; unchanged without a copy head."""
+        if self.copy is None or not self.use_copy:
+            return logits
+        return self.copy(logits, hidden, input_ids, anchors, getattr(lm_head, "to_subset", None))
 
     forward = train_forward  # what DDP wraps
 
@@ -244,16 +263,23 @@ class DFlashDrafter(nn.Module):
 
     # -- inference: one block from a context cache --------------------------------------
     @torch.no_grad()
-    def draft(self, anchor_id: torch.Tensor, anchor_pos: int, ctx_kv, embed, lm_head):
-        """anchor_id [B]; ctx_kv: per-layer (k, v) of context positions < anchor_pos.
-        Returns greedy draft ids for slots 1..Bk-1: [B, Bk-1]."""
+    def draft(self, anchor_id: torch.Tensor, anchor_pos: int, ctx_kv, embed, lm_head, context_ids=None):
+        """anchor_id [B]; ctx_kv: per-layer (k, v) of context positions < anchor_pos;
+        context_ids [B, anchor_pos + 1]: the tokens so far, anchor last (the copy head's
+        source; required with one). Returns greedy draft ids for slots 1..Bk-1: [B, Bk-1]."""
         Bk, dev = self.cfg.block_size, anchor_id.device
         ids = torch.full((anchor_id.shape[0], Bk), self.cfg.mask_token_id, device=dev, dtype=torch.long)
         ids[:, 0] = anchor_id
         pos = (anchor_pos + torch.arange(Bk, device=dev)).expand(ids.shape[0], Bk)
         with compute_precision(embed.weight):
-            h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)
-            return lm_head(h[:, 1:]).argmax(-1)
+            h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)[:, 1:]
+            logits = lm_head(h)
+        if self.copy is not None and self.use_copy:  # outside autocast, as in training
+            if context_ids is None:
+                raise ValueError("a drafter with a copy head drafts from context_ids (the tokens so far)")
+            at = torch.full((ids.shape[0], 1), anchor_pos, device=dev, dtype=torch.long)
+            logits = self.add_copies(logits[:, None], h[:, None], context_ids, at, lm_head)[:, 0]
+        return logits.argmax(-1)
 
     @torch.no_grad()
     def context_from_features(self, features: torch.Tensor, positions: torch.Tensor, embed) -> list[tuple]:

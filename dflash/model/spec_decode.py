@@ -242,7 +242,10 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
         kv = drafter.context_from_features(new_feats[None], pos, embed)  # position-wise: exact to append
         ctx_kv = kv if ctx_kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
                                             for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
-        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head)[0].tolist()
+        # a copy head drafts from the tokens so far too (model/copy_head.py)
+        copy_src = ({"context_ids": torch.tensor([runner.seq + [anchor]], device=dev)}
+                    if getattr(drafter, "copy", None) is not None else {})
+        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head, **copy_src)[0].tolist()
         block = [anchor] + draft
         preds, feats = runner.forward(block)  # ids read as far as the drafts hold (lazily on the CPU)
         accepted = 0

@@ -121,7 +121,8 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
     mask_id, _ = target_mod.choose_mask_token_id(tokenizer, vocab_rows)
     dcfg = DrafterConfig.from_target(
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
-        num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target)
+        num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
+        copy_head=cfg.model.copy_head)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg)
     if cfg.train.feature_cache:  # read by target_features: later epochs skip the target forward

@@ -9,6 +9,8 @@ slots of a block in parallel, so the number of leading correct slots is exactly 
 verify step would accept at that anchor: the mean of (leading correct + 1) is an estimate
 of tau over the held-out replies, and the per-slot accuracies say where a block breaks.
 (It skips decoding's feedback: real anchors are wherever the last verify stopped.)
+A drafter with a copy head (model/copy_head.py) is scored with and without its copy
+proposals, from the same forward: the curve shows what the drafter itself learned too.
 
 Values come back through a deferred read-back (no host sync on the drafter's thread).
 """
@@ -45,7 +47,7 @@ class AcceptanceEstimate:
         self.label_ok = torch.gather(lm, 1, pos.clamp(max=self.ids.shape[1] - 1).view(self.ids.shape[0], -1)
                                      ).view_as(pos).bool() & self.valid[..., None]
         self.readback = DeferredScalars()
-        self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1])
+        self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1], tau without copies)
         self.block_size = Bk
 
     def due(self, step: int) -> bool:
@@ -59,24 +61,31 @@ class AcceptanceEstimate:
         was_training = model.training
         model.eval()
         try:
-            logits, labels = model.train_forward(self.features, self.ids, self.anchors, self.valid,
-                                                 st.embed, st.lm_head)
+            own, hidden, labels = model.slot_outputs(self.features, self.ids, self.anchors, self.valid,
+                                                     st.embed, st.lm_head)
+            logits = model.add_copies(own, hidden, self.ids, self.anchors, st.lm_head)
         finally:
             model.train(was_training)
+        tau, per_slot = self._score(logits, labels)
+        extra = {"tau_no_copy": self._score(own, labels)[0]} if logits is not own else {}
+        self.readback.put(step, tau=tau, **extra, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
+        self.collect()
+
+    def _score(self, logits, labels):
+        """(tau estimate, per-slot accuracy) as device tensors."""
         ok = self.label_ok
         correct = (logits.argmax(-1) == labels) & ok
         blocks = ok[..., 0]                                   # anchors whose slot 1 is a reply token
         leading = correct.int().cumprod(-1).sum(-1).float()   # accepted drafts per block
         n = blocks.sum().clamp_min(1)
         tau = 1.0 + (leading * blocks).sum() / n
-        per_slot = correct.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp_min(1)
-        self.readback.put(step, tau=tau, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
-        self.collect()
+        return tau, correct.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp_min(1)
 
     def collect(self, blocking: bool = False) -> list:
         done = self.readback.drain_blocking() if blocking else self.readback.ready()
         for s, v in done:
-            self.history.append((s, v["tau"], [v[f"acc{k}"] for k in range(1, self.block_size)]))
+            self.history.append((s, v["tau"], [v[f"acc{k}"] for k in range(1, self.block_size)],
+                                 v.get("tau_no_copy")))
         return done
 
     def latest(self):
@@ -85,7 +94,10 @@ class AcceptanceEstimate:
     def summary(self) -> dict:
         self.collect(blocking=True)
         return {"every": self.every, "held_out_sequences": len(self.batch.lengths),
-                "history": [[s, round(t, 4)] for s, t, _ in self.history],
+                "history": [[s, round(t, 4)] for s, t, *_ in self.history],
+                **({"history_no_copy": [[s, round(nc, 4)] for s, _, _, nc in self.history]}
+                   if self.history and self.history[-1][3] is not None else {}),
                 "last": ({"step": self.history[-1][0], "tau": round(self.history[-1][1], 4),
                           "slot_accuracy": [round(a, 4) for a in self.history[-1][2]]}
+                         | ({"tau_no_copy": round(self.history[-1][3], 4)} if self.history[-1][3] is not None else {})
                          if self.history else None)}

@@ -1,0 +1,80 @@
+"""`model.copy_head`: let the drafter copy from its context, with a weight it learns.
+
+A greedy target repeats itself: SmolLM2-135M's regenerated replies loop so much that
+drafting "what followed the last time these tokens appeared" (prompt lookup) alone gives
+tau 1.78 at block 4 (bench/demo_ceiling.py), while a drafter trained for minutes on CPU
+reaches ~1.45 and mostly on *other* positions. A DFlash drafter has to learn that copy
+as a two-hop attention pattern per slot, which a few hundred replies do not teach.
+
+The copy head hands it the match instead, pointer-generator style (See et al., 2017):
+for an anchor at p it finds the latest j < p whose last n tokens (n <= 3, longest first)
+equal those ending at p, and proposes token j+k for draft slot k (only tokens up to p
+are known, so j+k <= p). The slot's distribution becomes a mixture,
+    P = (1 - c) * softmax(drafter's logits) + c * [the proposal],
+with the copy weight c = sigmoid(learned bias per (slot, match length) + a learned linear
+read of the slot's hidden state). Mixing probabilities, not logits, lets a trusted copy win
+over a confident drafter, and the hidden-state term lets the drafter say when it knows
+better. c starts near 0 (an untrained drafter barely copies); training sets it.
+
+Everything is tensor ops on the device (no host sync); training, the acceptance estimate
+and decoding run the same code, so eval measures what training optimised.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_NGRAM = 3
+# The bias is stored divided by this: Adam moves a parameter by about lr per step, and a
+# logit bias has to travel ~10-20 within a few hundred steps at lr ~1e-3.
+BIAS_SCALE = 16.0
+PRIOR = -6.0   # the copy weight's logit at the start: c = 0.25%
+
+
+def copy_candidates(ids: torch.Tensor, anchors: torch.Tensor, span: int, max_n: int = MAX_NGRAM):
+    """ids [B, S]; anchors [B, A] (positions p). Returns (cand [B, A, span] token ids,
+    n [B, A] match length 0..max_n, ok [B, A, span] whether slot k has a proposal).
+
+    The match is the latest j < p with the longest common run of tokens ending at j and p."""
+    B, S = ids.shape
+    j = torch.arange(S, device=ids.device)
+    run = torch.ones(B, anchors.shape[1], S, dtype=torch.bool, device=ids.device)
+    length = torch.zeros(B, anchors.shape[1], S, dtype=torch.long, device=ids.device)
+    for m in range(max_n):
+        at_anchor = torch.gather(ids, 1, (anchors - m).clamp(min=0))           # token p-m
+        at_j = ids[:, (j - m).clamp(min=0)]                                     # token j-m
+        same = (at_anchor[..., None] == at_j[:, None, :]) & (anchors >= m)[..., None] & (j >= m)
+        run = run & same
+        length = length + run.long()
+    length = length * (j < anchors[..., None])                                  # strictly earlier
+    best = (length * S + j).argmax(-1)                                          # longest, then latest
+    n = torch.gather(length, 2, best[..., None])[..., 0]
+    cpos = best[..., None] + torch.arange(1, span + 1, device=ids.device)
+    cand = torch.gather(ids, 1, cpos.clamp(max=S - 1).view(B, -1)).view_as(cpos)
+    ok = (n[..., None] > 0) & (cpos <= anchors[..., None])
+    return cand, n, ok
+
+
+class CopyHead(nn.Module):
+    def __init__(self, span: int, hidden_size: int, max_n: int = MAX_NGRAM):
+        super().__init__()
+        self.span, self.max_n = span, max_n
+        # bias[k, n]: draft slot k+1, match length n (row 0 unused: no match, no proposal)
+        self.bias = nn.Parameter(torch.zeros(span, max_n + 1))
+        self.gate = nn.Linear(hidden_size, 1, bias=False)
+        nn.init.zeros_(self.gate.weight)
+
+    def forward(self, logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
+                columns=None) -> torch.Tensor:
+        """logits [B, A, span, V] and the slots' final hidden [B, A, span, H] -> log-probabilities
+        of the mixture, [B, A, span, V] in float32 (cross-entropy and argmax read them as logits).
+        `columns` maps token ids to logit columns (a RowsHead's subset); None: identity."""
+        cand, n, ok = copy_candidates(ids, anchors, self.span, self.max_n)
+        col = (cand if columns is None else columns(cand))[..., None]
+        k = torch.arange(self.span, device=ids.device).expand_as(cand)
+        t = BIAS_SCALE * self.bias[k, n[..., None].expand_as(cand)] + PRIOR + self.gate(hidden.to(self.gate.weight.dtype))[..., 0]
+        t = torch.where(ok, t, torch.full_like(t, -1e4))      # no proposal: weight ~0
+        out = logits.float().log_softmax(-1) + F.logsigmoid(-t)[..., None]   # log((1 - c) p)
+        mixed = torch.logaddexp(torch.gather(out, -1, col), F.logsigmoid(t)[..., None])
+        return out.scatter(-1, col, mixed)

@@ -1,0 +1,116 @@
+"""The copy head (model.copy_head): proposals are prompt lookup's, only known tokens are
+copied, the bias is learned, and training, the estimate and decoding agree."""
+from __future__ import annotations
+
+import importlib.util
+import math
+import random
+
+import torch
+from torch import nn
+
+from dflash.model.copy_head import BIAS_SCALE, PRIOR, CopyHead, copy_candidates
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.loss_vocab import RowsHead
+from helpers import ROOT
+
+_spec = importlib.util.spec_from_file_location("demo_ceiling", ROOT / "bench" / "demo_ceiling.py")
+ceiling = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ceiling)
+
+H, V, BK = 32, 41, 5
+
+
+def test_proposals_are_prompt_lookups_and_never_read_past_the_anchor():
+    rng = random.Random(0)
+    for trial in range(20):
+        # a small alphabet and a repeated chunk: many matches of every length
+        chunk = [rng.randrange(6) for _ in range(7)]
+        seq = [rng.randrange(6) for _ in range(5)] + chunk + [rng.randrange(6) for _ in range(4)] + chunk
+        ids = torch.tensor([seq])
+        anchors = torch.arange(len(seq))[None]
+        cand, n, ok = copy_candidates(ids, anchors, BK - 1)
+        for p in range(len(seq)):
+            want = ceiling.lookup_draft(seq, p, BK - 1)
+            got = cand[0, p][ok[0, p]].tolist()
+            assert got == want, (trial, p, seq)
+            assert int(ok[0, p].sum()) == len(want)
+            # the continuation is made of tokens at positions <= p only
+            assert (n[0, p] > 0) == bool(want)
+
+
+def _head(c=None):
+    head = CopyHead(BK - 1, H)
+    if c is not None:  # every proposal's copy weight = c
+        with torch.no_grad():
+            head.bias.fill_((math.log(c / (1 - c)) - PRIOR) / BIAS_SCALE)
+    return head
+
+
+def test_the_mixture_puts_the_copy_weight_on_exactly_the_proposal():
+    ids = torch.tensor([[3, 4, 5, 3, 4, 9, 9, 9]])
+    anchors = torch.tensor([[4]])  # "3 4" matched at 1: proposals 5 (pos 2), 3 (3), 4 (4), then unknown
+    logits, hidden = torch.randn(1, 1, BK - 1, V), torch.randn(1, 1, BK - 1, H)
+    p = logits.softmax(-1)
+    start = _head()(logits, hidden, ids, anchors).exp()
+    assert torch.allclose(start, p, atol=0.01)  # untrained: c = sigmoid(PRIOR), barely any copying
+    out = _head(0.5)(logits, hidden, ids, anchors).exp()
+    assert torch.allclose(out.sum(-1), torch.ones(1, 1, BK - 1))
+    for k, tok in enumerate([5, 3, 4]):
+        want = 0.5 * p[0, 0, k]
+        want[tok] += 0.5
+        assert torch.allclose(out[0, 0, k], want, atol=1e-6)
+    assert torch.allclose(out[0, 0, 3], p[0, 0, 3])  # slot 4 would copy position 5 > p: no proposal
+
+
+def test_the_copy_weight_is_learned_from_the_loss():
+    head = _head()
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5, 3, 4]])
+    anchors = torch.tensor([[4]])
+    hidden = torch.randn(1, 1, BK - 1, H)
+    out = head(torch.zeros(1, 1, BK - 1, V), hidden, ids, anchors)
+    nn.functional.cross_entropy(out[0, 0, :1], torch.tensor([5])).backward()
+    assert head.bias.grad[0, 2] < 0  # a correct proposal: more copy weight lowers the loss
+    assert head.gate.weight.grad.abs().sum() > 0  # and the drafter's hidden state learns when to copy
+
+
+def test_the_copy_lands_on_the_subset_column_of_a_rows_head():
+    ids = torch.tensor([[7, 8, 7, 8, 7]])
+    rows = RowsHead(nn.Linear(H, V, bias=False), torch.tensor([2, 7, 8, 30]))
+    out = _head(0.5)(torch.zeros(1, 1, BK - 1, 4), torch.zeros(1, 1, BK - 1, H), ids, torch.tensor([[4]]),
+                     rows.to_subset).exp()
+    # "8 7" matched at 2: slot 1 proposes token 8 (column 2), slot 2 token 7 (column 1)
+    assert torch.allclose(out[0, 0, 0], torch.tensor([0.125, 0.125, 0.625, 0.125]))
+    assert torch.allclose(out[0, 0, 1], torch.tensor([0.125, 0.625, 0.125, 0.125]))
+
+
+def _drafter():
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, vocab_size=V, target_layer_ids=[0, 1], mask_token_id=V - 1,
+                        num_hidden_layers=2, block_size=BK, copy_head=True)
+    d = DFlashDrafter(cfg).double().eval()
+    with torch.no_grad():
+        d.copy.bias.uniform_(0.2, 0.6)   # copy weights from sigmoid(-2.8) to sigmoid(3.6)
+    return d, nn.Embedding(V, H).double(), nn.Linear(H, V, bias=False).double()
+
+
+def test_decoding_drafts_what_training_scores():
+    d, embed, head = _drafter()
+    S = 30
+    torch.manual_seed(1)
+    ids = torch.randint(0, 6, (1, S))  # a small alphabet: most anchors have a match
+    feats = torch.randn(1, S, 2 * H, dtype=torch.float64)
+    anchors = torch.tensor([[2, 8, 13, 19, S - BK]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    logits, _ = d.train_forward(feats, ids, anchors, valid, embed, head)
+    own, hidden, _ = d.slot_outputs(feats, ids, anchors, valid, embed, head)
+    assert not torch.allclose(logits, own.log_softmax(-1))
+    assert torch.equal(d.add_copies(own, hidden, ids, anchors, head), logits)
+    for j, p in enumerate(anchors[0].tolist()):
+        kv = d.context_from_features(feats[:, :p], torch.arange(p)[None], embed)
+        draft = d.draft(ids[:, p], p, kv, embed, head, ids[:, :p + 1])
+        assert draft[0].tolist() == logits[0, j].argmax(-1).tolist(), f"anchor {p}"
+    d.use_copy = False  # `dflash eval --no-copy-head`: the drafter's own guesses
+    kv = d.context_from_features(feats[:, :8], torch.arange(8)[None], embed)
+    assert d.draft(ids[:, 8], 8, kv, embed, head)[0].tolist() == own[0, 1].argmax(-1).tolist()
