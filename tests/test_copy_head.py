@@ -9,7 +9,7 @@ import random
 import torch
 from torch import nn
 
-from dflash.model.copy_head import BIAS_SCALE, PRIOR, CopyHead, copy_candidates
+from dflash.model.copy_head import PRIOR, CopyHead, copy_candidates
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.loss_vocab import RowsHead
 from helpers import ROOT
@@ -43,7 +43,7 @@ def _head(c=None):
     head = CopyHead(BK - 1, H)
     if c is not None:  # every proposal's copy weight = c
         with torch.no_grad():
-            head.bias.fill_((math.log(c / (1 - c)) - PRIOR) / BIAS_SCALE)
+            head.bias.fill_(math.log(c / (1 - c)) - PRIOR)
     return head
 
 
@@ -52,6 +52,11 @@ def test_the_mixture_puts_the_copy_weight_on_exactly_the_proposal():
     anchors = torch.tensor([[4]])  # "3 4" matched at 1: proposals 5 (pos 2), 3 (3), 4 (4), then unknown
     logits, hidden = torch.randn(1, 1, BK - 1, V), torch.randn(1, 1, BK - 1, H)
     p = logits.softmax(-1)
+    assert copy_candidates(ids, anchors, BK - 1)[1].tolist() == [[2]]  # the match length picks the bias
+    only_other_rows = _head(0.5)
+    with torch.no_grad():
+        only_other_rows.bias[:, 2] = 0.0
+    assert torch.allclose(only_other_rows(logits, hidden, ids, anchors).exp(), p, atol=0.01)
     start = _head()(logits, hidden, ids, anchors).exp()
     assert torch.allclose(start, p, atol=0.01)  # untrained: c = sigmoid(PRIOR), barely any copying
     out = _head(0.5)(logits, hidden, ids, anchors).exp()
@@ -84,6 +89,32 @@ def test_the_copy_lands_on_the_subset_column_of_a_rows_head():
     assert torch.allclose(out[0, 0, 1], torch.tensor([0.125, 0.625, 0.125, 0.125]))
 
 
+def test_the_gate_starts_at_zero_and_the_rest_of_the_drafter_is_unchanged_by_the_head():
+    def build(copy_head):
+        torch.manual_seed(0)
+        return DFlashDrafter(DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                           intermediate_size=64, vocab_size=V, target_layer_ids=[0, 1],
+                                           mask_token_id=V - 1, num_hidden_layers=2, block_size=BK,
+                                           copy_head=copy_head))
+    with_head, without = build(True), build(False)
+    assert with_head.copy.gate.weight.abs().sum() == 0 and with_head.copy.bias.abs().sum() == 0
+    rest = {k: v for k, v in with_head.state_dict().items() if not k.startswith("copy.")}
+    assert rest.keys() == without.state_dict().keys()
+    assert all(torch.equal(v, without.state_dict()[k]) for k, v in rest.items())
+
+
+def test_the_bias_gets_its_learning_rate_multiple_in_the_optimizer():
+    from dflash.config import load_config
+    from dflash.model.copy_head import BIAS_LR_SCALE
+    from dflash.model.trainer import DrafterStep
+    d, embed, head = _drafter()
+    cfg = load_config(None, ["model.copy_head=true", "train.lr=1e-3"])
+    step = DrafterStep(cfg, d.float(), embed.float(), head.float(), "cpu")
+    lrs = {id(p): g["initial_lr"] for g in step.opt.param_groups for p in g["params"]}  # before the schedule
+    assert lrs[id(d.copy.bias)] == 1e-3 * BIAS_LR_SCALE
+    assert lrs[id(d.copy.gate.weight)] == lrs[id(d.fc.weight)] == 1e-3
+
+
 def _drafter():
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
@@ -91,7 +122,8 @@ def _drafter():
                         num_hidden_layers=2, block_size=BK, copy_head=True)
     d = DFlashDrafter(cfg).double().eval()
     with torch.no_grad():
-        d.copy.bias.uniform_(0.2, 0.6)   # copy weights from sigmoid(-2.8) to sigmoid(3.6)
+        d.copy.bias.uniform_(3.0, 9.0)   # copy weights from sigmoid(-3) to sigmoid(3)
+        d.copy.gate.weight.normal_(0.0, 0.1)
     return d, nn.Embedding(V, H).double(), nn.Linear(H, V, bias=False).double()
 
 

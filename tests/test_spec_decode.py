@@ -61,3 +61,40 @@ def test_untrained_drafter_is_lossless_on_hybrid_target():
     res = speculative_generate(model, d, prompt, max_new_tokens=12)
     assert res.tokens == greedy_generate(model, prompt, max_new_tokens=12)
     assert all(1 <= a <= BK for a in res.acceptance)
+
+
+def test_decoding_hands_a_copy_head_the_tokens_so_far(tiny):
+    """A copy-head drafter that always trusts its proposal drafts prompt lookup's continuation
+    of exactly the tokens committed so far plus the anchor; the output stays the target's."""
+    import importlib.util
+
+    from helpers import ROOT
+    spec = importlib.util.spec_from_file_location("demo_ceiling", ROOT / "bench" / "demo_ceiling.py")
+    ceiling = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ceiling)
+
+    model, tok = tiny
+    cfg = _cfg(model, tok)
+    cfg.copy_head = True
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(cfg).eval()
+    with torch.no_grad():
+        drafter.copy.bias.fill_(30.0)  # c = sigmoid(24): a proposal always wins
+    seen = []
+    real_draft = drafter.draft
+
+    def recording_draft(*args, **kw):
+        out = real_draft(*args, **kw)
+        seen.append((kw["context_ids"][0].tolist(), out[0].tolist()))
+        return out
+
+    drafter.draft = recording_draft
+    prompt = prompts_for_eval(tok, [[{"role": "user", "content": "one two one two one two one"}]], max_prompt_len=64)[0]
+    res = speculative_generate(model, drafter, prompt, max_new_tokens=24)
+    assert res.tokens == greedy_generate(model, prompt, max_new_tokens=24)
+    copied = 0
+    for ids, draft in seen:
+        proposal = ceiling.lookup_draft(ids, len(ids) - 1, BK - 1)
+        assert draft[:len(proposal)] == proposal
+        copied += len(proposal)
+    assert seen and seen[0][0][:len(prompt)] == prompt and copied > 0

@@ -26,9 +26,11 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_NGRAM = 3
-# The bias is stored divided by this: Adam moves a parameter by about lr per step, and a
-# logit bias has to travel ~10-20 within a few hundred steps at lr ~1e-3.
-BIAS_SCALE = 16.0
+# The bias trains at this multiple of the learning rate (an optimizer param group, see
+# DrafterStep): Adam moves a parameter by about lr a step, and the copy weight's logit has
+# to travel several units within a few hundred steps at lr ~1e-3. A larger learning rate
+# rather than a scaled parameter keeps its gradient, and so the gradient-norm clip, fair.
+BIAS_LR_SCALE = 16.0
 PRIOR = -6.0   # the copy weight's logit at the start: c = 0.25%
 
 
@@ -62,8 +64,9 @@ class CopyHead(nn.Module):
         self.span, self.max_n = span, max_n
         # bias[k, n]: draft slot k+1, match length n (row 0 unused: no match, no proposal)
         self.bias = nn.Parameter(torch.zeros(span, max_n + 1))
+        self.bias.lr_scale = BIAS_LR_SCALE
         self.gate = nn.Linear(hidden_size, 1, bias=False)
-        nn.init.zeros_(self.gate.weight)
+        nn.init.zeros_(self.gate.weight)  # no say for the hidden state until training gives it one
 
     def forward(self, logits: torch.Tensor, hidden: torch.Tensor, ids: torch.Tensor, anchors: torch.Tensor,
                 columns=None) -> torch.Tensor:
@@ -72,8 +75,11 @@ class CopyHead(nn.Module):
         `columns` maps token ids to logit columns (a RowsHead's subset); None: identity."""
         cand, n, ok = copy_candidates(ids, anchors, self.span, self.max_n)
         col = (cand if columns is None else columns(cand))[..., None]
-        k = torch.arange(self.span, device=ids.device).expand_as(cand)
-        t = BIAS_SCALE * self.bias[k, n[..., None].expand_as(cand)] + PRIOR + self.gate(hidden.to(self.gate.weight.dtype))[..., 0]
+        # bias[k, n] by a gather (its backward is a scatter-add: no sort, no host sync on CUDA)
+        row = torch.arange(self.span, device=ids.device) * (self.max_n + 1)
+        idx = row + n[..., None]
+        t = self.bias.flatten().gather(0, idx.flatten()).view_as(idx) + PRIOR
+        t = t + self.gate(hidden.to(self.gate.weight.dtype))[..., 0]
         t = torch.where(ok, t, torch.full_like(t, -1e4))      # no proposal: weight ~0
         out = logits.float().log_softmax(-1) + F.logsigmoid(-t)[..., None]   # log((1 - c) p)
         mixed = torch.logaddexp(torch.gather(out, -1, col), F.logsigmoid(t)[..., None])

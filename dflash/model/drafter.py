@@ -178,9 +178,11 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.apply(self._init)
+        # after the init above (which would redraw its zeroed gate) and after every other
+        # module, so the rest starts from the same weights with or without it
         self.copy = CopyHead(cfg.block_size - 1, cfg.hidden_size) if cfg.copy_head else None
         self.use_copy = True  # False: the same drafter without its copy proposals (an ablation)
-        self.apply(self._init)
 
     @staticmethod
     def _init(m):

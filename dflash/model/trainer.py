@@ -153,8 +153,13 @@ class DrafterStep:
         self.model = ddp or drafter  # what forward/backward go through (DDP wrapper or not)
         self.embed, self.lm_head = embed, lm_head
         params = [p for p in drafter.parameters() if p.requires_grad]
+        # a parameter may ask for a multiple of the learning rate (`lr_scale`: the copy head's
+        # bias, model/copy_head.py); the schedule scales every group alike
+        scales = sorted({getattr(p, "lr_scale", 1.0) for p in params})
+        groups = [{"params": [p for p in params if getattr(p, "lr_scale", 1.0) == sc], "lr": cfg.train.lr * sc}
+                  for sc in scales]
         # fused AdamW: one kernel, and it honours `found_inf` on the device (see optimizer_step)
-        self.opt = torch.optim.AdamW(params, lr=cfg.train.lr, betas=(0.9, 0.95),
+        self.opt = torch.optim.AdamW(groups, lr=cfg.train.lr, betas=(0.9, 0.95),
                                      weight_decay=cfg.train.weight_decay, fused=True)
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, cosine_with_warmup(max(1, cfg.train.steps), cfg.train.warmup_ratio))
