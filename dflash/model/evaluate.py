@@ -63,6 +63,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     extra = {"outputs": outputs} if keep_outputs else {}
     return extra | {
         "acceptance_length": round(sum(taus) / max(1, len(taus)), 4),
+        "per_prompt": [round(t, 4) for t in taus],  # the spread says how noisy a few prompts are
         "block_size": B,
         "prompts": done,
         "histogram": {str(k): hist[k] for k in range(1, B + 1)},
