@@ -76,6 +76,7 @@ def test_a_copy_head_drafter_trains_estimates_both_ways_and_decodes_losslessly(t
                                                 "--max-new-tokens", 12, "--json", *flag).stdout)
     assert runs[False]["copy_head"] is True and runs[True]["copy_head"] is False
     assert runs[False]["lossless"] and runs[True]["lossless"]
+    assert len(runs[False]["per_prompt"]) == 2  # eval's per-prompt spread
 
 
 def test_eval_before_off_measures_only_after_training(tmp_path):
