@@ -26,5 +26,14 @@ def run_dflash(*args, env=None, timeout=600, check=True):
     return p
 
 
+def load_bench(name: str):
+    """A bench/ script as a module (bench/ is not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])

@@ -2,7 +2,6 @@
 copied, the bias is learned, and training, the estimate and decoding agree."""
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 
@@ -12,11 +11,9 @@ from torch import nn
 from dflash.model.copy_head import PRIOR, CopyHead, copy_candidates
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.loss_vocab import RowsHead
-from helpers import ROOT
+from helpers import load_bench
 
-_spec = importlib.util.spec_from_file_location("demo_ceiling", ROOT / "bench" / "demo_ceiling.py")
-ceiling = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ceiling)
+ceiling = load_bench("demo_ceiling")
 
 H, V, BK = 32, 41, 5
 

@@ -1,14 +1,11 @@
 """bench/demo_ceiling.py's prompt-lookup reference: what copying from the context accepts."""
 from __future__ import annotations
 
-import importlib.util
 from types import SimpleNamespace
 
-from helpers import ROOT
+from helpers import load_bench
 
-_spec = importlib.util.spec_from_file_location("demo_ceiling", ROOT / "bench" / "demo_ceiling.py")
-ceiling = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(ceiling)
+ceiling = load_bench("demo_ceiling")
 
 
 def test_lookup_draft_prefers_the_longest_latest_match():

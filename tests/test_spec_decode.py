@@ -66,12 +66,8 @@ def test_untrained_drafter_is_lossless_on_hybrid_target():
 def test_decoding_hands_a_copy_head_the_tokens_so_far(tiny):
     """A copy-head drafter that always trusts its proposal drafts prompt lookup's continuation
     of exactly the tokens committed so far plus the anchor; the output stays the target's."""
-    import importlib.util
-
-    from helpers import ROOT
-    spec = importlib.util.spec_from_file_location("demo_ceiling", ROOT / "bench" / "demo_ceiling.py")
-    ceiling = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ceiling)
+    from helpers import load_bench
+    ceiling = load_bench("demo_ceiling")
 
     model, tok = tiny
     cfg = _cfg(model, tok)

@@ -40,7 +40,7 @@ class DrafterConfig:
     mask_token_id: int
     num_hidden_layers: int = 1
     block_size: int = 16
-    copy_head: bool = False          # propose context copies with a learned bias (copy_head.py)
+    copy_head: bool = False          # mix in copies from the context, weight learned (copy_head.py)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     target: str = ""
@@ -242,11 +242,16 @@ class DFlashDrafter(nn.Module):
     def add_copies(self, logits, hidden, input_ids, anchors, lm_head):
         """Logits [B, A, Bk-1, V] with the copy head's proposals mixed in (model/copy_head.py),
         from the slots' hidden [B, A, Bk-1, H]; unchanged without a copy head."""
-        if self.copy is None or not self.use_copy:
+        if not self.copying:
             return logits
         return self.copy(logits, hidden, input_ids, anchors, getattr(lm_head, "to_subset", None))
 
     forward = train_forward  # what DDP wraps
+
+    @property
+    def copying(self) -> bool:
+        """Whether drafts mix in the copy head's proposals (it exists and is not switched off)."""
+        return self.copy is not None and self.use_copy
 
     @staticmethod
     def block_mask(anchors, anchor_valid, S, Bk):
@@ -276,7 +281,7 @@ class DFlashDrafter(nn.Module):
         with compute_precision(embed.weight):
             h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)[:, 1:]
             logits = lm_head(h)
-        if self.copy is not None and self.use_copy:  # outside autocast, as in training
+        if self.copying:  # outside autocast, as in training
             if context_ids is None:
                 raise ValueError("a drafter with a copy head drafts from context_ids (the tokens so far)")
             at = torch.full((ids.shape[0], 1), anchor_pos, device=dev, dtype=torch.long)

@@ -244,7 +244,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
                                             for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
         # a copy head drafts from the tokens so far too (model/copy_head.py)
         copy_src = ({"context_ids": torch.tensor([runner.seq + [anchor]], device=dev)}
-                    if getattr(drafter, "copy", None) is not None else {})
+                    if getattr(drafter, "copying", False) else {})
         draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head, **copy_src)[0].tolist()
         block = [anchor] + draft
         preds, feats = runner.forward(block)  # ids read as far as the drafts hold (lazily on the CPU)

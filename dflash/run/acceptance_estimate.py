@@ -67,7 +67,7 @@ class AcceptanceEstimate:
         finally:
             model.train(was_training)
         tau, per_slot = self._score(logits, labels)
-        extra = {"tau_no_copy": self._score(own, labels)[0]} if logits is not own else {}
+        extra = {"tau_no_copy": self._score(own, labels)[0]} if model.copying else {}
         self.readback.put(step, tau=tau, **extra, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
         self.collect()
 
@@ -93,11 +93,12 @@ class AcceptanceEstimate:
 
     def summary(self) -> dict:
         self.collect(blocking=True)
-        return {"every": self.every, "held_out_sequences": len(self.batch.lengths),
-                "history": [[s, round(t, 4)] for s, t, *_ in self.history],
-                **({"history_no_copy": [[s, round(nc, 4)] for s, _, _, nc in self.history]}
-                   if self.history and self.history[-1][3] is not None else {}),
-                "last": ({"step": self.history[-1][0], "tau": round(self.history[-1][1], 4),
-                          "slot_accuracy": [round(a, 4) for a in self.history[-1][2]]}
-                         | ({"tau_no_copy": round(self.history[-1][3], 4)} if self.history[-1][3] is not None else {})
-                         if self.history else None)}
+        out = {"every": self.every, "held_out_sequences": len(self.batch.lengths),
+               "history": [[s, round(t, 4)] for s, t, *_ in self.history], "last": None}
+        if self.history:
+            step, tau, slots, no_copy = self.history[-1]
+            out["last"] = {"step": step, "tau": round(tau, 4), "slot_accuracy": [round(a, 4) for a in slots]}
+            if no_copy is not None:  # a copy head's drafter: the same estimate without its proposals
+                out["history_no_copy"] = [[s, round(nc, 4)] for s, _, _, nc in self.history]
+                out["last"]["tau_no_copy"] = round(no_copy, 4)
+        return out
