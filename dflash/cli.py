@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run in OUT (only what dflash wrote there is removed)")
     t.add_argument("--eval", action="store_true", help="measure tau before and after training")
     t.add_argument("--reference", action="store_true", help="single-process reference loop (no pipeline)")
     t.add_argument("--target-devices", help="comma list, e.g. cuda:0,cuda:1 (default cpu)")
@@ -62,13 +64,24 @@ def _train(a) -> int:
              "telemetry.enabled": False if a.no_telemetry else None,
              "telemetry.wandb": True if a.wandb else None}
     cfg = load_config(a.config, a.set, **flags)
-    a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
-    if a.resume and not (os.path.isdir(os.path.join(cfg.out, "checkpoint")) or
-                         os.path.isdir(os.path.join(cfg.out, "checkpoint.old"))):
+    if a.resume and a.overwrite:
         from .config import ConfigError
-        raise ConfigError(f"--resume: no checkpoint in {cfg.out!r} (expected {cfg.out}/checkpoint from an earlier run)")
+        raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
+    _check_torchrun_env()
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
+    _check_inputs_before_torch(cfg)
+    if a.resume:
+        _check_resume(cfg)
+    from . import run_dir
+    out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
+    a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
+    if a.overwrite:
+        run_dir.clear_earlier_run(out)
+    if a.resume:
+        from .checkpoint_files import clean_stale_temps
+        clean_stale_temps(out / "checkpoint")
+    a.phase = "set-up"  # a signal before training starts: nothing to save yet
     from .run.train import train  # torch and transformers: only once the input is known to be good
 
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
@@ -76,6 +89,61 @@ def _train(a) -> int:
         from .analysis.report import print_summary
         print_summary(s, cfg.out)
     return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
+
+
+def _check_torchrun_env() -> None:
+    """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together; a hand-made half of them is
+    one line, not a KeyError from deep inside the set-up."""
+    from .config import ConfigError
+
+    env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
+    for k, v in env.items():
+        if v is not None and not v.strip().isdigit():
+            raise ConfigError(f"{k}={v!r}: expected a non-negative integer (torchrun sets it)")
+    world = int(env["WORLD_SIZE"] or 1)
+    if world > 1 and env["RANK"] is None:
+        raise ConfigError(f"WORLD_SIZE={world} but RANK is not set: launch with torchrun --nproc_per_node N "
+                          "-m dflash train ... (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+    if env["RANK"] is not None and int(env["RANK"]) >= world:
+        raise ConfigError(f"RANK={env['RANK']}: expected < WORLD_SIZE={world}")
+
+
+def _check_inputs_before_torch(cfg) -> None:
+    """What can be known about the target and the data set without loading a model: a hub
+    id that does not exist or cannot be reached, a data set with no usable record."""
+    from .config import ConfigError
+    from .data.conversations import load_conversations
+    from .inputs import DatasetError, TargetSpecError, check_target_spec
+
+    try:
+        check_target_spec(cfg.model.target, probe_hub=True)
+        # picks (and caches) the run's subset: the run reads it back in milliseconds
+        convs = load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations, seed=cfg.train.seed)
+    except (TargetSpecError, DatasetError) as e:
+        raise ConfigError(str(e)) from None
+    if len(convs) < 2:
+        raise ConfigError(f"dataset {cfg.data.path or 'ShareGPT V3'!r}: {len(convs)} usable conversation(s); "
+                          "expected at least 2 (one to train on, one held out)")
+
+
+def _check_resume(cfg) -> None:
+    """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
+    from its config.json before torch loads."""
+    from .checkpoint_files import CheckpointError, check_readable, resume_mismatch
+    from .config import ConfigError
+    from .inputs import target_num_layers
+
+    try:
+        _, raw = check_readable(os.path.join(cfg.out, "checkpoint"))
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    try:
+        why = resume_mismatch(raw, cfg.model, target_num_layers(cfg.model.target))
+    except ValueError as e:
+        why = str(e)
+    if why:
+        raise ConfigError(f"--resume: {why}; resume with the run's own settings ({cfg.out}/config.yaml) "
+                          "or train into a new --out")
 
 
 def _check_layout_launch(cfg, eval_flag: bool) -> None:
@@ -97,23 +165,26 @@ def _check_layout_launch(cfg, eval_flag: bool) -> None:
 
 
 def _eval(a) -> int:
-    from .model import checkpoint as ckpt
+    from .checkpoint_files import CheckpointError, check_readable
     from .config import ConfigError, load_config
-    from .model.evaluate import evaluate
-    from .data.prepare import split
-    from .model.target import load_target
 
-    try:
-        path = ckpt.resolve(a.checkpoint)
-    except ckpt.CheckpointError as err:
-        raise ConfigError(str(err)) from None
     for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
-    drafter, run_cfg = ckpt.load_drafter(path)
-    cfg = load_config(None, [], **{"model": run_cfg.get("model", {}), "data": run_cfg.get("data", {}),
-                                   "train.seed": run_cfg.get("train", {}).get("seed", 0),
-                                   "eval": run_cfg.get("eval", {})})
+    try:  # torch-free: a missing, corrupt or truncated checkpoint is one line in milliseconds
+        path, raw = check_readable(a.checkpoint)
+    except CheckpointError as err:
+        raise ConfigError(str(err)) from None
+    run_cfg = raw.get("dflash_run") if isinstance(raw.get("dflash_run"), dict) else {}
+    sections = {k: run_cfg.get(k) for k in ("model", "data", "eval") if isinstance(run_cfg.get(k), dict)}
+    cfg = load_config(None, [], **sections, **{"train.seed": (run_cfg.get("train") or {}).get("seed", 0)})
+    a.phase = "eval set-up"
+    from .model import checkpoint as ckpt
+    from .data.prepare import split
+    from .model.evaluate import evaluate
+    from .model.target import load_target
+
+    drafter, _ = ckpt.load_drafter(path)
     # same device kind and dtype as the run's target: eval in the precision training used
     dev = (run_cfg.get("pipeline", {}).get("target_devices") or ["cpu"])[0]
     import torch
@@ -124,34 +195,109 @@ def _eval(a) -> int:
     drafter = drafter.to(dev)
     drafter.use_copy = not a.no_copy_head
     _, eval_convs = split(cfg)
-    res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
-                   max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
-                   max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check)
+    with _stop_on_signal() as stop:  # SIGTERM / Ctrl-C: finish the prompt, report what was measured
+        a.phase = "eval"
+        res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
+                       max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
+                       max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check, stop=stop)
+    res["interrupted"] = res["interrupted"] or stop.is_set()
     res["checkpoint"] = str(path)
     if drafter.copy is not None:
         res["copy_head"] = drafter.use_copy
     from .model.evaluate import describe_lossless
     print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
-          f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})")
+          f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})"
+          + (" [interrupted: partial]" if res["interrupted"] else ""))
     print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
     if a.wandb:  # the run dir holds the checkpoint; bounded, falls back to RUN/wandb_fallback.jsonl
         from .wandb_bridge import log_eval
         log_eval(path.parent, res)
     if a.json:
         print(json.dumps(res))
+    if res["interrupted"]:
+        print(f"dflash eval: interrupted after {res['prompts']} prompt(s): the figures above are partial; "
+              f"run it again for all: {_command_line(a)}", file=sys.stderr)
+        return 130
     return 0
 
 
+class _Interrupted(KeyboardInterrupt):
+    """SIGTERM, delivered as Ctrl-C is: set-up phases (model load, regeneration) stop at once."""
+
+
+def _raise_interrupt(signum, frame):
+    raise _Interrupted()
+
+
+class _stop_on_signal:
+    """While inside: SIGTERM / SIGINT set an event (the loop finishes its item and returns)
+    instead of raising; a second signal raises as usual."""
+
+    def __enter__(self):
+        import signal
+        import threading
+
+        self.stop = threading.Event()
+        self.prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def on_signal(signum, frame):
+            if self.stop.is_set():
+                raise _Interrupted()
+            print("\ninterrupt: finishing the current prompt, then reporting what was measured", file=sys.stderr)
+            self.stop.set()
+
+        for s in self.prev:
+            signal.signal(s, on_signal)
+        return self.stop
+
+    def __exit__(self, *exc):
+        import signal
+
+        for s, h in self.prev.items():
+            signal.signal(s, h)
+        return False
+
+
+def _command_line(a) -> str:
+    import shlex
+
+    return "dflash " + shlex.join(a.argv)
+
+
 def main(argv=None) -> int:
+    import signal
+    import threading
+
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
+    a.argv, a.phase = argv, "start-up"
+    if threading.current_thread() is threading.main_thread():
+        # a job runner's SIGTERM before the loop's own handler is in place (model load,
+        # regeneration): stop now with 130 and say how to go on, not die silently with 143
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         from .cli_analysis import COMMANDS
         return ({"train": _train, "eval": _eval} | COMMANDS)[a.cmd](a)
     except KeyboardInterrupt:
-        print(f"dflash {a.cmd}: interrupted", file=sys.stderr)
+        print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
         return 130
     except Exception as e:
         return _report_failure(a, e)
+
+
+def _what_next(a) -> str:
+    import shlex
+    from pathlib import Path
+
+    if a.cmd != "train":
+        return f"run it again: {_command_line(a)}"
+    out = getattr(a, "resolved_out", None)
+    again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
+    if out and (Path(out) / "checkpoint" / "config.json").is_file():
+        return f"the last checkpoint is in {out}/checkpoint; continue with: dflash {shlex.join(again + ['--resume'])}"
+    if out and Path(out).is_dir():
+        again.append("--overwrite")  # nothing was trained: the dir holds only this attempt's start
+    return f"nothing was trained yet; run it again: dflash {shlex.join(again)}"
 
 
 def _report_failure(a, e: Exception) -> int:

@@ -6,6 +6,7 @@ fails in milliseconds with one line naming the value (ConfigError -> exit code 2
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import typing
 from dataclasses import dataclass, field
@@ -154,7 +155,7 @@ def _coerce(value, typ, key: str):
             raise ConfigError(f"{key}={value!r}: expected {typ.__name__}")
         try:
             out = typ(value)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # int(inf), int(nan), int("x")
             raise ConfigError(f"{key}={value!r}: expected {typ.__name__}") from None
         if typ is int and isinstance(value, float) and value != out:
             raise ConfigError(f"{key}={value!r}: expected int")
@@ -196,15 +197,23 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
     cfg = Config()
     if path:
         p = Path(path)
+        if p.is_dir():
+            raise ConfigError(f"config file {path!r}: is a directory (expected a YAML file)")
         if not p.is_file():
             raise ConfigError(f"config file {path!r}: no such file")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path!r}: not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path!r}: unreadable ({e.strerror or e})") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping at top level")
         for k, v in data.items():
+            if not isinstance(k, str):
+                raise ConfigError(f"config file {path!r}: key {k!r} is not a name (expected e.g. train: or train.lr:)")
             _set(cfg, k, v, from_text=False)
     for item in overrides:
         if "=" not in item:
@@ -218,51 +227,122 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
     return cfg
 
 
+# -- ranges ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """What a numeric value may be: finite, within [lo, hi] (or (lo, ...) when lo_open)."""
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""                       # what a special value means, e.g. "0: only at the end"
+
+    def describe(self, typ) -> str:
+        kind = "an integer" if typ is int else "a finite number"
+        parts = []
+        if self.lo is not None:
+            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+        if self.hi is not None:
+            parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
+        return f"{kind} {' and '.join(parts)}".strip() + (f" ({self.note})" if self.note else "")
+
+    def holds(self, v) -> bool:
+        if isinstance(v, float) and not math.isfinite(v):
+            return False
+        if self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo):
+            return False
+        return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
+
+
+# Every int and float in the tree has a rule here (a test checks that none is missing).
+# Lists and mappings are checked element by element.
+RANGES: dict[str, Range] = {
+    "model.target_seed": Range(0),
+    "model.num_layers": Range(1),
+    "model.block_size": Range(2, 1024),
+    "model.num_target_layers": Range(1),
+    "model.target_layer_ids": Range(0, note="decoder layer indices of the target"),
+    "data.num_conversations": Range(2),
+    "data.max_len": Range(5),
+    "data.regen_max_new_tokens": Range(1),
+    "data.regen_max_prompt_len": Range(1),
+    "data.regen_batch_size": Range(0, note="0: auto"),
+    "data.eval_fraction": Range(0, 1, lo_open=True, hi_open=True),
+    "train.steps": Range(0),
+    "train.batch_size": Range(1),
+    "train.num_anchors": Range(1),
+    "train.lr": Range(0, 1, lo_open=True),
+    "train.warmup_ratio": Range(0, 1, hi_open=True),
+    "train.loss_gamma": Range(0, note="0: by block size"),
+    "train.weight_decay": Range(0),
+    "train.grad_clip": Range(0, lo_open=True),
+    "train.seed": Range(0),
+    "train.save_every": Range(0, note="0: only at the end"),
+    "train.stop_after": Range(0, note="0: never"),
+    "train.estimate_every": Range(0, note="0: off"),
+    "train.estimate_samples": Range(1),
+    "train.loss_vocab": Range(0, note="0: the whole vocabulary"),
+    "eval.prompts": Range(1),
+    "eval.max_new_tokens": Range(1),
+    "eval.max_prompt_len": Range(1),
+    "pipeline.queue_size": Range(1),
+    "pipeline.min_ready": Range(1),
+    "pipeline.prefetch": Range(1),
+    "pipeline.stall_threshold_s": Range(0),
+    "pipeline.rank_timeout_s": Range(0, lo_open=True),
+    "pipeline.inject_delay": Range(0, note="seconds"),
+    "pipeline.inject_fault": Range(0, note="a step"),
+    "telemetry.console_interval_s": Range(0, note="0: profile table only at the end"),
+}
+
+
+def numeric_fields(cfg=None, prefix: str = ""):
+    """(dotted key, scalar type) of every int/float leaf, list of ints/floats and mapping to
+    ints/floats in the tree: what RANGES must cover."""
+    cls = type(cfg) if cfg is not None else Config
+    for name, typ in typing.get_type_hints(cls).items():
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(typ):
+            yield from numeric_fields(typ(), key + ".")
+            continue
+        args = typing.get_args(typ)
+        scalar = typ if typ in (int, float) else (args[-1] if args and args[-1] in (int, float) else None)
+        if scalar is not None and typ is not bool:
+            yield key, scalar
+
+
+def _check_ranges(cfg: Config) -> None:
+    for key, scalar in numeric_fields():
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        rng = RANGES[key]
+        items = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj) if isinstance(obj, list) \
+            else ((None, obj),)
+        for sub, v in items:
+            if not rng.holds(v):
+                shown = f"{key}.{sub}" if sub is not None else key
+                raise ConfigError(f"{shown}={v!r}: expected {rng.describe(scalar)}")
+
+
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
     from . import inputs
 
-    m, d, t, p = cfg.model, cfg.data, cfg.train, cfg.pipeline
-    if m.block_size < 2:
-        raise ConfigError(f"model.block_size={m.block_size}: expected an integer >= 2")
-    if m.num_layers < 1:
-        raise ConfigError(f"model.num_layers={m.num_layers}: expected >= 1")
-    if m.num_target_layers < 1:
-        raise ConfigError(f"model.num_target_layers={m.num_target_layers}: expected >= 1")
+    m, d, p = cfg.model, cfg.data, cfg.pipeline
+    _check_ranges(cfg)
     if m.drafter_init not in ("random", "target"):
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
-    if cfg.train.loss_gamma < 0:
-        raise ConfigError(f"train.loss_gamma={cfg.train.loss_gamma}: expected > 0 (or 0: by block size)")
-    if cfg.train.loss_vocab < 0:
-        raise ConfigError(f"train.loss_vocab={cfg.train.loss_vocab}: expected >= 0 (0: the whole vocabulary)")
-    if cfg.train.estimate_every < 0 or cfg.train.estimate_samples < 1:
-        raise ConfigError(f"train.estimate_every={cfg.train.estimate_every}, estimate_samples="
-                          f"{cfg.train.estimate_samples}: expected estimate_every >= 0 and estimate_samples >= 1")
     if m.dtype == "float16":  # refused, not half-supported: see README "Precision"
         raise ConfigError("model.dtype=float16: not supported (fp16 needs loss scaling, which this trainer "
                           "does not do, and bf16-trained targets can overflow in fp16); use bfloat16")
     if m.dtype not in ("auto", "float32", "bfloat16"):
         raise ConfigError(f"model.dtype={m.dtype!r}: expected auto, float32 or bfloat16")
-    if t.steps < 0:
-        raise ConfigError(f"train.steps={t.steps}: expected an integer >= 0")
-    for name in ("batch_size", "num_anchors"):
-        if getattr(t, name) < 1:
-            raise ConfigError(f"train.{name}={getattr(t, name)}: expected >= 1")
-    if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr}: expected > 0")
-    if not 0 <= t.warmup_ratio < 1:
-        raise ConfigError(f"train.warmup_ratio={t.warmup_ratio}: expected 0 <= x < 1")
     if d.max_len < 2 * m.block_size + 1:
         raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
-    if d.regen_batch_size < 0:
-        raise ConfigError(f"data.regen_batch_size={d.regen_batch_size}: expected >= 0 (0: auto)")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
-    if d.num_conversations < 2:
-        raise ConfigError(f"data.num_conversations={d.num_conversations}: expected >= 2")
-    if not 0 < d.eval_fraction < 1:
-        raise ConfigError(f"data.eval_fraction={d.eval_fraction}: expected 0 < x < 1")
     if p.layout:
         from .run.roles.layout import Layout, LayoutError
         try:
@@ -280,8 +360,6 @@ def validate(cfg: Config) -> None:
         if p.handoff == "nccl" and not all(d.startswith("cuda") for d in p.target_devices + p.drafter_devices):
             raise ConfigError(f"pipeline.handoff=nccl: expected every target and drafter device on CUDA "
                               f"(got {p.target_devices} / {p.drafter_devices})")
-        if p.rank_timeout_s <= 0:
-            raise ConfigError(f"pipeline.rank_timeout_s={p.rank_timeout_s}: expected seconds > 0")
     if p.queue_size < 1 or not 1 <= p.min_ready <= p.queue_size:
         raise ConfigError(f"pipeline.min_ready={p.min_ready}, queue_size={p.queue_size}: expected 1 <= min_ready <= queue_size")
     for dev in p.target_devices + p.drafter_devices:
@@ -294,8 +372,6 @@ def validate(cfg: Config) -> None:
     for stage, secs in p.inject_delay.items():
         if stage not in STAGES:
             raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)})")
-        if secs < 0:
-            raise ConfigError(f"--inject-delay {stage}={secs}: expected seconds >= 0")
     for stage, step in p.inject_fault.items():
         if stage not in STAGES:
             raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")
@@ -305,8 +381,13 @@ def validate(cfg: Config) -> None:
         inputs.check_target_spec(m.target)
         if d.path:
             inputs.check_dataset_path(d.path)
+        layers = inputs.target_num_layers(m.target)
     except (inputs.TargetSpecError, inputs.DatasetError) as e:
         raise ConfigError(str(e)) from None
+    # the layer count is known without loading the model for tiny targets, smollm2, a local dir
+    if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
+        raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "
+                          f"(target {m.target!r} has {layers} decoder layers)")
 
 
 def resolve_dtype(cfg: Config, device: str):

@@ -64,10 +64,11 @@ def naming_stages(stage):
 
 
 def is_user_error(err: BaseException) -> bool:
+    from .checkpoint_files import CheckpointError
     from .config import ConfigError
     from .inputs import DatasetError, TargetSpecError
 
-    return isinstance(err, (ConfigError, DatasetError, TargetSpecError))
+    return isinstance(err, (ConfigError, DatasetError, TargetSpecError, CheckpointError))
 
 
 def user_error(err: BaseException) -> BaseException | None:

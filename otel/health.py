@@ -7,6 +7,8 @@
 - dropped, by reason:
     buffer_full       a per-thread list or the transport's bounded backlog was full
     collector_down    a span exporter refused the spans, or its bounded queue was full
+    write_failed      the file sink could not write them (disk full, I/O error); the file
+                      is cut back to its last whole line, so it stays readable
     exporter_gone     the exporter process died and its batches could not be re-exported
     shutdown_timeout  a network exporter was still busy when the shutdown bound ran out
 - queued: waiting for CUDA events, in flight to the exporter, or in its export queue.
@@ -16,7 +18,7 @@ for any status snapshot, not only at the end.
 """
 from __future__ import annotations
 
-DROP_REASONS = ("buffer_full", "collector_down", "exporter_gone", "shutdown_timeout")
+DROP_REASONS = ("buffer_full", "collector_down", "write_failed", "exporter_gone", "shutdown_timeout")
 
 
 def empty_status() -> dict:

@@ -11,6 +11,7 @@ committed batch by batch, so `status()` always says exactly which batches are fi
 Span accounting (every span ends in exactly one of these):
   exported                   accepted by every span exporter
   dropped.collector_down     an exporter refused it, or the export queue was full
+  dropped.write_failed       a file exporter could not write it (disk full, I/O error)
   dropped.shutdown_timeout   still queued for a network exporter when the shutdown bound ran out
 Local sinks (file, console) are always drained completely at shutdown: the bound is for a
 collector that does not answer, not for writing files.
@@ -37,7 +38,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
-from otel import filesink
+from otel import env_headers, filesink
 from otel.exporter_choice import LOCAL_EXPORTERS, env, selected_exporters
 from otel.nvml import GpuSampler
 
@@ -192,6 +193,9 @@ class ExportPipeline:
         self.resource = Resource.create({**config.get("resource_attributes", {}),
                                          "service.name": config["service_name"]})
         self.notes: list[str] = []
+        for note in env_headers.sanitize():  # before any OTLP exporter reads them
+            self.notes.append(note)
+            print(f"otel: {note}", file=sys.stderr)
         span_names = selected_exporters("traces", file_dir)
         self.span_exporters = make_span_exporters(span_names, file_dir, export_timeout_s, self.notes)
         # only files / the console: shutdown drains everything, whatever the bound
@@ -200,7 +204,7 @@ class ExportPipeline:
         # committed batch by batch (see the module docstring); guarded by _cv
         self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0,
                        "export_failures": 0, "buffer_full": 0,
-                       "dropped": {"collector_down": 0, "shutdown_timeout": 0}}
+                       "dropped": {"collector_down": 0, "write_failed": 0, "shutdown_timeout": 0}}
         self._queue: deque = deque()     # [seq, spans, dropped_at_enqueue, n_parent, n_roots]
         self._queued_spans = 0
         self._current = None             # the entry the export thread is working on
@@ -343,15 +347,18 @@ class ExportPipeline:
             self._queued_spans += len(built)
             self._cv.notify_all()
 
-    def _commit(self, entry, exported: int, failed: int, timed_out: int) -> None:
-        """Caller holds _cv. The entry's spans are all accounted for now."""
+    def _commit(self, entry, exported: int, failed: dict, timed_out: int) -> None:
+        """Caller holds _cv. The entry's spans are all accounted for now. failed: drop
+        reason -> spans (an exporter says its reason by a `drop_reason` attribute)."""
         seq, spans, dropped_at_enqueue, n_parent, n_roots = entry
         c = self.counts
         c["done_seq"] = max(c["done_seq"], seq)
         c["spans_done"] += n_parent
         c["roots"] += n_roots
         c["spans_exported"] += exported
-        c["dropped"]["collector_down"] += dropped_at_enqueue + failed
+        c["dropped"]["collector_down"] += dropped_at_enqueue
+        for reason, n in failed.items():
+            c["dropped"][reason] += n
         c["dropped"]["shutdown_timeout"] += timed_out
 
     def _export_loop(self):
@@ -363,26 +370,27 @@ class ExportPipeline:
                     return
                 entry = self._current = self._queue.popleft()
             spans = entry[1]
-            exported = failed = timed_out = 0
+            exported = timed_out = 0
+            failed: dict = {}
             for i in range(0, len(spans), self.chunk):
                 chunk = spans[i:i + self.chunk]
                 if self._abandon:
                     timed_out += len(chunk)
                     continue
-                ok = True
+                reason = None
                 for exp in self.span_exporters:
                     try:
                         result = exp.export(chunk)
                     except Exception:
                         result = SpanExportResult.FAILURE
                     if result is not SpanExportResult.SUCCESS:
-                        ok = False
+                        reason = reason or getattr(exp, "drop_reason", "collector_down")
                         with self._cv:
                             self.counts["export_failures"] += 1
-                if ok:
+                if reason is None:
                     exported += len(chunk)
                 else:
-                    failed += len(chunk)
+                    failed[reason] = failed.get(reason, 0) + len(chunk)
             with self._cv:
                 self._queued_spans -= len(spans)
                 if self._current is entry:  # else final_status() already counted it
@@ -418,7 +426,7 @@ class ExportPipeline:
                 while self._queue:
                     entry = self._queue.popleft()
                     self._queued_spans -= len(entry[1])
-                    self._commit(entry, 0, 0, len(entry[1]))
+                    self._commit(entry, 0, {}, len(entry[1]))
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -449,5 +457,5 @@ class ExportPipeline:
         with self._cv:
             if self._current is not None:
                 entry, self._current = self._current, None
-                self._commit(entry, 0, 0, len(entry[1]))
+                self._commit(entry, 0, {}, len(entry[1]))
         return self.status()

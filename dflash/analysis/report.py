@@ -30,8 +30,9 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             from ..model.evaluate import describe_lossless
             e = s[key]
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
-            t.add_row(label, f"{e['acceptance_length']:.3f}  (block {e['block_size']}, {e['prompts']} prompts, "
-                             f"{describe_lossless(e)}; accepted+1 histogram {hist})")
+            partial = f"PARTIAL (interrupted; run: {e['command']}); " if e.get("interrupted") else ""
+            t.add_row(label, f"{e['acceptance_length']:.3f}  ({partial}block {e['block_size']}, {e['prompts']} "
+                             f"prompts, {describe_lossless(e)}; accepted+1 histogram {hist})")
     curve = s.get("acceptance_estimate") or {}
     est = curve.get("last")
     if est:

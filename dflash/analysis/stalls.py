@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -38,7 +39,13 @@ def load_run(run_dir) -> list[dict]:
     if not files:
         raise ConfigError(f"{run_dir}: no telemetry (expected {run}/telemetry/traces.jsonl or "
                           f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry?)")
-    spans = [s for f in files for s in read_spans(str(f))]
+    spans = []
+    for f in files:
+        skipped: list = []
+        spans += read_spans(str(f), skipped)
+        if skipped:  # said once per file, never silently: the answer below lacks these spans
+            print(f"dflash: {f}: skipped {len(skipped)} unreadable line(s) (first: line {skipped[0]})",
+                  file=sys.stderr)
     if not spans:
         raise ConfigError(f"{run_dir}: telemetry holds no spans")
     return spans

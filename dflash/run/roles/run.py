@@ -42,7 +42,7 @@ from ...config import Config, dump, resolve_dtype
 from ...data.prepare import prepare
 from ...model import checkpoint as ckpt
 from ...model import target as target_mod
-from ...model.trainer import DrafterStep, build_drafter
+from ...model.trainer import DrafterStep, build_drafter, drafter_config
 from .. import distributed as dist_mod
 from ..context import RunContext
 from ..saving import save, wait_for_checkpoint
@@ -278,6 +278,7 @@ def _run_drafter(cfg, rc, holder, resume, out, lead):
     history, tokens = [], 0
     if resume:
         drafter, _ = ckpt.load_drafter(out / "checkpoint", device=dev, dtype=torch.float32)
+        ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, rc.tokenizer, rc.layer_ids), out / "checkpoint")
         tstate, jstate = ckpt.load_training_state(out / "checkpoint")
     else:
         drafter = build_drafter(cfg, target, rc.tokenizer, rc.layer_ids).to(dev)

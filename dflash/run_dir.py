@@ -1,0 +1,134 @@
+"""`--out` is ours to write, and only ours.
+
+A run writes only into a directory that is new, empty, or marked as a dflash run dir
+(`.dflash-run`), and holds an exclusive lock on it (`.dflash-run.lock`, flock) for as long
+as the process lives: a second run on the same dir gets one line naming the holder's pid.
+A marked dir that holds an earlier run is entered only with `--resume` or `--overwrite`.
+All of it is checked before torch loads, and nothing is written for input that fails.
+
+Under torchrun, global rank 0 claims the dir; the other ranks only check it (they write
+nothing before rank 0 has joined the process group, which needs the claim to succeed).
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from .checkpoint_files import foreign_entries
+from .config import ConfigError
+
+MARKER = ".dflash-run"
+LOCK = ".dflash-run.lock"
+_OURS = {MARKER, LOCK}
+_held: list = []  # lock descriptors kept open for the life of the process
+
+
+def _first_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def check(out: str, *, resume: bool, overwrite: bool) -> Path:
+    """Every check that writes nothing; returns the run dir as a Path."""
+    p = Path(out).expanduser()
+    if str(out).strip() == "":
+        raise ConfigError("--out '': expected a directory for the run")
+    if p.exists() and not p.is_dir():
+        raise ConfigError(f"--out {out}: is a file (expected a directory for the run)")
+    base = _first_existing(p.absolute())
+    if not base.is_dir():
+        raise ConfigError(f"--out {out}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: {base} is not writable")
+    if not p.is_dir():
+        if resume:
+            raise ConfigError(f"--resume: no run in {out!r} (the directory does not exist)")
+        return p
+    entries = sorted(e.name for e in p.iterdir() if e.name not in _OURS)
+    if not entries:
+        if resume:
+            raise ConfigError(f"--resume: no checkpoint in {out!r} (the directory is empty)")
+        return p
+    if not (p / MARKER).is_file():
+        shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+        raise ConfigError(f"--out {out}: not empty and not a dflash run dir (holds {shown}); "
+                          "choose a new or empty directory")
+    if not (resume or overwrite):
+        raise ConfigError(f"--out {out}: holds an earlier run; pass --resume to continue it or --overwrite to "
+                          "replace it")
+    for name in ("checkpoint", "checkpoint.old"):
+        foreign = foreign_entries(p / name) if (p / name).is_dir() else []
+        if foreign:
+            raise ConfigError(f"--out {out}: {name}/ holds files dflash did not write ({', '.join(foreign[:3])}); "
+                              "move them out first")
+    return p
+
+
+def claim(out: str, *, resume: bool, overwrite: bool) -> Path:
+    """Check, then create and lock the run dir (global rank 0 only; other ranks check)."""
+    p = check(out, resume=resume, overwrite=overwrite)
+    if os.environ.get("RANK", "0") not in ("", "0"):
+        return p
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(f"--out {out}: in use by another dflash run ({holder}); wait for it to end or "
+                          "choose another --out") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                                 "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+        if not (p / MARKER).is_file():
+            tmp = p / f"{MARKER}.tmp{os.getpid()}"
+            tmp.write_text(json.dumps({"written_by": "dflash train", "version": 1}) + "\n")
+            os.replace(tmp, p / MARKER)
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    _held.append(fd)
+    return p
+
+
+# what a run writes at the top of its dir; --overwrite removes these and nothing else
+_RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", "error.rank*.txt",
+              "wandb_fallback.jsonl", "wandb_run.json", "ranks/rank*.json", "ranks/rank*.pid",
+              "telemetry/traces.jsonl", "telemetry/metrics.jsonl",
+              "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl")
+
+
+def clear_earlier_run(p: Path) -> None:
+    """--overwrite: remove what an earlier run wrote (by name), so its spans, summary and
+    checkpoint cannot be mixed with this run's; a file dflash did not write stays."""
+    from .checkpoint_files import remove_written
+
+    for pattern in _RUN_FILES:
+        for f in p.glob(pattern):
+            if f.is_file():
+                f.unlink()
+    for name in ("checkpoint", "checkpoint.old"):
+        remove_written(p / name)
+    for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"]:
+        try:
+            d.rmdir()  # only when empty
+        except OSError:
+            pass
+
+
+def _holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f"pid {info['pid']} on {info.get('host', '?')} since {info.get('since', '?')}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "pid unknown"
