@@ -23,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	$(PY) -m dflash train --config configs/demo.yaml --eval
+	$(PY) -m dflash train --config configs/demo.yaml --eval --overwrite  # a new demo replaces the last one (runs/demo)
 
 test: setup
 	$(PY) -m pytest -q -ra

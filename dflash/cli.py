@@ -67,9 +67,9 @@ def _train(a) -> int:
     if a.resume and a.overwrite:
         from .config import ConfigError
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
-    _check_torchrun_env()
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
+    _check_torchrun_env()
     _check_inputs_before_torch(cfg)
     if a.resume:
         _check_resume(cfg)
@@ -115,12 +115,19 @@ def _check_inputs_before_torch(cfg) -> None:
     from .data.conversations import load_conversations
     from .inputs import DatasetError, TargetSpecError, check_target_spec
 
+    import logging
+
+    log = logging.getLogger("dflash.data.conversations")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "fewer than asked" is said by the run itself, or refused below
     try:
         check_target_spec(cfg.model.target, probe_hub=True)
         # picks (and caches) the run's subset: the run reads it back in milliseconds
         convs = load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations, seed=cfg.train.seed)
     except (TargetSpecError, DatasetError) as e:
         raise ConfigError(str(e)) from None
+    finally:
+        log.setLevel(level)
     if len(convs) < 2:
         raise ConfigError(f"dataset {cfg.data.path or 'ShareGPT V3'!r}: {len(convs)} usable conversation(s); "
                           "expected at least 2 (one to train on, one held out)")
@@ -156,6 +163,8 @@ def _check_layout_launch(cfg, eval_flag: bool) -> None:
         raise ConfigError(f"--layout {cfg.pipeline.layout}: roles are given to torchrun's ranks; launch with "
                           f"torchrun --nproc_per_node N -m dflash train ... (N = ranks on this node)")
     try:
+        if not world.strip().isdigit():
+            raise ConfigError(f"WORLD_SIZE={world!r}: expected a non-negative integer (torchrun sets it)")
         Layout.parse(cfg.pipeline.layout).check_world(int(world))
     except LayoutError as e:
         raise ConfigError(str(e)) from None

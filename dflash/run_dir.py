@@ -70,22 +70,24 @@ def check(out: str, *, resume: bool, overwrite: bool) -> Path:
 
 
 def claim(out: str, *, resume: bool, overwrite: bool) -> Path:
-    """Check, then create and lock the run dir (global rank 0 only; other ranks check)."""
-    p = check(out, resume=resume, overwrite=overwrite)
+    """Check, then create and lock the run dir (global rank 0 only; other ranks check).
+    A dir another run holds is reported as that, whatever else is wrong with it."""
     if os.environ.get("RANK", "0") not in ("", "0"):
-        return p
+        return check(out, resume=resume, overwrite=overwrite)
+    p = Path(out).expanduser()
+    fd = _lock(out, p) if (p / LOCK).is_file() else None
     try:
-        p.mkdir(parents=True, exist_ok=True)
-        fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = _holder(fd)
-        os.close(fd)
-        raise ConfigError(f"--out {out}: in use by another dflash run ({holder}); wait for it to end or "
-                          "choose another --out") from None
+        check(out, resume=resume, overwrite=overwrite)
+        if fd is None:
+            try:
+                p.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+            fd = _lock(out, p)
+    except BaseException:
+        if fd is not None:
+            os.close(fd)
+        raise
     try:
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
@@ -124,6 +126,21 @@ def clear_earlier_run(p: Path) -> None:
             d.rmdir()  # only when empty
         except OSError:
             pass
+
+
+def _lock(out: str, p: Path) -> int:
+    try:
+        fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise ConfigError(f"--out {out}: in use by another dflash run ({holder}); wait for it to end or "
+                          "choose another --out") from None
+    return fd
 
 
 def _holder(fd: int) -> str:

@@ -43,4 +43,4 @@ def test_sigterm_skips_after_training_eval_and_exits_quickly(tmp_path):
     assert summary["interrupted"] and 0 < summary["steps"] < 400
     assert summary["eval_after"]["skipped"] == "interrupted"
     assert (out / "checkpoint" / "model.safetensors").is_file()
-    assert os.path.getsize(out / "checkpoint" / "training_state.pt") > 0
+    assert os.path.getsize(out / "checkpoint" / "training_state.safetensors") > 0

@@ -84,7 +84,8 @@ def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
     assert first["steps"] == 2 and first["nonfinite_steps"] == 0
     weights = load_file(str(run / "checkpoint" / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {torch.float32}, "checkpoints hold the fp32 master weights"
-    state = torch.load(run / "checkpoint" / "training_state.pt", weights_only=False)
+    from dflash.model.checkpoint import load_training_state
+    state, _ = load_training_state(run / "checkpoint")
     assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
 
     run_dflash("train", "--steps", 4, *common, "--resume")

@@ -18,7 +18,8 @@ def test_resume_continues_bit_for_bit(tmp_path):
                "--set", "train.stop_after=3")
     assert _summary(part)["steps"] == 3
     ck = part / "checkpoint"
-    assert {"config.json", "model.safetensors", "training_state.pt"} <= {f.name for f in ck.iterdir()}
+    assert {"config.json", "model.safetensors", "training_state.safetensors", "training_state.json"} <= \
+        {f.name for f in ck.iterdir()}
     run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
                "--resume")
     a, b = _summary(full)["loss_history"], _summary(part)["loss_history"]

@@ -45,16 +45,19 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     for i, prompt in enumerate(tqdm(ids, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
             break
-        res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode)
+        res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                   stop=stop)
+        margins: list = []
+        ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                              margins=margins, stop=stop) if check_lossless else None
+        if stop is not None and stop.is_set():
+            break  # a prompt cut short is not counted: every figure below is over whole prompts
         outputs.append(res.tokens)
         if res.acceptance:
             taus.append(res.tau)
         for a in res.acceptance:
             hist[a] += 1
-        if check_lossless:
-            margins: list = []
-            ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                                  margins=margins)
+        if ref is not None:
             pos = first_divergence(ref, res.tokens)
             if pos is not None:
                 margin = margins[pos] if pos < len(margins) else float("nan")
@@ -67,12 +70,12 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
         "block_size": B,
         "prompts": done,
         "histogram": {str(k): hist[k] for k in range(1, B + 1)},
-        "lossless": (not divergences) if check_lossless else None,
+        "lossless": (not divergences) if check_lossless and done else None,
         "lossless_divergent_prompts": len(divergences),
         "lossless_mismatches": len(divergences),  # older name of the same count
         "lossless_divergences": divergences,      # [{prompt, position (first differing token), margin}]
         "dtype": str(target.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
-        "interrupted": bool(stop is not None and stop.is_set() and done < len(ids)),
+        "interrupted": bool(stop is not None and stop.is_set()),
         "wall_s": round(time.perf_counter() - t0, 2),
     }

@@ -222,7 +222,9 @@ class _TargetRunner:
 
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, max_new_tokens: int,
-                         eos_ids: set[int] = frozenset(), mode: str = "auto") -> DecodeResult:
+                         eos_ids: set[int] = frozenset(), mode: str = "auto", stop=None) -> DecodeResult:
+    """``stop`` (a threading.Event): set, the decode returns after the current verify step
+    (a signal must not wait for a long prompt to finish)."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     layer_ids = drafter.cfg.target_layer_ids
     B = drafter.cfg.block_size
@@ -234,7 +236,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
     ctx_kv = None      # the drafter's per-layer context keys/values, grown by the new positions only
     out: list[int] = [int(preds[-1])]
     acceptance: list[int] = []
-    while len(out) < max_new_tokens and out[-1] not in eos_ids:
+    while len(out) < max_new_tokens and out[-1] not in eos_ids and not (stop is not None and stop.is_set()):
         n = len(runner.seq)
         anchor = out[-1]
         dev = new_feats.device
@@ -264,7 +266,7 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
 
 @torch.no_grad()
 def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: set[int] = frozenset(),
-                    mode: str = "auto", margins: list | None = None) -> list[int]:
+                    mode: str = "auto", margins: list | None = None, stop=None) -> list[int]:
     """The target's own greedy output, one token per forward: the losslessness reference.
 
     Decodes through the same cache implementation, dtype and device as speculative decoding
@@ -276,7 +278,7 @@ def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: 
         runner.cache = _new_cache(target)
     out: list[int] = []
     new = list(prompt)
-    while len(out) < max_new_tokens:
+    while len(out) < max_new_tokens and not (stop is not None and stop.is_set()):
         if runner.cache is not None:
             logits = runner._run(new, hidden=False).logits
         else:

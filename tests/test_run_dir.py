@@ -1,0 +1,149 @@
+"""`--out` is ours to write, and only ours: new, empty or marked dirs only; one run at a
+time (a lock naming its holder); nothing deleted that dflash did not write; a killed
+save's temp dir cleaned up. Torch-free unit tests plus the CLI's one line."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from dflash import checkpoint_files as files
+from dflash import run_dir
+from dflash.config import ConfigError
+from helpers import ROOT, run_dflash
+
+
+def test_new_and_empty_dirs_are_claimed_and_marked(tmp_path):
+    for out in (tmp_path / "new" / "run", tmp_path / "empty"):
+        if out.name == "empty":
+            out.mkdir()
+        p = run_dir.claim(str(out), resume=False, overwrite=False)
+        assert (p / run_dir.MARKER).is_file() and (p / run_dir.LOCK).is_file()
+
+
+def test_a_dir_with_a_users_files_is_refused_and_untouched(tmp_path):
+    (tmp_path / "thesis.tex").write_text("years of work")
+    for flags in ({}, {"overwrite": True}, {"resume": True}):
+        with pytest.raises(ConfigError, match="not empty and not a dflash run dir"):
+            run_dir.claim(str(tmp_path), resume=flags.get("resume", False), overwrite=flags.get("overwrite", False))
+    assert sorted(os.listdir(tmp_path)) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("out", ["/", os.path.expanduser("~")])
+def test_system_dirs_are_refused(out):
+    with pytest.raises(ConfigError, match="not empty and not a dflash run dir"):
+        run_dir.check(out, resume=False, overwrite=False)
+
+
+def test_a_used_run_dir_needs_resume_or_overwrite(tmp_path):
+    run_dir.claim(str(tmp_path), resume=False, overwrite=False)
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(ConfigError, match="pass --resume to continue it or --overwrite"):
+        run_dir.check(str(tmp_path), resume=False, overwrite=False)
+    run_dir.check(str(tmp_path), resume=False, overwrite=True)
+
+
+def test_files_paths_under_files_and_unwritable_places(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        run_dir.check(str(f), resume=False, overwrite=False)
+    with pytest.raises(ConfigError, match="is a file, not a directory"):
+        run_dir.check(str(f / "run"), resume=False, overwrite=False)
+    try:  # a read-only or virtual file system: /sys in containers, /proc otherwise
+        os.mkdir("/sys/dflash-probe")
+        os.rmdir("/sys/dflash-probe")
+        pytest.skip("/sys is writable here")
+    except OSError:
+        pass
+    with pytest.raises(ConfigError, match="cannot write there|not writable"):
+        run_dir.claim("/sys/dflash-probe/run", resume=False, overwrite=False)
+
+
+def test_a_checkpoint_dir_holding_a_users_file_is_refused(tmp_path):
+    run_dir.claim(str(tmp_path), resume=False, overwrite=False)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "thesis.tex").write_text("mine")
+    with pytest.raises(ConfigError, match="checkpoint/ holds files dflash did not write"):
+        run_dir.check(str(tmp_path), resume=False, overwrite=True)
+
+
+_HOLD = """
+import sys
+from dflash import run_dir
+run_dir.claim(sys.argv[1], resume=False, overwrite=False)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_run_gets_one_line_naming_the_holder(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(ConfigError, match=rf"in use by another dflash run \(pid {holder.pid} "):
+            run_dir.claim(str(tmp_path), resume=True, overwrite=False)
+        p = run_dflash("train", "--out", tmp_path, "--overwrite", "--target", "tiny-qwen3", check=False, timeout=120)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and f"pid {holder.pid}" in lines[0], p.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    run_dir.claim(str(tmp_path), resume=False, overwrite=True)  # the lock went with its process
+
+
+def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
+    run_dir.claim(str(tmp_path), resume=False, overwrite=False)
+    for rel in ("summary.json", "config.yaml", "telemetry/traces.jsonl", "telemetry/rank1/metrics.jsonl",
+                "checkpoint/config.json", "checkpoint/model.safetensors", "notes.md", "telemetry/mine.txt"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    run_dir.clear_earlier_run(tmp_path)
+    left = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file())
+    assert left == sorted([run_dir.MARKER, run_dir.LOCK, "notes.md", "telemetry/mine.txt"])
+
+
+def test_replacing_a_checkpoint_never_deletes_a_file_dflash_did_not_write(tmp_path):
+    d = tmp_path / "checkpoint"
+    d.mkdir()
+    for name in files.WRITTEN:
+        (d / name).write_text("ours")
+    (d / "thesis.tex").write_text("theirs")
+    kept = files.remove_written(d)
+    assert not d.exists() and kept is not None
+    assert sorted(os.listdir(kept)) == ["thesis.tex"]
+    empty = tmp_path / "c2"
+    empty.mkdir()
+    (empty / files.CONFIG).write_text("{}")
+    assert files.remove_written(empty) is None and not empty.exists()
+
+
+def test_a_killed_saves_temp_dirs_are_removed_by_the_next_save(tmp_path):
+    from dflash.model import checkpoint as ckpt
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+
+    dst = tmp_path / "checkpoint"
+    stale = tmp_path / ".checkpoint.tmp-killed"
+    stale.mkdir()
+    (stale / files.WEIGHTS).write_bytes(b"\0" * 1024)   # what a kill -9 mid-save leaves
+    foreign = tmp_path / ".checkpoint.tmp-notours"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("theirs")
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                        intermediate_size=64, vocab_size=100, target_layer_ids=[1], mask_token_id=5)
+    ckpt.save(dst, DFlashDrafter(cfg), run_config={}, state={"step": 0}, training_state={"step": 0})
+    assert not stale.exists() and (foreign / "thesis.tex").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".checkpoint.tmp-notours", "checkpoint"]
+    assert json.loads((dst / files.TRAINER_STATE).read_text()) == {"step": 0}
+
+
+def test_the_claim_takes_milliseconds_and_no_torch(tmp_path):
+    code = ("import sys, time; t=time.perf_counter(); from dflash import run_dir; "
+            f"run_dir.claim({str(tmp_path / 'r')!r}, resume=False, overwrite=False); "
+            "print(time.perf_counter()-t, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    took, heavy = out.stdout.split()
+    assert heavy == "False", out.stderr
+    assert float(took) < 30  # generous on a loaded machine: the point is that torch is not imported
