@@ -187,6 +187,11 @@ def _eval(a) -> int:
     run_cfg = raw.get("dflash_run") if isinstance(raw.get("dflash_run"), dict) else {}
     sections = {k: run_cfg.get(k) for k in ("model", "data", "eval") if isinstance(run_cfg.get(k), dict)}
     cfg = load_config(None, [], **sections, **{"train.seed": (run_cfg.get("train") or {}).get("seed", 0)})
+    from .inputs import TargetSpecError, check_target_spec
+    try:
+        check_target_spec(cfg.model.target, probe_hub=True)
+    except TargetSpecError as e:
+        raise ConfigError(str(e)) from None
     a.phase = "eval set-up"
     from .model import checkpoint as ckpt
     from .data.prepare import split

@@ -54,7 +54,7 @@ def check(out: str, *, resume: bool, overwrite: bool) -> Path:
         if resume:
             raise ConfigError(f"--resume: no checkpoint in {out!r} (the directory is empty)")
         return p
-    if not (p / MARKER).is_file():
+    if not _is_run_dir(p):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(f"--out {out}: not empty and not a dflash run dir (holds {shown}); "
                           "choose a new or empty directory")
@@ -67,6 +67,20 @@ def check(out: str, *, resume: bool, overwrite: bool) -> Path:
             raise ConfigError(f"--out {out}: {name}/ holds files dflash did not write ({', '.join(foreign[:3])}); "
                               "move them out first")
     return p
+
+
+def _is_run_dir(p: Path) -> bool:
+    """Marked, or written by a dflash from before the marker: its checkpoint says so."""
+    if (p / MARKER).is_file():
+        return True
+    for name in ("checkpoint", "checkpoint.old"):
+        try:
+            raw = json.loads((p / name / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(raw, dict) and "dflash_run" in raw:
+            return True
+    return False
 
 
 def claim(out: str, *, resume: bool, overwrite: bool) -> Path:

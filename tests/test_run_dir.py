@@ -147,3 +147,12 @@ def test_the_claim_takes_milliseconds_and_no_torch(tmp_path):
     took, heavy = out.stdout.split()
     assert heavy == "False", out.stderr
     assert float(took) < 30  # generous on a loaded machine: the point is that torch is not imported
+
+
+def test_a_run_dir_from_before_the_marker_can_still_be_resumed(tmp_path):
+    """Runs written by earlier versions have no marker; their checkpoint says what they are."""
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps({"dflash_run": {"model": {}}}))
+    (tmp_path / "summary.json").write_text("{}")
+    p = run_dir.claim(str(tmp_path), resume=True, overwrite=False)
+    assert (p / run_dir.MARKER).is_file()
