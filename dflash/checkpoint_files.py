@@ -12,6 +12,7 @@ import os
 import struct
 from pathlib import Path
 
+from .inputs import read_json_object
 from .layer_ids import default_layer_ids
 
 CONFIG = "config.json"
@@ -42,14 +43,7 @@ def resolve(path: str | os.PathLike) -> Path:
 
 def read_config(path: Path) -> dict:
     """`config.json` as a dict, or one line saying why not."""
-    f = path / CONFIG
-    try:
-        raw = json.loads(f.read_bytes().decode("utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {CONFIG} is not readable JSON ({type(e).__name__})") from None
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r}: {CONFIG} is not a JSON object")
-    return raw
+    return read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
 
 
 def check_safetensors(f: Path) -> None:

@@ -84,14 +84,20 @@ def _probe_hub(spec: str) -> None:
                               f"({type(e).__name__}); download it first or pass a local model dir") from None
 
 
-def _read_model_config(spec: str, path: Path) -> dict:
+def read_json_object(path: Path, label: str, error: type[Exception]) -> dict:
+    """A JSON object from ``path``, or ``error("<label>: <file> is not ...")``: one line for a
+    file that is missing, not UTF-8, not JSON, or not an object."""
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
+        raw = json.loads(path.read_bytes().decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as e:
-        raise TargetSpecError(f"target '{spec}': {path.name} is not readable JSON ({type(e).__name__})") from None
-    if not isinstance(cfg, dict):
-        raise TargetSpecError(f"target '{spec}': {path.name} is not a JSON object")
-    return cfg
+        raise error(f"{label}: {path.name} is not readable JSON ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise error(f"{label}: {path.name} is not a JSON object")
+    return raw
+
+
+def _read_model_config(spec: str, path: Path) -> dict:
+    return read_json_object(path, f"target '{spec}'", TargetSpecError)
 
 
 def target_num_layers(spec: str) -> int | None:

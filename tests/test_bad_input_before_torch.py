@@ -18,9 +18,9 @@ print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
 """
 
 
-def _probe(*args, env=None):
+def _probe(*args, env=None, drop=()):
     import os
-    e = dict(os.environ)
+    e = {k: v for k, v in os.environ.items() if k not in drop}
     e.update(env or {})
     p = subprocess.run([sys.executable, "-c", _NO_TORCH, *map(str, args)], cwd=ROOT, capture_output=True,
                        text=True, timeout=180, env=e)
@@ -93,14 +93,7 @@ def test_an_unreachable_hub_is_one_line_in_seconds(tmp_path):
     ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5: expected < WORLD_SIZE=2"),
 ])
 def test_half_a_torchrun_environment_is_one_line(tmp_path, env, needle):
-    e = {"RANK": "", "LOCAL_RANK": ""} | env
-    e = {k: v for k, v in e.items() if v}
-    import os
-    base = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, "train", "--out", str(tmp_path / "run"), *TINY],
-                       cwd=ROOT, capture_output=True, text=True, timeout=180, env=base | e)
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    out, lines = _probe("train", "--out", tmp_path / "run", *TINY, env=env, drop=("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 
