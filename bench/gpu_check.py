@@ -218,13 +218,13 @@ def forward_flops(model, seqs: int, padded_len: int) -> float:
 
 class _Memo:
     """Load each target and prepare its data once for all rounds: the rounds compare
-    telemetry on/off, not model loading. Patches dflash.run.train's references while active."""
+    telemetry on/off, not model loading. Patches dflash.run.trainer's references while active."""
 
     def __init__(self):
         self.targets, self.prepared = {}, {}
 
     def __enter__(self):
-        import dflash.run.train as tr
+        import dflash.run.trainer as tr
         from dflash.model import target as T
 
         self._tr, self._T = tr, T
@@ -260,9 +260,8 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
     target forward's achieved TFLOP/s, device-clock stage times and, with `checkpoint`,
     what a checkpoint costs the drafter's thread."""
     from dflash.config import load_config
-    from dflash.run.pipeline import run_pipelined
     from dflash.run.saving import save, wait_for_checkpoint
-    from dflash.run.train import setup
+    from dflash.run.trainer import run_loop, setup
     from otel import filesink
 
     cuda = device.startswith("cuda")
@@ -287,7 +286,7 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
             try:
                 t0 = time.perf_counter()
                 with syncs if (cuda and r > 0) else contextlib.nullcontext():
-                    run_pipelined(ctx)
+                    run_loop(ctx)
                 if cuda:
                     torch.cuda.set_sync_debug_mode(0)
                     torch.cuda.synchronize()  # end of the timed window, outside the loop

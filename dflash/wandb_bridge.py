@@ -217,7 +217,7 @@ class WandbBridge:
         now, tokens = time.monotonic(), ctx.tokens
         t0, tok0 = self._last
         self._last = (now, tokens)
-        m["train/step"] = ctx.step.step
+        m["train/step"] = ctx.trainer.step
         m["train/tokens"] = tokens
         if now > t0:
             m["train/tokens_per_s"] = round((tokens - tok0) / (now - t0), 3)

@@ -48,7 +48,7 @@ def _cfg(out, steps, wandb_on=True, *extra):
 
 
 def _train(cfg):
-    from dflash.run.train import train
+    from dflash.run.trainer import train
 
     return train(cfg)
 
