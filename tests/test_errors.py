@@ -11,9 +11,9 @@ NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}  # telemetry 
 
 
 @pytest.mark.parametrize("stage,worker,frame,extra", [
-    ("model_forward", "target0", "in target_worker", []),    # a target thread
-    ("backward", "drafter0", "in drafter_loop", []),         # the drafter, on the main thread
-    ("optimizer_step", "main", "in run_reference", ["--reference"]),
+    ("model_forward", "target0", "in make", []),             # a target thread (TargetWorker.make)
+    ("backward", "drafter0", "in run", []),                  # the drafter, on the main thread (DrafterWorker.run)
+    ("optimizer_step", "main", "in run", ["--reference"]),
 ])
 def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp_path, stage, worker, frame, extra):
     run = tmp_path / "run"
