@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from otel.trace_ids import KeyIds, random_span_id, random_trace_id
+from otel.exporter.trace_ids import KeyIds, random_span_id, random_trace_id
 
 ROOT_IDLE_S = 5.0          # a key's root span is emitted once no stage saw it for this long
 _EMITTED_ROOTS_MAX = 100_000
