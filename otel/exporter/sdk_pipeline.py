@@ -315,6 +315,20 @@ class ExportPipeline:
     def enqueue(self, seq: int, spans: list, n_parent: int, n_roots: int, buffer_full: int = 0) -> None:
         """Queue one shipped batch's spans (n_parent stage records + n_roots synthesized
         roots). buffer_full: the training process's running total of records it dropped."""
+        built = self.build_spans(spans)
+        with self._cv:
+            self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
+            room = max(self.max_queue - self._queued_spans, 0)
+            dropped = max(len(built) - room, 0)
+            if dropped:
+                built = built[:room]
+            self._queue.append([seq, built, dropped, n_parent, n_roots])
+            self._queued_spans += len(built)
+            self._cv.notify_all()
+
+    def build_spans(self, spans: list) -> list:
+        """Span tuples (otel.exporter.span_builder) -> SDK ReadableSpans; records the stage
+        duration histogram on the way."""
         resource, hist, mattrs = self.resource, self.stage_hist, self.metric_attributes
         built = []
         for (name, trace_id, span_id, parent_id, start, end, attrs, events, links, error, device_s) in spans:
@@ -338,15 +352,7 @@ class ExportPipeline:
             if device_s is not None:
                 m["clock"] = "device"
                 hist.record(device_s, m)
-        with self._cv:
-            self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
-            room = max(self.max_queue - self._queued_spans, 0)
-            dropped = max(len(built) - room, 0)
-            if dropped:
-                built = built[:room]
-            self._queue.append([seq, built, dropped, n_parent, n_roots])
-            self._queued_spans += len(built)
-            self._cv.notify_all()
+        return built
 
     def _commit(self, entry, exported: int, failed: dict, timed_out: int) -> None:
         """Caller holds _cv. The entry's spans are all accounted for now. failed: drop
