@@ -6,7 +6,9 @@ optional `otel.idle.IdleRules`, itself a plain dataclass).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
+
+from otel.idle import IdleRules
 
 # niceness increment of the exporter process (see docs/otel.md, "Exporter priority")
 EXPORTER_NICE = 10
@@ -36,7 +38,7 @@ class ExportConfig:
     root_spans: bool = True
     # live busy / idle-by-cause per worker, computed on the exporter side
     idle_attribution: bool = True
-    idle_rules: Any = None          # otel.idle.IdleRules, None: the defaults
+    idle_rules: Optional[IdleRules] = None   # None: the defaults
     wait_attributes: tuple = WAIT_ATTRIBUTES
     console_interval_s: float = 0.0  # 0: no periodic console table
     gpu_devices: Optional[list] = None   # otel.producer.devices.resolve_devices(...)
