@@ -101,8 +101,8 @@ def idle_from_spans(run_dir: Path, rank: int = 0, world_size: int = 1, max_bytes
     path = tdir / "traces.jsonl"
     if not path.is_file() or path.stat().st_size > max_bytes:  # keep the end of a long run quick
         return None
-    from otel.filesink import read_spans
-    from otel.idle import attribute_idle
+    from otel import read_spans
+    from otel import attribute_idle
 
     from .analysis.idle_rules import DFLASH_RULES
 

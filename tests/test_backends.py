@@ -344,7 +344,7 @@ def _nvml_names():
     from opentelemetry.sdk.metrics import MeterProvider
     from prometheus_client import REGISTRY, generate_latest
 
-    from otel import nvml
+    from otel.exporter import nvml
 
     specs = dict(nvml.GAUGES)
     for n in nvml.WINDOWED:

@@ -35,7 +35,7 @@ def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp
     assert not (run / "checkpoint").exists(), "a failed run saves no checkpoint"
 
     # the failing span carries it too: an `exception` event per OpenTelemetry's conventions
-    from otel.filesink import read_spans
+    from otel import read_spans
 
     spans = [s for f in sorted((run / "telemetry").rglob("traces.jsonl")) for s in read_spans(f)]
     failed = [s for s in spans if s["name"] == stage and s["attributes"].get("step") == 1]
