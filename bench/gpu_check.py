@@ -218,13 +218,13 @@ def forward_flops(model, seqs: int, padded_len: int) -> float:
 
 class _Memo:
     """Load each target and prepare its data once for all rounds: the rounds compare
-    telemetry on/off, not model loading. Patches dflash.run.trainer's references while active."""
+    telemetry on/off, not model loading. Patches dflash.run.setup's references while active."""
 
     def __init__(self):
         self.targets, self.prepared = {}, {}
 
     def __enter__(self):
-        import dflash.run.trainer as tr
+        import dflash.run.setup as tr
         from dflash.model import target as T
 
         self._tr, self._T = tr, T

@@ -26,7 +26,7 @@ class Prefetcher:
         idx = ctx.start_step
         blocked = 0.0  # the previous batch's wait for room in the batch queue
         while not self.stop.is_set() and idx < ctx.cfg.train.steps:
-            with ctx.stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=ctx.rank,
+            with ctx.tel.stage("data_load", trace=("batch", idx), worker="prefetch", device="cpu", rank=ctx.rank,
                            batch_id=idx, step=idx, blocked_before_s=round(blocked, 6)) as s:
                 b = next(stream)
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
@@ -75,7 +75,7 @@ class InlineSource:
     def batches_for(self, worker: str):
         ctx = self.ctx
         for bid, step, attrs, load in self.plan:
-            with ctx.stage("data_load", trace=("batch", bid), worker=worker, rank=ctx.rank, batch_id=bid,
+            with ctx.tel.stage("data_load", trace=("batch", bid), worker=worker, rank=ctx.rank, batch_id=bid,
                                step=step, device="cpu", **attrs) as s:
                 b = load()
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)

@@ -8,11 +8,10 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from otel.api import TelemetryAPI
+from otel import TelemetryAPI
 
 from ..config import Config
 from ..data import dataset as data_mod
-from ..errors import naming_stages
 from ..model.drafter_trainer import DrafterTrainer
 from .placement import Placement
 from .readback import DeferredScalars
@@ -48,13 +47,6 @@ class RunContext:
     sync_timer: object = None                        # a layout's drafter: DDP all-reduce wait (sync_timing)
     target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
 
-    def __post_init__(self):
-        if self.tel is not None:
-            self.use_telemetry(self.tel)
-
-    def use_telemetry(self, tel: TelemetryAPI) -> None:
-        self.tel = tel
-        self.stage = naming_stages(tel.stage)  # an exception leaving a stage carries its name
 
     @property
     def rank(self) -> int:

@@ -27,7 +27,7 @@ class DrafterWorker:
         ctx, ch = self.ctx, self.channel
         if not ch.waits:
             return ch.take(step)[0]
-        with ctx.stage("queue_get", trace=key, **a) as s:
+        with ctx.tel.stage("queue_get", trace=key, **a) as s:
             item, waited = ch.take(step)
             ch.taken(step)
             inject(ctx.cfg.pipeline, "queue_get", step)
@@ -50,7 +50,7 @@ class DrafterWorker:
                 b = item.batch
                 a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
                 cur = torch.cuda.current_stream(self.dev) if self.cuda else None
-                with ctx.stage("drafter_forward", trace=key, stream=cur, **a):
+                with ctx.tel.stage("drafter_forward", trace=key, stream=cur, **a):
                     if item.ready is not None:
                         cur.wait_event(item.ready)     # device-side wait, the host moves on
                     if item.packed.device == self.dev and self.cuda:
@@ -62,13 +62,13 @@ class DrafterWorker:
                         item.release(done)
                     loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
                     inject(pcfg, "drafter_forward", step)
-                with ctx.stage("backward", trace=key, stream=cur, **a) as s:
+                with ctx.tel.stage("backward", trace=key, stream=cur, **a) as s:
                     st.backward(loss)
                     inject(pcfg, "backward", step)
                     sync = self.sync_timer.take() if self.sync_timer is not None else 0.0
                     if sync:
                         s.set(sync_s=round(sync, 6))
-                with ctx.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
+                with ctx.tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
                     gnorm, nonfinite = st.optimizer_step(loss)
                     inject(pcfg, "optimizer_step", step)
                 end_step(step, b.tokens, loss, acc, gnorm, nonfinite)

@@ -41,10 +41,10 @@ class TargetWorker:
         ctx, key, a = self.ctx, ("batch", b.index), self.attrs(b, extra)
         step = a["step"]
         cur = torch.cuda.current_stream(self.dev) if self.cuda else None
-        with ctx.stage("model_forward", trace=key, stream=cur, **a):
+        with ctx.tel.stage("model_forward", trace=key, stream=cur, **a):
             feats = target_features(self.target, b, ctx.layer_ids, self.dev, cache=self.cache)
             inject(ctx.cfg.pipeline, "model_forward", step)
-        with ctx.stage("pack_hidden", trace=key, stream=cur, **a):
+        with ctx.tel.stage("pack_hidden", trace=key, stream=cur, **a):
             packed = pack(feats, b.lengths)
             inject(ctx.cfg.pipeline, "pack_hidden", step)
         return HiddenItem(batch=b, packed=packed, worker=self.name), a, cur
@@ -53,7 +53,7 @@ class TargetWorker:
         """cpu_copy_enqueue: False when the channel takes nothing more (the drafters stopped)."""
         ctx, ch, thr = self.ctx, self.channel, self.ctx.cfg.pipeline.stall_threshold_s
         transport = {"transport": ch.target_side.transport} if isinstance(ch, RankChannel) else {}
-        with ctx.stage("cpu_copy_enqueue", trace=("batch", item.batch.index), **a, **transport) as s:
+        with ctx.tel.stage("cpu_copy_enqueue", trace=("batch", item.batch.index), **a, **transport) as s:
             if not transport:  # the queue: start the copy toward the drafter's device
                 ch.stage_copy(item, self.pool, self.side, cur, ctx.workers_stop)
             inject(ctx.cfg.pipeline, "cpu_copy_enqueue", a["step"])
