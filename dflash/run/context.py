@@ -1,7 +1,7 @@
 """`RunContext`: everything a run's workers need, built once by `trainer.setup`.
 
 Its own module so the workers, the end-of-step path and checkpoint saving can share it
-without importing `trainer.py` (which imports them)."""
+without importing `trainer.py` or `setup.py` (which import them)."""
 from __future__ import annotations
 
 import threading
