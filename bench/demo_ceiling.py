@@ -119,7 +119,7 @@ def main() -> int:
     import torch
 
     from dflash.config import load_config
-    from dflash.data.prepare import prepare
+    from dflash.prep.prepare import prepare
     from dflash.model import target as T
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

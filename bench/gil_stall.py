@@ -113,14 +113,14 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--rate", type=int, default=5000, help="stages recorded per second")
     ap.add_argument("--nice", type=int, default=None, help="exporter process niceness increment "
-                    "(default: the layer's own, otel.telemetry.EXPORTER_NICE)")
+                    "(default: the layer's own, otel.EXPORTER_NICE)")
     ap.add_argument("--scenarios", default="none,otel-process,otel-thread,sdk-bsp")
     ap.add_argument("--receiver-nice", type=int, default=0,
                     help="niceness of the stand-in collector process (on 2 cores it competes with "
                          "the measured process; a real collector runs elsewhere)")
     args = ap.parse_args()
     if args.nice is None:
-        from otel.telemetry import EXPORTER_NICE
+        from otel import EXPORTER_NICE
         args.nice = EXPORTER_NICE
     per_tick = int(args.rate * TICK_S)
     results = {}

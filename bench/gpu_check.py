@@ -91,11 +91,11 @@ def run_traced_gpu_work(torch, out_dir: str, seconds: float) -> dict:
 
 
 def check_device_clock(out_dir: str, run: dict) -> dict:
-    from otel import filesink
-    spans = [s for s in filesink.read_spans(out_dir) if s["name"] == "matmul"]
+    import otel
+    spans = [s for s in otel.read_spans(out_dir) if s["name"] == "matmul"]
     dev = [s["attributes"]["device.duration_s"] for s in spans if "device.duration_s" in s["attributes"]]
     host = [(s["end_ns"] - s["start_ns"]) / 1e9 for s in spans]
-    points = [p for p in filesink.read_metrics(out_dir)
+    points = [p for p in otel.read_metrics(out_dir)
               if p["name"] == "gpucheck.stage.duration" and p["attributes"].get("clock") == "device"]
     dev_sorted = sorted(dev)
     return {
@@ -108,9 +108,9 @@ def check_device_clock(out_dir: str, run: dict) -> dict:
 
 
 def check_nvml_gauges(out_dir: str) -> dict:
-    from otel import filesink
+    import otel
     last = {}
-    for p in filesink.read_metrics(out_dir):
+    for p in otel.read_metrics(out_dir):
         if p["name"].startswith("hw."):
             last[p["name"]] = p
     avail = last.get("hw.gpu.telemetry.available", {}).get("value")
@@ -218,13 +218,13 @@ def forward_flops(model, seqs: int, padded_len: int) -> float:
 
 class _Memo:
     """Load each target and prepare its data once for all rounds: the rounds compare
-    telemetry on/off, not model loading. Patches dflash.run.train's references while active."""
+    telemetry on/off, not model loading. Patches dflash.run.setup's references while active."""
 
     def __init__(self):
         self.targets, self.prepared = {}, {}
 
     def __enter__(self):
-        import dflash.run.train as tr
+        import dflash.run.setup as tr
         from dflash.model import target as T
 
         self._tr, self._T = tr, T
@@ -260,10 +260,9 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
     target forward's achieved TFLOP/s, device-clock stage times and, with `checkpoint`,
     what a checkpoint costs the drafter's thread."""
     from dflash.config import load_config
-    from dflash.run.pipeline import run_pipelined
     from dflash.run.saving import save, wait_for_checkpoint
-    from dflash.run.train import setup
-    from otel import filesink
+    import otel
+    from dflash.run.trainer import run_loop, setup
 
     cuda = device.startswith("cuda")
     base = [f"model.target={spec}", f"train.steps={steps}", f"pipeline.target_devices={device}",
@@ -287,7 +286,7 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
             try:
                 t0 = time.perf_counter()
                 with syncs if (cuda and r > 0) else contextlib.nullcontext():
-                    run_pipelined(ctx)
+                    run_loop(ctx)
                 if cuda:
                     torch.cuda.set_sync_debug_mode(0)
                     torch.cuda.synchronize()  # end of the timed window, outside the loop
@@ -313,7 +312,7 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
     fwd_tflops = []
     clock = "device" if cuda else "host"  # the CPU has no device clock: the smoke run uses the host's
     if last_on:
-        for s in filesink.read_spans(f"{last_on}/telemetry/traces.jsonl"):
+        for s in otel.read_spans(f"{last_on}/telemetry/traces.jsonl"):
             a = s["attributes"]
             secs = a.get("device.duration_s") if cuda else (s["end_ns"] - s["start_ns"]) / 1e9
             if secs is None or " " in s["name"]:  # "batch N" root spans are not stages

@@ -19,9 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import load_config  # noqa: E402
-from dflash.run.loop import run_reference  # noqa: E402
-from dflash.run.pipeline import run_pipelined  # noqa: E402
-from dflash.run.train import setup  # noqa: E402
+from dflash.run.trainer import run_loop, setup  # noqa: E402
 
 
 def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode: str,
@@ -37,7 +35,7 @@ def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode:
     time.sleep(settle_s)
     try:
         t0 = time.perf_counter()
-        (run_pipelined if pipelined else run_reference)(ctx)
+        run_loop(ctx)  # the reference loop or the pipeline: cfg.pipeline.pipelined
         wall = time.perf_counter() - t0
     finally:
         ctx.tel.shutdown(timeout_s=2.0)

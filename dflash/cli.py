@@ -82,7 +82,7 @@ def _train(a) -> int:
         from .checkpoint_files import clean_stale_temps
         clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
-    from .run.train import train  # torch and transformers: only once the input is known to be good
+    from .run.trainer import train  # torch and transformers: only once the input is known to be good
 
     s = train(cfg, resume=a.resume, eval_before_after=a.eval)
     if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
@@ -194,7 +194,7 @@ def _eval(a) -> int:
         raise ConfigError(str(e)) from None
     a.phase = "eval set-up"
     from .model import checkpoint as ckpt
-    from .data.prepare import split
+    from .prep.prepare import split
     from .model.evaluate import evaluate
     from .model.target import load_target
 

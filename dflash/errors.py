@@ -6,14 +6,16 @@
   chained under the ``WorkerError`` that ended the run), the worker and the stage it came
   from, also written to ``OUT/error.txt``; exit code 1.
 
-The stage is known because the loops open their stages through :func:`naming_stages`: an
-exception leaving a stage is tagged with that stage's name (the first, innermost one wins).
+The stage is known because an exception leaving `tel.stage(...)` carries that stage's name
+(otel sets it, the innermost stage wins, with telemetry on or off).
 """
 from __future__ import annotations
 
 import os
 import traceback
 from pathlib import Path
+
+from otel import STAGE_ATTRIBUTE
 
 
 class WorkerError(RuntimeError):
@@ -30,37 +32,10 @@ class WorkerError(RuntimeError):
         return cls(f"{where}: {type(err).__name__}: {err}", worker=worker, stage=stage)
 
 
-_ATTR = "dflash_stage"
-
-
 def stage_of(err: BaseException) -> str | None:
-    """The stage an exception escaped from (None: it was raised outside every stage)."""
-    return getattr(err, _ATTR, None)
-
-
-class _NamedStage:
-    __slots__ = ("_inner", "_name")
-
-    def __init__(self, inner, name: str):
-        self._inner, self._name = inner, name
-
-    def __enter__(self):
-        return self._inner.__enter__()
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc is not None and getattr(exc, _ATTR, None) is None:
-            try:
-                setattr(exc, _ATTR, self._name)
-            except AttributeError:  # an exception type with __slots__: the stage stays unknown
-                pass
-        return self._inner.__exit__(exc_type, exc, tb)
-
-
-def naming_stages(stage):
-    """Wrap ``tel.stage``: same call, and an exception leaving the block carries the stage's name."""
-    def named(name, *args, **kwargs):
-        return _NamedStage(stage(name, *args, **kwargs), name)
-    return named
+    """The stage an exception escaped from (None: it was raised outside every stage). The
+    telemetry's Stage names it on the exception, enabled or not (otel.STAGE_ATTRIBUTE)."""
+    return getattr(err, STAGE_ATTRIBUTE, None)
 
 
 def is_user_error(err: BaseException) -> bool:

@@ -101,8 +101,8 @@ def idle_from_spans(run_dir: Path, rank: int = 0, world_size: int = 1, max_bytes
     path = tdir / "traces.jsonl"
     if not path.is_file() or path.stat().st_size > max_bytes:  # keep the end of a long run quick
         return None
-    from otel.filesink import read_spans
-    from otel.idle import attribute_idle
+    from otel import read_spans
+    from otel import attribute_idle
 
     from .analysis.idle_rules import DFLASH_RULES
 
@@ -217,7 +217,7 @@ class WandbBridge:
         now, tokens = time.monotonic(), ctx.tokens
         t0, tok0 = self._last
         self._last = (now, tokens)
-        m["train/step"] = ctx.step.step
+        m["train/step"] = ctx.trainer.step
         m["train/tokens"] = tokens
         if now > t0:
             m["train/tokens_per_s"] = round((tokens - tok0) / (now - t0), 3)

@@ -24,7 +24,8 @@ class TelemetryAPI(Protocol):
     mode: str
     run_id: str
 
-    def stage(self, name, trace=None, links=None, stream=None, **attrs) -> StageHandle: ...
+    def stage(self, name, trace=None, links=None, stream=None, **attrs) -> StageHandle:
+        """An exception leaving the stage gets `otel_stage = name` unless already set."""
 
     def staged(self, name=None, **stage_kwargs) -> Callable: ...
 

@@ -13,7 +13,7 @@
     shutdown_timeout  a network exporter was still busy when the shutdown bound ran out
 - queued: waiting for CUDA events, in flight to the exporter, or in its export queue.
 
-The exporter side commits its counts batch by batch (otel.sdk_pipeline), so the sum holds
+The exporter side commits its counts batch by batch (otel.exporter.sdk_pipeline), so the sum holds
 for any status snapshot, not only at the end.
 """
 from __future__ import annotations

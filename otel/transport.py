@@ -1,7 +1,8 @@
-"""How the background thread hands batches to the exporter side.
+"""How the background thread hands batches to the exporter side: the only bridge between
+otel.producer (the training process) and otel.exporter.
 
-ProcessTransport ("process" mode): each batch is pickled once and written, length
-prefixed, to the stdin pipe of `python -m otel.exporter_process` (spawned with
+ProcessTransport ("process" mode): each batch is marshalled once and written, length
+prefixed, to the stdin pipe of `python -m otel.exporter.process` (spawned with
 subprocess, never forked). The pipe is non-blocking: the background thread never waits
 on it. The child acknowledges batches once every span in them is exported or dropped
 (`done_seq` in its JSON status lines on stdout); until then the batch's bytes stay here,
@@ -18,6 +19,9 @@ killed and its unacknowledged batches go to the fallback.
 
 InProcessTransport ("thread" mode): feeds a BatchConsumer directly in the background
 thread.
+
+The wire format (`frame`, `read_frames`): the typed config (otel.config.ExportConfig)
+first, then batches (see otel.exporter.consumer) and flush/shutdown requests.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ import weakref
 from collections import deque
 from typing import Protocol
 
+from otel.config import ExportConfig
 from otel.exporter_choice import spans_local_only
 from otel.health import add_statuses, empty_status
+from otel.records import ATTRS, EXTRA, POINT_ATTRS
 
 _HEADER = struct.Struct("<Q")
 _F_SETPIPE_SZ = 1031  # Linux fcntl: a bigger pipe absorbs export hiccups without backlog
+EXPORTER_MODULE = "otel.exporter.process"  # started as `python -m`, never imported here
 
 
 class Transport(Protocol):
@@ -59,10 +66,22 @@ def _sanitized(batch: dict) -> dict:
     """A batch with every attribute value that pickle refused turned into its str()."""
     def clean(d):
         return {k: v if isinstance(v, (str, int, float, bool, type(None))) else str(v) for k, v in d.items()}
+    def clean_record(r):
+        r = list(r)
+        r[ATTRS] = clean(r[ATTRS])
+        if r[EXTRA]:
+            r[EXTRA] = clean(r[EXTRA])
+        return tuple(r)
+
+    def clean_point(p):
+        p = list(p)
+        p[POINT_ATTRS] = clean(p[POINT_ATTRS])
+        return tuple(p)
+
     out = dict(batch)
     for key in ("spans", "cuda"):
-        out[key] = [r[:5] + (clean(r[5]), clean(r[6]) if r[6] else r[6]) + r[7:] for r in batch.get(key, ())]
-    out["points"] = [p[:3] + (clean(p[3]),) for p in batch.get("points", ())]
+        out[key] = [clean_record(r) for r in batch.get(key, ())]
+    out["points"] = [clean_point(p) for p in batch.get("points", ())]
     return out
 
 
@@ -86,6 +105,28 @@ def unframe(data: bytes):
     return marshal.loads(body[1:]) if body[0] == ord("M") else pickle.loads(body[1:])
 
 
+def _read_exact(stream, n: int):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+
+def read_frames(stream):
+    """The messages `frame` wrote to a binary stream, until EOF (or a torn last frame)."""
+    while True:
+        head = _read_exact(stream, _HEADER.size)
+        if head is None:
+            return
+        body = _read_exact(stream, _HEADER.unpack(head)[0])
+        if body is None:
+            return
+        yield unframe(head + body)
+
+
 def _bounded(fn, timeout_s) -> bool:
     """Run fn in a daemon thread; give up waiting after timeout_s (None: wait)."""
     t = threading.Thread(target=fn, name="otel-bounded", daemon=True)
@@ -107,8 +148,8 @@ def _cpu_ticks(pid: int):
 class InProcessTransport:
     chunk = 64  # stage records consumed per GIL-holding step; sleep(0) between lets workers run
 
-    def __init__(self, config: dict):
-        from otel.consumer import BatchConsumer  # the SDK only loads when used
+    def __init__(self, config: ExportConfig):
+        from otel.exporter.consumer import BatchConsumer  # the SDK only loads when used
         self.consumer = BatchConsumer(config)
         self.local_only = self.consumer.pipeline.local_only
         self.dead = False
@@ -140,10 +181,10 @@ class InProcessTransport:
 
 
 class ProcessTransport:
-    def __init__(self, config: dict, max_backlog_bytes: int = 16 << 20, start_wait_s: float = 3.0,
+    def __init__(self, config: ExportConfig, max_backlog_bytes: int = 16 << 20, start_wait_s: float = 3.0,
                  stuck_s: float = 15.0):
         self.config = config
-        self.local_only = spans_local_only(config.get("file_dir"))
+        self.local_only = spans_local_only(config.file_dir)
         self.start_wait_s = start_wait_s     # shutdown: how long a child that is not ready yet gets
         self.stuck_s = stuck_s               # shutdown: no progress for this long -> fallback
         self._max_backlog = max_backlog_bytes
@@ -168,7 +209,7 @@ class ProcessTransport:
         pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "otel.exporter_process"],
+            [sys.executable, "-m", EXPORTER_MODULE],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
         self._fd = self.proc.stdin.fileno()
         try:

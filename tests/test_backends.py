@@ -153,7 +153,7 @@ def test_real_prometheus_sees_the_runs_own_numbers(scraped_run):
 # ------------------------------------------------------------------ per-rank scrape ports
 
 def test_each_torchrun_rank_gets_its_own_prometheus_port(monkeypatch):
-    from dflash.run.train import rank_prometheus_port
+    from dflash.run.telemetry_setup import rank_prometheus_port
 
     monkeypatch.setenv("OTEL_METRICS_EXPORTER", "otlp,prometheus")
     monkeypatch.setenv("OTEL_EXPORTER_PROMETHEUS_PORT", "9500")
@@ -344,7 +344,7 @@ def _nvml_names():
     from opentelemetry.sdk.metrics import MeterProvider
     from prometheus_client import REGISTRY, generate_latest
 
-    from otel import nvml
+    from otel.exporter import nvml
 
     specs = dict(nvml.GAUGES)
     for n in nvml.WINDOWED:

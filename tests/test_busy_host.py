@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from helpers import TINY, last_json, run_dflash
-from otel.filesink import read_spans
+from otel import read_spans
 from test_stalls import NO_OTEL_ENV
 
 

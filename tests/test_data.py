@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash.data import dataset as D
+from dflash.prep.regenerate import regenerate
 from dflash.model import target as T
 
 CONV = [
@@ -82,24 +83,24 @@ def test_batches_shapes_padding_determinism():
     a = take(D.batches(samples, batch_size=4, seed=0, pad_id=-1), 20)
     b = take(D.batches(samples, batch_size=4, seed=0, pad_id=-1), 20)
     c = take(D.batches(samples, batch_size=4, seed=1, pad_id=-1), 20)
-    assert all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, b))
-    assert not all(torch.equal(x["input_ids"], y["input_ids"]) for x, y in zip(a, c))
-    assert [x["batch_index"] for x in a] == list(range(20))
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
+    assert not all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, c))
+    assert [x.index for x in a] == list(range(20))
     for x in a:
-        ids, am, lm = x["input_ids"], x["attention_mask"], x["loss_mask"]
+        ids, am, lm = x.input_ids, x.attention_mask, x.loss_mask
         assert ids.dtype == am.dtype == lm.dtype == torch.long and ids.shape == am.shape == lm.shape
         assert ids.shape[0] == 4 and ids.shape[1] == int(am.sum(1).max())  # padded to the batch max only
         assert bool((ids[am == 0] == -1).all()) and bool((lm[am == 0] == 0).all())
         assert bool((am[:, 0] == 1).all())  # right padding
     # One epoch = 9 batches of 4 distinct samples (37 samples, remainder dropped).
-    lengths = [int(n) for x in a[:9] for n in x["attention_mask"].sum(1)]
+    lengths = [int(n) for x in a[:9] for n in x.attention_mask.sum(1)]
     assert len(set(lengths)) == 36
     # Bucketing: far less padding than random batches.
-    pad = lambda bs: sum(int((x["attention_mask"] == 0).sum()) for x in bs)  # noqa: E731
+    pad = lambda bs: sum(int((x.attention_mask == 0).sum()) for x in bs)  # noqa: E731
     assert pad(a[:9]) < pad(take(D.batches(samples, batch_size=4, seed=0, pad_id=-1, bucket=False), 9)) / 2
     # start= skips batches exactly (resume).
     resumed = next(D.batches(samples, batch_size=4, seed=0, pad_id=-1, start=13))
-    assert resumed["batch_index"] == 13 and torch.equal(resumed["input_ids"], a[13]["input_ids"])
+    assert resumed.index == 13 and torch.equal(resumed.input_ids, a[13].input_ids)
 
 
 def _write_sharegpt(path, records, cut=0):
@@ -182,7 +183,7 @@ def test_regenerate_matches_unbatched_greedy(tok):
     convs = [CONV, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}],
              [{"role": "user", "content": "Tell me a long story about a dragon. " * 4},
               {"role": "assistant", "content": "y"}]]
-    out = D.regenerate(model, tok, convs, max_new_tokens=12, batch_size=3)
+    out = regenerate(model, tok, convs, max_new_tokens=12, batch_size=3)
     assert [m["role"] for m in out[0]] == ["system", "user", "assistant"]
     assert [m["role"] for m in out[1]] == ["user", "assistant"]
     prompts = D.prompts_for_eval(tok, convs, max_prompt_len=256)
@@ -209,7 +210,7 @@ def test_regenerate_keeps_the_features_a_forward_gives(target, use_cache):
              [{"role": "user", "content": "Tell me a long story about a dragon. " * 4},
               {"role": "assistant", "content": "y"}]]
     feats: dict = {}
-    out = D.regenerate(model, tok, convs, max_new_tokens=12, batch_size=3, layer_ids=layer_ids, features=feats)
+    out = regenerate(model, tok, convs, max_new_tokens=12, batch_size=3, layer_ids=layer_ids, features=feats)
     assert len(feats) == len(convs)
     for conv in out:
         s = D.tokenize_conversation(tok, conv, max_len=10_000)

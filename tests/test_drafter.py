@@ -109,14 +109,14 @@ def test_nonfinite_step_is_skipped_on_device():
     """A NaN loss must leave weights and optimizer state untouched (no host read decides it)."""
     from types import SimpleNamespace
 
-    from dflash.model.trainer import DrafterStep
+    from dflash.model.drafter_trainer import DrafterTrainer
 
     d, embed, head = make(layers=1)
     d = d.float()
     cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0,
                                                 grad_clip=1.0, seed=0, loss_gamma=0.0),
                           model=SimpleNamespace(block_size=BK))
-    st = DrafterStep(cfg, d, embed.float(), head.float(), "cpu")
+    st = DrafterTrainer(cfg.train, cfg.model.block_size, d, embed.float(), head.float(), "cpu")
     before = {k: v.clone() for k, v in d.state_dict().items()}
     for p in d.parameters():
         p.grad = torch.full_like(p, float("nan"))
@@ -135,10 +135,10 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     """model.drafter_init=target: the context the drafter's first layer reads is exactly
     what the target's next layer reads (its input norm of the deepest fused hidden state),
     and that layer's weights, plus the final norm, are the target's."""
-    from dflash.model import target as target_mod
     from dflash.config import Config
+    from dflash.model import target as target_mod
+    from dflash.model.drafter_build import build_drafter
     from dflash.model.drafter_init import init_from_target
-    from dflash.model.trainer import build_drafter
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"
@@ -165,14 +165,13 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     (no target forward), with the features a forward gives on the valid tokens and zeros
     on padding; a batch with one new sequence runs the forward."""
     from dflash.model import target as target_mod
-    from dflash.config import Config
-    from dflash.model.trainer import Batch, build_drafter, target_features
+    from dflash.data.batch import Batch
+    from dflash.model.feature_cache import FeatureCache
+    from dflash.model.features import target_features
 
-    cfg = Config()
-    cfg.model.target, cfg.train.feature_cache = "tiny-qwen3", True
     target, tok = target_mod.load_target("tiny-qwen3")
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
-    build_drafter(cfg, target, tok, ids)
+    cache = FeatureCache(ids)
 
     def batch(rows, width=10):
         input_ids = torch.zeros(len(rows), width, dtype=torch.long)
@@ -183,18 +182,16 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
                      lengths=[len(r) for r in rows])
 
     a, b, c = list(range(5, 13)), list(range(40, 46)), list(range(70, 79))
-    first = target_features(target, batch([a, b]), ids, "cpu")
+    first = target_features(target, batch([a, b]), ids, "cpu", cache=cache)
     calls = []
     real = target_mod.capture_hidden
     monkeypatch.setattr(target_mod, "capture_hidden", lambda *x, **k: calls.append(1) or real(*x, **k))
-    again = target_features(target, batch([b, a], width=9), ids, "cpu")
+    again = target_features(target, batch([b, a], width=9), ids, "cpu", cache=cache)
     assert not calls and again.shape == (2, 9, first.shape[-1])
     torch.testing.assert_close(again[0, :6], first[1, :6])
     torch.testing.assert_close(again[1, :8], first[0, :8])
     assert not again[0, 6:].any()
-    target_features(target, batch([a, c]), ids, "cpu")
+    target_features(target, batch([a, c]), ids, "cpu", cache=cache)
     assert calls == [1]
-    cfg.train.feature_cache = False  # default: no cache, every batch runs the target
-    target2, _ = target_mod.load_target("tiny-qwen3")
-    build_drafter(cfg, target2, tok, ids)
-    assert getattr(target2, "_dflash_feature_cache", None) is None
+    target_features(target, batch([b, a], width=9), ids, "cpu")  # no cache (the default): a forward
+    assert calls == [1, 1]

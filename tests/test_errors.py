@@ -11,9 +11,9 @@ NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}  # telemetry 
 
 
 @pytest.mark.parametrize("stage,worker,frame,extra", [
-    ("model_forward", "target0", "in target_worker", []),    # a target thread
-    ("backward", "drafter0", "in drafter_loop", []),         # the drafter, on the main thread
-    ("optimizer_step", "main", "in run_reference", ["--reference"]),
+    ("model_forward", "target0", "in make", []),             # a target thread (TargetWorker.make)
+    ("backward", "drafter0", "in run", []),                  # the drafter, on the main thread (DrafterWorker.run)
+    ("optimizer_step", "main", "in run", ["--reference"]),
 ])
 def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp_path, stage, worker, frame, extra):
     run = tmp_path / "run"
@@ -35,7 +35,7 @@ def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp
     assert not (run / "checkpoint").exists(), "a failed run saves no checkpoint"
 
     # the failing span carries it too: an `exception` event per OpenTelemetry's conventions
-    from otel.filesink import read_spans
+    from otel import read_spans
 
     spans = [s for f in sorted((run / "telemetry").rglob("traces.jsonl")) for s in read_spans(f)]
     failed = [s for s in spans if s["name"] == stage and s["attributes"].get("step") == 1]

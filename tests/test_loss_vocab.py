@@ -8,7 +8,9 @@ from dflash.config import ConfigError, load_config
 from dflash.data import dataset as data_mod
 from dflash.model import target as target_mod
 from dflash.model.loss_vocab import RowsHead, batch_vocab, frequent_tokens
-from dflash.model.trainer import Batch, DrafterStep, build_drafter
+from dflash.data.batch import Batch
+from dflash.model.drafter_build import build_drafter
+from dflash.model.drafter_trainer import DrafterTrainer
 
 
 def _step(k: int):
@@ -17,11 +19,12 @@ def _step(k: int):
     target, tok = target_mod.load_target("tiny-qwen3")
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
-    step = DrafterStep(cfg, drafter, target.get_input_embeddings(), target.get_output_embeddings(), "cpu")
+    step = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, target.get_input_embeddings(),
+                          target.get_output_embeddings(), "cpu")
     g = torch.Generator().manual_seed(0)
     samples = [data_mod.Sample(torch.randint(0, 300, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4))
                for n in (20, 24, 18, 22)]
-    b = Batch.from_dict(next(data_mod.batches(samples, batch_size=4, seed=0, pad_id=0)))
+    b = next(data_mod.batches(samples, batch_size=4, seed=0, pad_id=0))
     feats = target_mod.capture_hidden(target, b.input_ids, b.attention_mask, ids)
     return step, samples, b, feats
 
@@ -51,7 +54,7 @@ def test_subset_loss_is_the_restricted_softmax_and_trains():
     assert set(b.input_ids.flatten().tolist()) <= set(vocab.tolist())
     loss, _ = step.forward(feats, b)
     # the same restricted softmax, by hand from the full logits
-    g = torch.Generator().manual_seed(step.cfg.train.seed * 1_000_003 + b.index)
+    g = torch.Generator().manual_seed(step.train.seed * 1_000_003 + b.index)
     from dflash.model.drafter import sample_anchors, weighted_block_loss
     anchors, valid = sample_anchors(b.loss_mask, 4, 4, generator=g)
     logits, labels = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import ROOT, TINY, run_dflash
 from otlp_receivers import OtlpGrpcReceiver
-from otel.filesink import read_spans
+from otel import read_spans
 
 STAGES = {"data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
           "drafter_forward", "backward", "optimizer_step"}
@@ -91,7 +91,7 @@ def test_slow_target_starves_drafter_with_queue_empty_cause(tmp_path):
     workers = {w["worker"]: w for w in summary["telemetry"]["workers"]}
     assert workers["drafter0"]["top_idle_cause"] == "queue_empty"
     assert workers["target0"]["busy_fraction"] > 0.9
-    from otel.filesink import read_metrics
+    from otel import read_metrics
     idle = {}
     for m in read_metrics(sorted((run / "telemetry").rglob("metrics.jsonl"))[0]):
         if m["name"] == "dflash.worker.idle":  # cumulative sums: the last point is the total

@@ -3,8 +3,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dflash.data import dataset as data_mod
-from dflash.data import prepare as prep
+from dflash.prep import prepare as prep
+from dflash.prep import regenerate as regen_mod
 from dflash.config import ConfigError, load_config
 
 
@@ -17,7 +17,7 @@ def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, dev
         seen.update(kw)
         return convs
 
-    monkeypatch.setattr(data_mod, "regenerate", fake_regenerate)
+    monkeypatch.setattr(prep, "regenerate", fake_regenerate)
     cfg = load_config(None, [f"data.regen_batch_size={setting}"])
     target = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"))
     prep._regen_cached(cfg, target, None, [[{"role": "user", "content": "hi"}]], device)
@@ -34,10 +34,10 @@ def test_regenerate_batches_are_sorted_by_length(monkeypatch):
         widths.append([len(p) for p in prompts])
         return [[1] for _ in prompts], None
 
-    monkeypatch.setattr(data_mod, "_generate_left_padded", fake_generate)
+    monkeypatch.setattr(regen_mod, "_generate_left_padded", fake_generate)
     model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tok.eos_token_id))
     convs = [[{"role": "user", "content": "word " * n}] for n in (30, 2, 17, 9, 25, 4, 11)]
-    data_mod.regenerate(model, tok, convs, max_new_tokens=4, batch_size=3)
+    regen_mod.regenerate(model, tok, convs, max_new_tokens=4, batch_size=3)
     assert [len(w) for w in widths] == [3, 3, 1]
     flat = [x for w in widths for x in w]
     assert flat == sorted(flat), "batches must go shortest to longest (little left padding)"

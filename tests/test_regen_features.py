@@ -5,9 +5,10 @@ import torch
 
 from dflash.config import load_config
 from dflash.data import dataset as data_mod
-from dflash.data.prepare import prepare
+from dflash.prep.prepare import prepare
 from dflash.model import target as target_mod
-from dflash.model.trainer import Batch, build_drafter, preload_features, replicate_target, target_features
+from dflash.model.feature_cache import FeatureCache
+from dflash.model.features import target_features
 
 
 def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch):
@@ -19,16 +20,16 @@ def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch)
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     prep = prepare(cfg, target, tok, layer_ids=ids)
     assert prep.features and len(prep.features) >= len(prep.samples)
-    build_drafter(cfg, target, tok, ids)
-    assert preload_features(target, ids, prep.features, cfg.data.max_len) == len(prep.features)
+    cache = FeatureCache(ids)
+    assert cache.preload(prep.features, cfg.data.max_len) == len(prep.features)
 
     real = target_mod.capture_hidden
     forwards = []
     monkeypatch.setattr(target_mod, "capture_hidden", lambda *a, **k: forwards.append(1) or real(*a, **k))
     stream = data_mod.batches(prep.samples, batch_size=2, seed=0, pad_id=tok.pad_token_id)
     for _ in range(len(prep.samples) // 2):
-        b = Batch.from_dict(next(stream))
-        got = target_features(target, b, ids, "cpu")
+        b = next(stream)
+        got = target_features(target, b, ids, "cpu", cache=cache)
         want = real(target, b.input_ids, b.attention_mask, ids)
         for r, n in enumerate(b.lengths):  # all but each sequence's last token, never a context
             torch.testing.assert_close(got[r, :n - 1], want[r, :n - 1], atol=2e-4, rtol=1e-3)
@@ -42,17 +43,14 @@ def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch)
 
 
 def test_a_replica_gets_its_own_feature_cache():
-    """Each target device's replica holds the preloaded features itself (on its device), and
-    the original keeps its cache: a hit never hands a worker tensors from another device."""
-    cfg = load_config(None, ["model.target=tiny-qwen3", "train.feature_cache=true"])
-    target, tok = target_mod.load_target("tiny-qwen3")
-    ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
-    build_drafter(cfg, target, tok, ids)
-    rows = torch.randn(5, 3 * target.config.hidden_size)
-    assert preload_features(target, ids, {(1, 2, 3, 4, 5): rows}, max_len=4) == 1
-    replica = replicate_target(target, "cpu")
-    assert replica is not target and len(target._dflash_feature_cache) == 1
-    assert replica._dflash_feature_cache is not target._dflash_feature_cache
-    (k, v), = replica._dflash_feature_cache.items()
+    """Each target device's replica gets the preloaded features itself (on its device), and
+    the original keeps its own: a hit never hands a worker tensors from another device."""
+    ids = [1, 2, 3]
+    cache = FeatureCache(ids)
+    rows = torch.randn(5, 3 * 256)
+    assert cache.preload({(1, 2, 3, 4, 5): rows}, max_len=4) == 1
+    replica = cache.replica("cpu")
+    assert replica is not cache and len(cache) == len(replica) == 1
+    (k, v), = replica._rows.items()
     torch.testing.assert_close(v, rows[:4])
-    assert v.device == next(replica.parameters()).device
+    assert v.device == replica.device

@@ -14,9 +14,9 @@ from collections import defaultdict
 import pytest
 
 from helpers import TINY, last_json, run_dflash
-from otel.filesink import read_spans
+from otel import read_spans
 from dflash.analysis.idle_rules import DFLASH_RULES
-from otel.idle import IdleAccumulator, IdleRules, attribute_idle
+from otel import IdleAccumulator, IdleRules, attribute_idle
 from dflash.analysis.stalls import jaeger_to_spans, worker_of
 
 NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from otel.filesink import read_spans
+from otel import read_spans
 from tests.helpers import ROOT, TINY
 from tests.otlp_receivers import OtlpGrpcReceiver
 

@@ -93,7 +93,7 @@ def test_the_wandb_summary_carries_the_balance_figure():
 
 def test_the_payload_goes_over_nccl_only_between_distinct_gpus():
     from dflash.config import load_config
-    from dflash.run.roles.run import _device, handoff_backend
+    from dflash.run.placement import _role_device, handoff_backend
 
     def cfg(t, d, handoff="auto"):
         return load_config(None, [f"pipeline.target_devices={t}", f"pipeline.drafter_devices={d}",
@@ -104,5 +104,5 @@ def test_the_payload_goes_over_nccl_only_between_distinct_gpus():
     assert handoff_backend(cfg("cpu", "cpu")) == "gloo"
     assert handoff_backend(cfg("cuda:0", "cuda:0", "nccl")) == "nccl"  # the user's call
     c = cfg("cuda:0,cuda:1,cuda:2,cuda:3,cuda:4", "cuda:5,cuda:6,cuda:7")
-    assert [_device(c, "target", i) for i in range(5)] == [f"cuda:{i}" for i in range(5)]
-    assert [_device(c, "drafter", i) for i in range(3)] == ["cuda:5", "cuda:6", "cuda:7"]
+    assert [_role_device(c.pipeline.target_devices, i) for i in range(5)] == [f"cuda:{i}" for i in range(5)]
+    assert [_role_device(c.pipeline.drafter_devices, i) for i in range(3)] == ["cuda:5", "cuda:6", "cuda:7"]

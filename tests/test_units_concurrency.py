@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash.run.hidden_queue import Closed, HiddenQueue
-from dflash.run.pipeline import PinnedPool
+from dflash.run.channels import PinnedPool
 from dflash.run.readback import DeferredScalars
 
 DONE_S = 10.0      # upper bound for something that must happen

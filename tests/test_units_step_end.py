@@ -7,6 +7,7 @@ import torch
 import dflash.run.step_end as step_end_mod
 from dflash.config import Config
 from dflash.run.context import RunContext
+from dflash.run.placement import Placement
 from dflash.run.step_end import StepEnd
 
 
@@ -39,8 +40,9 @@ class FakeStep:
 def _ctx(tmp_path, save_every=0):
     cfg = Config()
     cfg.train.steps, cfg.train.save_every = 6, save_every
-    return RunContext(cfg=cfg, tel=FakeTel(), target=None, tokenizer=None, layer_ids=[], step=FakeStep(),
-                      samples=[], eval_convs=[], out=tmp_path, rank=1)  # rank 1: no progress bar drawn
+    place = Placement("both", "queue", rank=1, world=2)  # rank 1: no progress bar drawn
+    return RunContext(cfg=cfg, tel=FakeTel(), placement=place, tokenizer=None, layer_ids=[], samples=[],
+                      out=tmp_path, trainer=FakeStep())
 
 
 def _t(x):
@@ -51,7 +53,7 @@ def test_step_end_counts_tokens_reads_back_and_emits_metrics(tmp_path):
     ctx = _ctx(tmp_path)
     end = StepEnd(ctx, "main")
     for step, tokens in enumerate((10, 7)):
-        ctx.step.step = step + 1  # what optimizer_step does
+        ctx.trainer.step = step + 1  # what optimizer_step does
         end(step, tokens, _t(2.0 - step), _t(0.5), _t(1.5), _t(False))
     end.close()
     assert ctx.tokens == 17
@@ -66,7 +68,7 @@ def test_step_end_counts_tokens_reads_back_and_emits_metrics(tmp_path):
 def test_step_end_marks_a_nonfinite_step_in_its_batch_trace(tmp_path):
     ctx = _ctx(tmp_path)
     end = StepEnd(ctx, "drafter0")
-    ctx.step.step = 4
+    ctx.trainer.step = 4
     end(3, 5, _t(float("nan")), _t(0.0), _t(float("inf")), _t(True))
     assert ctx.nonfinite == [3]
     (name, kw, events), = ctx.tel.stages
@@ -77,17 +79,17 @@ def test_step_end_marks_a_nonfinite_step_in_its_batch_trace(tmp_path):
 
 def test_step_end_saves_on_the_save_every_cadence(tmp_path, monkeypatch):
     saved = []
-    monkeypatch.setattr(step_end_mod, "save", lambda ctx: saved.append(ctx.step.step))
+    monkeypatch.setattr(step_end_mod, "save", lambda ctx: saved.append(ctx.trainer.step))
     ctx = _ctx(tmp_path, save_every=2)
     end = StepEnd(ctx, "main")
     for step in range(5):
-        ctx.step.step = step + 1
+        ctx.trainer.step = step + 1
         end(step, 1, _t(1.0), _t(0.0), _t(0.0), _t(False))
     assert saved == [2, 4]
     ctx0 = _ctx(tmp_path, save_every=0)
     end0 = StepEnd(ctx0, "main")
     saved.clear()
     for step in range(3):
-        ctx0.step.step = step + 1
+        ctx0.trainer.step = step + 1
         end0(step, 1, _t(1.0), _t(0.0), _t(0.0), _t(False))
     assert saved == [], "save_every=0: only the final save, which train() does"

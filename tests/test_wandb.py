@@ -48,7 +48,7 @@ def _cfg(out, steps, wandb_on=True, *extra):
 
 
 def _train(cfg):
-    from dflash.run.train import train
+    from dflash.run.trainer import train
 
     return train(cfg)
 
@@ -261,7 +261,7 @@ def test_missing_wandb_falls_back_without_training(tmp_path, monkeypatch, capfd)
               for s in STAGES}
     tel_summary = {"wall_s": 2.0, "stages": stages, "health": {"spans_dropped": 0, "export_failures": 0}}
     ctx = SimpleNamespace(out=tmp_path, cfg=Config(), tel=SimpleNamespace(summary=lambda: tel_summary, run_id="r1"),
-                          world_size=1, rank=0, tokens=100, step=SimpleNamespace(step=2),
+                          world_size=1, rank=0, tokens=100, trainer=SimpleNamespace(step=2),
                           history=[(1, 3.5, 0.1, 1.0)])
     bridge = WandbBridge(ctx, interval_s=0.05).start()
     time.sleep(0.3)

@@ -1,7 +1,7 @@
 """How this pipeline's stages map to busy time and idle causes (fed to otel.idle, which
 knows no stage names of its own): used live by the telemetry thread and offline by
 `dflash stalls` / `dflash timeline`."""
-from otel.idle import IdleRules
+from otel import IdleRules
 
 DFLASH_RULES = IdleRules(
     stage_causes={"queue_get": "queue_empty", "checkpoint": "checkpoint"},

@@ -2,7 +2,7 @@
 stages of a typical step, and the longest stalls with the trace ids to open in Jaeger.
 
 Spans come from the run's file sink (every rank's traces.jsonl) or from a Jaeger query
-API; both become otel.filesink.read_spans-style dicts. The attribution itself is
+API; both become otel.read_spans-style dicts. The attribution itself is
 otel.idle with the default rules (they name this pipeline's stages).
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import urllib.request
 from collections import defaultdict
 from pathlib import Path
 
-from otel.filesink import read_spans
-from otel.idle import BUSY, attribute_idle
+from otel import read_spans
+from otel import BUSY, attribute_idle
 
 from .idle_rules import DFLASH_RULES
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 
-from otel.idle import BUSY
+from otel import BUSY
 
 from .stalls import attribute, run_start_ns, window_ns, worker_label, worker_of, worker_order
 

@@ -9,11 +9,9 @@ and the drafter must learn the target's own token stream.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
-import sys
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -21,6 +19,7 @@ import torch
 
 # the torch-free part (reading the file), re-exported under the names it always had
 from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401
+from .batch import Batch
 from .conversations import load_conversations, sharegpt_path  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -35,13 +34,13 @@ class Sample:
 # ----------------------------------------------------------------------------- tokenization
 
 
-def _ids(encoded) -> list[int]:
+def template_ids(encoded) -> list[int]:
     # apply_chat_template(tokenize=True) returns a BatchEncoding in transformers 5, a list in 4.
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
 
 
 def _prompt_ids(tokenizer, conv) -> list[int]:
-    return _ids(tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True))
+    return template_ids(tokenizer.apply_chat_template(conv, tokenize=True, add_generation_prompt=True))
 
 
 def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
@@ -119,7 +118,7 @@ def _first_turn(conv) -> list[dict]:
     return system + [{"role": "user", "content": user["content"]}]
 
 
-def _truncated_prompt(tokenizer, conv, max_prompt_len: int) -> tuple[list[dict], list[int]]:
+def truncated_prompt(tokenizer, conv, max_prompt_len: int) -> tuple[list[dict], list[int]]:
     """First turn with the user text cut so the templated prompt fits ``max_prompt_len`` tokens.
 
     Cutting the user text (not the templated ids) keeps the template's structure intact, and
@@ -141,100 +140,23 @@ def _truncated_prompt(tokenizer, conv, max_prompt_len: int) -> tuple[list[dict],
 
 def prompts_for_eval(tokenizer, convs, *, max_prompt_len: int) -> list[list[int]]:
     """Chat-templated prompt ids (system?, first user turn, assistant generation prompt)."""
-    return [_truncated_prompt(tokenizer, c, max_prompt_len)[1] for c in convs]
-
-
-def _eos_ids(model, tokenizer) -> set[int]:
-    eos = model.generation_config.eos_token_id
-    eos = tokenizer.eos_token_id if eos is None else eos
-    return set(eos if isinstance(eos, (list, tuple)) else [eos])
-
-
-def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int = 16, device="cpu",
-               max_prompt_len: int = 256, layer_ids=None, features: dict | None = None) -> list[list[dict]]:
-    """Let the target write the reply to each conversation's first user turn (batched greedy).
-
-    Returns ``[system?, user, assistant]`` conversations in input order; the assistant turn holds
-    the decoded text and the generated ``token_ids`` (up to and including the first eos).
-    Prompts are sorted by length so batches carry little left padding.
-
-    With ``layer_ids`` and a ``features`` dict, the selected layers' outputs of the generating
-    forwards are kept too (`model/layer_capture.py`): ``features[tuple(prompt_ids + reply_ids)]``
-    is a CPU tensor ``[len, n*H]``, what `capture_hidden` gives for that sequence, except that
-    the very last token (never fed back to the target) has a zero row. Nothing trains on that
-    row: a block's context is the positions before its anchor, and an anchor needs a label.
-    """
-    from tqdm.auto import tqdm
-
-    prompts = [_truncated_prompt(tokenizer, c, max_prompt_len) for c in convs]
-    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
-    out: list = [None] * len(prompts)
-    keep = features is not None and bool(layer_ids)
-    with tqdm(total=len(prompts), desc="regenerate", unit="conv", file=sys.stderr) as bar:
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            batch_prompts = [prompts[i][1] for i in idx]
-            gens, feats = _generate_left_padded(model, batch_prompts, pad, eos, max_new_tokens, device,
-                                                layer_ids if keep else None)
-            for k, (i, gen) in enumerate(zip(idx, gens)):
-                reply = tokenizer.decode(gen, skip_special_tokens=True)
-                out[i] = prompts[i][0] + [{"role": "assistant", "content": reply, "token_ids": gen}]
-                if feats is not None:
-                    features[tuple(prompts[i][1] + gen)] = feats[k]
-            bar.update(len(idx))
-    return out
-
-
-def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_tokens: int, device,
-                          layer_ids=None) -> tuple[list[list[int]], list | None]:
-    """Greedy continuations of a batch of prompts, cut after the first eos; with ``layer_ids``
-    also each row's features over prompt + continuation (see `regenerate`)."""
-    from ..model.layer_capture import LayerCapture
-
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    capture = LayerCapture(model, layer_ids) if layer_ids else contextlib.nullcontext()
-    with torch.no_grad(), capture:
-        # use_cache: a checkpoint may ship `use_cache: false`, and then every step would re-run
-        # the whole sequence (what the capture below reads as one new token per step)
-        seqs = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=pad, eos_token_id=sorted(eos), use_cache=True)
-    gens = []
-    for row in seqs[:, width:].tolist():
-        cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))
-        gens.append(row[:cut])
-    if not layer_ids:
-        return gens, None
-    prefill = capture.calls[0].cpu()                       # [B, width, F]: the prompt positions
-    steps = capture.calls[1:]                              # reply token j is the input of step j
-    if any(c.shape[1] != 1 for c in steps):
-        raise RuntimeError("regeneration: a decoding step ran more than one token (no KV cache?); "
-                           "cannot keep its features")
-    stepped = torch.cat(steps, dim=1).cpu() if steps else prefill[:, :0]
-    feats = []
-    for r, (p, gen) in enumerate(zip(prompts, gens)):
-        rows = prefill.new_zeros(len(p) + len(gen), prefill.shape[-1])
-        rows[:len(p)] = prefill[r, width - len(p):]
-        n = min(len(gen), stepped.shape[1])
-        rows[len(p):len(p) + n] = stepped[r, :n]
-        feats.append(rows)
-    return gens, feats
+    return [truncated_prompt(tokenizer, c, max_prompt_len)[1] for c in convs]
 
 
 # ----------------------------------------------------------------------------- batches
 
 
 def batches(samples, *, batch_size: int, seed: int, pad_id: int, bucket: bool = True,
-            start: int = 0) -> Iterator[dict]:
+            start: int = 0, batch_id=None) -> Iterator[Batch]:
     """Infinite, deterministic stream of right-padded batches.
 
     Each epoch reshuffles with ``(seed, epoch)``. With ``bucket``, samples are sorted by length
     inside pools of ``50 * batch_size`` (less padding) and the batches are shuffled again so
     lengths still mix across steps. The incomplete last batch of an epoch is dropped (a new
     shuffle uses those samples next epoch), so every batch has ``min(batch_size, len(samples))``
-    rows. ``start`` skips that many batches without building them (resume).
+    rows. ``start`` skips that many batches without building them (resume). ``batch_id``
+    maps the stream position to the batch's id (default: the position itself; a layout's
+    drafter shard: the global batch id, see run/roles/layout.py).
     """
     if not samples:
         raise ValueError("batches: no samples")
@@ -245,7 +167,7 @@ def batches(samples, *, batch_size: int, seed: int, pad_id: int, bucket: bool = 
     while True:
         for group in _epoch_batches(samples, bs, seed, epoch, bucket):
             if index >= start:
-                yield _collate([samples[i] for i in group], pad_id, index)
+                yield _collate([samples[i] for i in group], pad_id, index if batch_id is None else batch_id(index))
             index += 1
         epoch += 1
 
@@ -265,7 +187,8 @@ def _epoch_batches(samples, bs: int, seed: int, epoch: int, bucket: bool) -> lis
     return groups
 
 
-def _collate(group: list[Sample], pad_id: int, index: int) -> dict:
+def _collate(group: list[Sample], pad_id: int, index: int) -> Batch:
+    """The one place a batch is built: its id, padded tensors and (host) lengths."""
     width = max(len(s.input_ids) for s in group)
     ids = torch.full((len(group), width), pad_id, dtype=torch.long)
     am = torch.zeros((len(group), width), dtype=torch.long)
@@ -275,4 +198,5 @@ def _collate(group: list[Sample], pad_id: int, index: int) -> dict:
         ids[r, :n] = torch.tensor(s.input_ids)
         am[r, :n] = 1
         lm[r, :n] = torch.tensor(s.loss_mask)
-    return {"input_ids": ids, "attention_mask": am, "loss_mask": lm, "batch_index": index}
+    return Batch(index=index, input_ids=ids, attention_mask=am, loss_mask=lm,
+                 lengths=[len(s.input_ids) for s in group])

@@ -27,7 +27,7 @@ from torch import nn
 
 MAX_NGRAM = 3
 # The bias trains at this multiple of the learning rate (an optimizer param group, see
-# DrafterStep): Adam moves a parameter by about lr a step, and the copy weight's logit has
+# DrafterTrainer): Adam moves a parameter by about lr a step, and the copy weight's logit has
 # to travel several units within a few hundred steps at lr ~1e-3. A larger learning rate
 # rather than a scaled parameter keeps its gradient, and so the gradient-norm clip, fair.
 BIAS_LR_SCALE = 16.0

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..data.dataset import _ids
+from ..data.dataset import template_ids
 from ..layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
 from ..inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
     SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
@@ -233,7 +233,7 @@ def choose_mask_token_id(tokenizer, vocab_rows: int) -> tuple[int, str]:
     reserved = set(tokenizer.all_special_ids)
     probe = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     if getattr(tokenizer, "chat_template", None):
-        reserved |= set(_ids(tokenizer.apply_chat_template(probe, tokenize=True)))
+        reserved |= set(template_ids(tokenizer.apply_chat_template(probe, tokenize=True)))
     candidates = [
         i for i, t in tokenizer.added_tokens_decoder.items() if t.special and i not in reserved and i < vocab_rows
     ]

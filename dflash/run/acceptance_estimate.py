@@ -20,7 +20,7 @@ import torch
 
 from ..data import dataset as data_mod
 from ..model.drafter import sample_anchors
-from ..model.trainer import Batch, target_features
+from ..model.features import target_features
 from .readback import DeferredScalars
 
 ESTIMATE_ANCHORS = 16   # per held-out sequence; the lm_head over every slot is most of the cost
@@ -29,12 +29,11 @@ ESTIMATE_ANCHORS = 16   # per held-out sequence; the lm_head over every slot is 
 class AcceptanceEstimate:
     def __init__(self, ctx, samples: list, every: int):
         self.every = every
-        self.step = ctx.step
+        self.trainer = ctx.trainer
         cfg = ctx.cfg
-        d = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
-                                  pad_id=ctx.tokenizer.pad_token_id, bucket=False))
-        self.batch = Batch.from_dict(d)
-        dev = self.step.device
+        self.batch = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
+                                           pad_id=ctx.tokenizer.pad_token_id, bucket=False))
+        dev = self.trainer.device
         with torch.no_grad():
             self.features = target_features(ctx.target, self.batch, ctx.layer_ids, ctx.target.device).to(dev)
         g = torch.Generator().manual_seed(cfg.train.seed + 7919)
@@ -56,7 +55,7 @@ class AcceptanceEstimate:
     @torch.no_grad()
     def __call__(self, step: int) -> None:
         """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
-        st = self.step
+        st = self.trainer
         model = st.drafter
         was_training = model.training
         model.eval()

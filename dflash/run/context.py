@@ -1,50 +1,73 @@
-"""`RunContext`: everything a training loop needs, built once by `train.setup`.
+"""`RunContext`: everything a run's workers need, built once by `trainer.setup`.
 
-Its own module so the loops, the end-of-step path and checkpoint saving can share it
-without importing `train.py` (which imports them)."""
+Its own module so the workers, the end-of-step path and checkpoint saving can share it
+without importing `trainer.py` or `setup.py` (which import them)."""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from otel import TelemetryAPI
+
 from ..config import Config
 from ..data import dataset as data_mod
-from ..model.trainer import Batch, DrafterStep
+from ..model.drafter_trainer import DrafterTrainer
+from .placement import Placement
 from .readback import DeferredScalars
 
 
 @dataclass
 class RunContext:
-    """Everything a loop needs; built once by `setup`."""
     cfg: Config
-    tel: object
-    target: object
+    tel: TelemetryAPI | None
+    placement: Placement
     tokenizer: object
     layer_ids: list[int]
-    step: DrafterStep
     samples: list
-    eval_convs: list
     out: Path
-    rank: int = 0
-    world_size: int = 1
+    trainer: DrafterTrainer | None = None              # drafter roles: drafter, optimizer, schedule
+    eval_convs: list = field(default_factory=list)
+    targets: list = field(default_factory=list)        # one frozen replica per target worker
+    feature_caches: list = field(default_factory=list)  # train.feature_cache: one per target worker
     start_step: int = 0
     history: list = field(default_factory=list)      # (step, loss, acc, grad_norm)
     readback: DeferredScalars = field(default_factory=DeferredScalars)
-    stop: threading.Event = field(default_factory=threading.Event)   # Ctrl-C: finish the step, save
+    stop: threading.Event = field(default_factory=threading.Event)          # a signal: finish the step, save
+    workers_stop: threading.Event = field(default_factory=threading.Event)  # end or failure: workers leave
     tokens: int = 0
     nonfinite: list = field(default_factory=list)    # steps whose update was skipped
-    targets: list = field(default_factory=list)      # one target replica per target worker
     vote: object = None                              # distributed.StopVote
     estimate: object = None                          # acceptance_estimate.AcceptanceEstimate, if enabled
-    writer: object = None                            # checkpoint.CheckpointWriter (rank 0, first save)
+    writer: object = None                            # checkpoint.CheckpointWriter (the lead, first save)
     warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
-    lead: bool | None = None                         # saves and summarises; None: rank 0
-    worker: str = "drafter0"                         # this process's drafter worker (span attribute)
+    groups: object = None                            # a layout's process groups (roles/handoff.Groups)
+    run_id: str = ""
+    held_out: list = field(default_factory=list)     # samples kept out of training for the estimate
+    sync_timer: object = None                        # a layout's drafter: DDP all-reduce wait (sync_timing)
+    target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
+
+
+    @property
+    def rank(self) -> int:
+        return self.placement.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks that train the drafter together (their batches, tokens and votes)."""
+        return self.placement.drafter_world
 
     @property
     def is_lead(self) -> bool:
-        return self.rank == 0 if self.lead is None else self.lead
+        return self.placement.lead
+
+    @property
+    def worker(self) -> str:
+        return self.placement.worker
+
+    @property
+    def target(self):
+        return self.targets[0] if self.targets else None
 
     @property
     def nonfinite_steps(self) -> int:
@@ -54,17 +77,14 @@ class RunContext:
         t = self.cfg.train
         end = min(t.steps, t.stop_after) if t.stop_after else t.steps
         stop = self.vote(self.stop.is_set())  # every rank votes every step: same stop step everywhere
-        return self.step.step < end and not stop
+        return self.trainer.step < end and not stop
 
     def batch_stream(self):
-        """Deterministic batches of this rank; skips what a resumed run already consumed."""
+        """Deterministic batches of this rank (batch id == the step that consumes it); skips
+        what a resumed run already consumed."""
         shard = self.samples[self.rank::self.world_size]
-        it = data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
-                              pad_id=self.tokenizer.pad_token_id, start=self.start_step)
-        for i, d in enumerate(it, start=self.start_step):
-            b = Batch.from_dict(d)
-            b.index = i  # the step that consumes it: one global batch = every rank's share
-            yield b
+        return data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
+                                pad_id=self.tokenizer.pad_token_id, start=self.start_step)
 
     def record(self, step: int, loss, acc, gnorm, nonfinite):
         """Called on the drafter thread after each optimizer step: no host read here."""

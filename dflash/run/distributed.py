@@ -3,34 +3,60 @@ from __future__ import annotations
 
 import os
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 
-def init_from_env(cfg, out) -> tuple[int, int, str]:
-    """(rank, world_size, run_id). Under torchrun (WORLD_SIZE > 1) joins the process group:
-    gloo on CPU, nccl when the drafter lives on CUDA. The run id, from which every trace id
-    derives, is made by rank 0 and broadcast so all ranks' spans join the same traces."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return 0, 1, os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex
-    rank = int(os.environ["RANK"])
-    cuda = any(d.startswith("cuda") for d in cfg.pipeline.drafter_devices)
-    if not dist.is_initialized():
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend="nccl" if cuda else "gloo")
-    box = [os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return rank, world, box[0]
+def join(cfg, place) -> tuple[str, object]:
+    """(run id, layout groups or None). Under torchrun joins the process group: gloo on the
+    CPU, NCCL where the drafter (replicas) or any rank (a layout) is on CUDA; a layout also
+    makes its hand-off, DDP and vote groups (every rank, same order: torch.distributed's
+    rule). The run id, from which every trace id derives, is made by rank 0 and broadcast
+    so all ranks' spans join the same traces."""
+    own = os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex
+    if place.world <= 1:
+        return own, None
+    p = cfg.pipeline
+    timeout = timedelta(seconds=p.rank_timeout_s)
+    mine = place.drafter_device or place.target_devices[0]
+    if mine.startswith("cuda"):
+        torch.cuda.set_device(torch.device(mine))
+    groups = None
+    if place.layout is None:
+        cuda = any(d.startswith("cuda") for d in p.drafter_devices)
+        if not dist.is_initialized():
+            dist.init_process_group(backend="nccl" if cuda else "gloo")
+        setup_group = None
+    else:
+        from .placement import handoff_backend
+        from .roles.handoff import make_groups
+        drafters_cuda = p.drafter_devices[0].startswith("cuda")
+        any_cuda = drafters_cuda or p.target_devices[0].startswith("cuda")
+        if not dist.is_initialized():
+            dist.init_process_group(backend="cpu:gloo,cuda:nccl" if any_cuda else "gloo", timeout=timeout)
+        groups = make_groups(place.layout, handoff_backend(cfg) == "nccl", drafters_cuda, p.rank_timeout_s)
+        setup_group = groups.setup
+    box = [own if place.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=setup_group)
+    return box[0], groups
 
 
-def wrap_ddp(module, device: str):
+def broadcast(obj, src: int, groups):
+    """An object from rank `src` to every rank (the set-up group of a layout: long timeout)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=groups.setup if groups is not None else None)
+    return box[0]
+
+
+def wrap_ddp(module, device: str, group=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dev = torch.device(device)
-    return DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None)
+    return DDP(module, device_ids=[dev.index] if dev.type == "cuda" else None, process_group=group)
 
 
 def shutdown() -> None:

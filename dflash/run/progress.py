@@ -12,7 +12,7 @@ class Progress:
         self.ctx = ctx
         self.t0 = time.perf_counter()
         self.tokens = 0
-        self.bar = tqdm(total=ctx.cfg.train.steps, initial=ctx.step.step, desc="train", unit="step",
+        self.bar = tqdm(total=ctx.cfg.train.steps, initial=ctx.trainer.step, desc="train", unit="step",
                         file=sys.stderr, dynamic_ncols=True, disable=not ctx.is_lead, mininterval=0.5)
 
     def update(self, tokens: int) -> None:

@@ -13,14 +13,14 @@ def save(ctx: RunContext) -> None:
     tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))  # every rank calls save
     if not ctx.is_lead:
         return
-    state = {"step": ctx.step.step, "tokens": tokens, "history": ctx.history}
+    state = {"step": ctx.trainer.step, "tokens": tokens, "history": ctx.history}
     if ctx.writer is None:
         ctx.writer = ckpt.CheckpointWriter(ctx.tel)
     # the drafter's thread only takes a device-side snapshot; the writer thread does the
     # device->host copy and the atomic write (waiting here only if the last one still runs)
-    with ctx.tel.stage("checkpoint", worker=ctx.worker, step=ctx.step.step):
-        snap = ckpt.snapshot(ctx.step.drafter, run_config=ctx.cfg.to_dict(), state=state,
-                             training_state=ctx.step.state())
+    with ctx.tel.stage("checkpoint", worker=ctx.worker, step=ctx.trainer.step):
+        snap = ckpt.snapshot(ctx.trainer.drafter, run_config=ctx.cfg.to_dict(), state=state,
+                             training_state=ctx.trainer.state())
         ctx.writer.submit(ctx.out / "checkpoint", snap)
 
 

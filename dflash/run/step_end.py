@@ -25,10 +25,10 @@ class StepEnd:
         self._record(step, loss, acc, gnorm, nonfinite)
         self.bar.update(tokens)
         est = ctx.estimate
-        if est is not None and est.due(ctx.step.step):
+        if est is not None and est.due(ctx.trainer.step):
             with tel.stage("acceptance_estimate", trace=("batch", step), worker=worker, step=step):
-                est(ctx.step.step)
-        if self.save_every and ctx.step.step % self.save_every == 0:
+                est(ctx.trainer.step)
+        if self.save_every and ctx.trainer.step % self.save_every == 0:
             save(ctx)
 
     def _record(self, step, loss, acc, gnorm, nonfinite) -> None:

@@ -10,7 +10,7 @@ import psutil
 import pytest
 from otel_test_helpers import MODES, point_env_at_dead_collector
 
-from otel import filesink
+import otel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -63,7 +63,7 @@ def test_stopped_exporter_process_is_replaced_at_shutdown(tmp_path, make_tel, ca
     tel.shutdown(timeout_s=2.0)
     h = tel.summary()["health"]
     assert _balanced(h) and h["spans_dropped"] == 0 and h["spans_queued"] == 0, h
-    names = [s["name"] for s in filesink.read_spans(str(tmp_path))]
+    names = [s["name"] for s in otel.read_spans(str(tmp_path))]
     assert names.count("before_stop") == 50 and names.count("while_stopped") == 500
     assert "made no progress" in capfd.readouterr().err
 
@@ -110,7 +110,7 @@ def test_sigterm_to_the_process_group_loses_nothing(tmp_path):
     h = json.loads(out.strip().splitlines()[-1])
     assert proc.returncode == 0
     assert _balanced(h) and h["spans_dropped"] == 0 and h["spans_queued"] == 0, h
-    spans = filesink.read_spans(str(tmp_path))
+    spans = otel.read_spans(str(tmp_path))
     assert len(spans) == h["spans_exported"] == h["spans_recorded"]
     assert any(s["name"] == "after_signal" for s in spans)
     try:  # and the exporter exited after its parent's shutdown (a zombie at most)

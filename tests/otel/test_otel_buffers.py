@@ -5,7 +5,7 @@ import time
 import pytest
 from otel_test_helpers import MODES
 
-from otel import filesink
+import otel
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -31,7 +31,7 @@ def test_many_threads_lose_nothing(tmp_path, mode, make_tel):
     assert s["health"]["spans_recorded"] == n_threads * per_thread
     assert s["health"]["spans_dropped"] == 0
     assert s["health"]["spans_exported"] == n_threads * per_thread
-    spans = filesink.read_spans(str(tmp_path))
+    spans = otel.read_spans(str(tmp_path))
     seen = {(sp["attributes"]["worker"], sp["attributes"]["i"]) for sp in spans}
     assert len(spans) == len(seen) == n_threads * per_thread
 
@@ -52,11 +52,11 @@ def test_full_queue_drops_and_counts(tmp_path, mode, make_tel):
     assert h["spans_recorded"] == 150
     assert h["spans_dropped"] == 50 and h["dropped"]["buffer_full"] == 50
     assert h["spans_exported"] == 100 and h["spans_queued"] == 0
-    assert len(filesink.read_spans(str(tmp_path))) == 100
+    assert len(otel.read_spans(str(tmp_path))) == 100
     for i in range(102):  # counter values have their own (drained, cap 100) per-thread list
         tel.add("dflash.tokens", 1)
     assert any("counter/histogram values dropped" in n for n in tel.summary().get("notes", []))
     # the drop count reaches the exported self-health metric too
     tel.flush(timeout_s=10.0)
-    dropped = [p["value"] for p in filesink.read_metrics(str(tmp_path)) if p["name"] == "otel.spans.dropped"]
+    dropped = [p["value"] for p in otel.read_metrics(str(tmp_path)) if p["name"] == "otel.spans.dropped"]
     assert dropped and dropped[-1] == 50

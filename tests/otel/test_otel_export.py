@@ -4,7 +4,7 @@ import time
 import pytest
 from otel_test_helpers import MODES, point_env_at
 
-from otel.trace_ids import root_span_id_for, trace_id_for
+from otel.exporter.trace_ids import root_span_id_for, trace_id_for
 
 
 def _by_name(spans, name):
@@ -153,8 +153,8 @@ def test_metric_misuse_is_reported_not_fatal(tmp_path, mode, make_tel, capfd):
     with tel.stage("still_works"):
         pass
     assert tel.flush(timeout_s=10.0)
-    from otel import filesink
-    assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["still_works"]
+    import otel
+    assert [s["name"] for s in otel.read_spans(str(tmp_path))] == ["still_works"]
     assert any("dflash.steps" in n for n in tel.summary().get("notes", []))
-    odd = [p for p in filesink.read_metrics(str(tmp_path)) if p["name"] == "dflash.odd"]
+    odd = [p for p in otel.read_metrics(str(tmp_path)) if p["name"] == "dflash.odd"]
     assert odd and odd[-1]["attributes"]["device"].startswith("<object")

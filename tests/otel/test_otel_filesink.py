@@ -9,8 +9,8 @@ from google.protobuf.json_format import ParseDict
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from otel import filesink
-from otel.trace_ids import trace_id_for
+import otel
+from otel.exporter.trace_ids import trace_id_for
 
 _HEX_IDS = {"traceId": 32, "spanId": 16, "parentSpanId": 16}
 
@@ -57,7 +57,7 @@ def test_file_sink_lines_parse_as_otlp_json(tmp_path, mode, make_tel):
     for line in mlines:
         ParseDict(_ids_back_to_base64(json.loads(line), []), ExportMetricsServiceRequest())
 
-    spans = filesink.read_spans(str(tmp_path / "traces.jsonl"))
+    spans = otel.read_spans(str(tmp_path / "traces.jsonl"))
     fwd, = [s for s in spans if s["name"] == "model_forward"]
     assert fwd["trace_id"] == f"{trace_id_for('run-F', 'batch', 1):032x}"
     assert fwd["attributes"] == {"worker": "t0"} and fwd["events"][0]["name"] == "queue_empty"
@@ -68,9 +68,9 @@ def test_file_sink_lines_parse_as_otlp_json(tmp_path, mode, make_tel):
     # a crash mid-write leaves at most a torn last line; readers skip it
     with open(tmp_path / "traces.jsonl", "ab") as f:
         f.write(b'{"resourceSpans":[{"reso')
-    assert len(filesink.read_spans(str(tmp_path))) == len(spans)
+    assert len(otel.read_spans(str(tmp_path))) == len(spans)
     assert any(p["name"] == "dflash.tokens" and p["value"] == 5
-               for p in filesink.read_metrics(str(tmp_path)))
+               for p in otel.read_metrics(str(tmp_path)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -86,7 +86,7 @@ def test_failing_stage_carries_an_exception_event(tmp_path, mode, make_tel):
         with tel.stage("drafter_forward", worker="drafter0"):
             deep()
     tel.shutdown()
-    (span,) = filesink.read_spans(str(tmp_path))
+    (span,) = otel.read_spans(str(tmp_path))
     assert span["status"]["code"] == 2  # STATUS_CODE_ERROR
     assert span["status"]["message"].startswith("RuntimeError: expected scalar type")
     (ev,) = [e for e in span["events"] if e["name"] == "exception"]

@@ -49,8 +49,8 @@ def test_spawned_from_stdin_script_works(tmp_path):
     out = subprocess.run([sys.executable, "-"], input=code, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "from_stdin" in out.stderr  # the console table at shutdown
-    from otel import filesink
-    assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["from_stdin"]
+    import otel
+    assert [s["name"] for s in otel.read_spans(str(tmp_path))] == ["from_stdin"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -100,8 +100,8 @@ def test_forked_child_neither_buffers_nor_holds_the_pipe(tmp_path, make_tel):
     with tel.stage("in_parent"):
         pass
     tel.flush(timeout_s=10.0)
-    from otel import filesink
-    assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["in_parent"]
+    import otel
+    assert [s["name"] for s in otel.read_spans(str(tmp_path))] == ["in_parent"]
 
 
 def test_exporter_process_death_is_loud_and_loses_nothing(tmp_path, make_tel, capfd):
@@ -128,8 +128,8 @@ def test_exporter_process_death_is_loud_and_loses_nothing(tmp_path, make_tel, ca
     tel.shutdown()
     h = tel.summary()["health"]
     assert h["spans_recorded"] == 10001 and h["spans_dropped"] == 0 and h["spans_queued"] == 0, h
-    from otel import filesink
-    names = [s["name"] for s in filesink.read_spans(str(tmp_path))]
+    import otel
+    names = [s["name"] for s in otel.read_spans(str(tmp_path))]
     assert names.count("after_death") == 10000 and names.count("before_death") == 1
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 from otel_test_helpers import MODES
 
-from otel import filesink
+import otel
 
 torch = pytest.importorskip("torch")
 
@@ -67,7 +67,7 @@ def test_no_device_sync_on_hot_path_or_export_thread(tmp_path, mode, make_tel, m
     spans = []
     while len(spans) < 10 and time.monotonic() < deadline:  # events resolve over a few cycles
         assert tel.flush(timeout_s=10.0)
-        spans = [s for s in filesink.read_spans(str(tmp_path)) if s["name"] == "model_forward"]
+        spans = [s for s in otel.read_spans(str(tmp_path)) if s["name"] == "model_forward"]
     assert len(spans) == 10
     with_device = [s for s in spans if "device.duration_s" in s["attributes"]]
     assert 4 <= len(with_device) <= 10
@@ -75,7 +75,7 @@ def test_no_device_sync_on_hot_path_or_export_thread(tmp_path, mode, make_tel, m
     # each resolved pair's end event was polled until it reported completion
     assert sum(e.queries for e in FakeEvent.instances) >= 4 * len(with_device)
     tel.flush(timeout_s=10.0)
-    device_points = [p for p in filesink.read_metrics(str(tmp_path))
+    device_points = [p for p in otel.read_metrics(str(tmp_path))
                      if p["name"] == "dflash.stage.duration" and p["attributes"].get("clock") == "device"]
     assert device_points and device_points[-1]["attributes"]["stage"] == "model_forward"
     assert device_points[-1]["count"] == len(with_device)
@@ -118,7 +118,7 @@ def test_events_are_never_shared_across_devices(tmp_path, make_tel):
     deadline, spans = time.monotonic() + 10, []
     while len(spans) < 40 and time.monotonic() < deadline:  # fake events finish after a few polls
         tel.flush(timeout_s=5.0)
-        spans = [s for s in filesink.read_spans(str(tmp_path)) if s["name"] in ("model_forward", "backward")]
+        spans = [s for s in otel.read_spans(str(tmp_path)) if s["name"] in ("model_forward", "backward")]
     assert len(spans) == 40
     assert not tel.summary().get("notes") or all("failed" not in n for n in tel.summary()["notes"])
 
@@ -132,7 +132,7 @@ class SlowEvent(FakeEvent):
 
 
 def test_given_up_events_return_to_the_pool_once_complete(tmp_path, make_tel, monkeypatch):
-    import otel.background as bg
+    import otel.producer.background as bg
 
     monkeypatch.setattr(bg, "CUDA_GIVE_UP_S", 0.0)  # give up at once: host timing only
     tel = make_tel(mode="thread", file_dir=str(tmp_path), export_interval_s=0.01)
@@ -146,5 +146,5 @@ def test_given_up_events_return_to_the_pool_once_complete(tmp_path, make_tel, mo
     while len(pool._free[None]) < 4 and time.monotonic() < deadline:
         tel.flush(timeout_s=5.0)
     assert len(pool._free[None]) == 4, "a long stall must not shrink the event pool for good"
-    spans = [s for s in filesink.read_spans(str(tmp_path)) if s["name"] == "model_forward"]
+    spans = [s for s in otel.read_spans(str(tmp_path)) if s["name"] == "model_forward"]
     assert len(spans) == 2 and all("device.duration_s" not in s["attributes"] for s in spans)

@@ -5,8 +5,9 @@ import types
 import pytest
 from otel_test_helpers import MODES
 
-from otel import filesink
-from otel.nvml import AVAILABLE_GAUGE, GpuSampler, resolve_devices
+import otel
+from otel.exporter.nvml import AVAILABLE_GAUGE, GpuSampler
+from otel.producer.devices import resolve_devices
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -17,7 +18,7 @@ def test_nvml_unavailable_warns_once_and_exports_a_gauge(tmp_path, mode, make_te
         pass
     assert tel.flush(timeout_s=10.0)
     tel.flush(timeout_s=10.0)
-    points = [p for p in filesink.read_metrics(str(tmp_path)) if p["name"] == AVAILABLE_GAUGE]
+    points = [p for p in otel.read_metrics(str(tmp_path)) if p["name"] == AVAILABLE_GAUGE]
     if not points:
         pytest.fail("no hw.gpu.telemetry.available gauge exported")
     if points[-1]["value"] == 1:

@@ -47,6 +47,6 @@ def test_taken_prometheus_port_is_reported_not_fatal(tmp_path, monkeypatch, make
         with tel.stage("still_exported"):
             pass
         assert tel.flush(timeout_s=10.0)
-        from otel import filesink
-        assert [s["name"] for s in filesink.read_spans(str(tmp_path))] == ["still_exported"]
+        import otel
+        assert [s["name"] for s in otel.read_spans(str(tmp_path))] == ["still_exported"]
         assert any("prometheus" in n for n in tel.summary().get("notes", []))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from otel_test_helpers import MODES
 
-from otel import filesink
+import otel
+from otel.exporter import filesink
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +40,7 @@ def test_a_full_disk_leaves_whole_lines_and_true_counts(tmp_path, mode):
     assert p.returncode == 0, p.stderr[-3000:]
     health = json.loads(p.stdout.strip().splitlines()[-1])
     skipped: list = []
-    spans = filesink.read_spans(str(tmp_path / filesink.TRACES_FILE), skipped)
+    spans = otel.read_spans(str(tmp_path / filesink.TRACES_FILE), skipped)
     assert not skipped, f"unreadable lines {skipped} in traces.jsonl after a failed write"
     assert (tmp_path / filesink.TRACES_FILE).read_bytes().endswith(b"\n")
     assert health["dropped"]["write_failed"] > 0, health
@@ -62,7 +63,7 @@ def test_readers_count_what_they_skip(tmp_path):
     f = tmp_path / "x.jsonl"
     f.write_bytes(b'{"a": 1}\nnot json\n{"b": 2}\n{"torn')
     skipped: list = []
-    assert list(filesink.read_lines(str(f), skipped)) == [{"a": 1}, {"b": 2}]
+    assert list(otel.read_lines(str(f), skipped)) == [{"a": 1}, {"b": 2}]
     assert skipped == [2, 4]
 
 

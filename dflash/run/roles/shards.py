@@ -8,15 +8,17 @@ masks and lengths are known on both ends without being sent.
 from __future__ import annotations
 
 from ...data import dataset as data_mod
-from ...model.trainer import Batch
+from ...data.batch import Batch
 from .layout import Layout
 
 
 class ShardStreams:
     def __init__(self, samples, layout: Layout, *, batch_size: int, seed: int, pad_id: int, start_step: int):
         self.layout = layout
+        # each batch built with its global id (trace key, anchors): layout.batch_id(step, d)
         self._its = [data_mod.batches(samples[d::layout.drafters], batch_size=batch_size, seed=seed,
-                                      pad_id=pad_id, start=start_step) for d in range(layout.drafters)]
+                                      pad_id=pad_id, start=start_step, batch_id=lambda i, d=d: layout.batch_id(i, d))
+                     for d in range(layout.drafters)]
         self._next = [start_step] * layout.drafters
 
     def get(self, d: int, step: int) -> Batch:
@@ -24,10 +26,8 @@ class ShardStreams:
         if step < self._next[d]:
             raise ValueError(f"shard {d}: step {step} was already passed (at {self._next[d]})")
         while True:
-            raw = next(self._its[d])
+            b = next(self._its[d])
             s = self._next[d]
             self._next[d] += 1
             if s == step:
-                b = Batch.from_dict(raw)
-                b.index = self.layout.batch_id(step, d)  # the global batch id: trace key, anchors
                 return b

@@ -1,11 +1,11 @@
-"""Live idle attribution: the background thread feeds every drained stage record to an
+"""Live idle attribution: the consumer feeds every shipped stage record to an
 IdleAccumulator (otel/idle.py) and turns its growing totals into metrics:
 
   {ns}.worker.busy            counter, s   (worker)            time inside compute stages
   {ns}.worker.idle            counter, s   (worker, cause)     idle time by cause
   {ns}.worker.busy_fraction   gauge,   1   (worker)            busy / wall so far
 
-All of it runs on the exporter side (otel.consumer: one feeder, as the accumulator
+All of it runs on the exporter side (otel.exporter.consumer: one feeder, as the accumulator
 requires); the workers only ever paid for their stage records.
 """
 from __future__ import annotations

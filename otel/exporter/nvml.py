@@ -3,11 +3,11 @@ keeps last/min/max per window, so a metric export every N seconds still sees bur
 
 Only cheap NVML queries (utilisation, memory, power, temperature, SM clock, clock event
 reasons); never the process list. Devices are addressed by UUID where we know it, so the
-gauge describes the GPUs the workers use, not NVML's index 0.
+gauge describes the GPUs the workers use, not NVML's index 0 (the training process maps
+its torch indices: otel.producer.devices).
 """
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -34,37 +34,6 @@ _REASONS = {
     0x8: "hw_slowdown", 0x10: "sync_boost", 0x20: "sw_thermal_slowdown",
     0x40: "hw_thermal_slowdown", 0x80: "hw_power_brake_slowdown", 0x100: "display_clock_setting",
 }
-
-
-def resolve_devices(gpu_indices) -> list[dict]:
-    """torch device indices -> [{"index", "uuid" or None, "nvml_index" or None}].
-
-    Prefers the UUID torch reports (exact whatever CUDA_DEVICE_ORDER is), else maps the
-    index through CUDA_VISIBLE_DEVICES (an integer entry is an NVML index, a GPU-/MIG-
-    entry a UUID)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    entries = [e.strip() for e in visible.split(",")] if visible else None
-    torch = sys.modules.get("torch")  # only if the caller already imported it
-    out = []
-    for idx in gpu_indices:
-        dev = {"index": int(idx), "uuid": None, "nvml_index": None}
-        try:
-            if torch is not None and torch.cuda.is_available():
-                uuid = str(torch.cuda.get_device_properties(idx).uuid)
-                dev["uuid"] = uuid if uuid.startswith(("GPU-", "MIG-")) else "GPU-" + uuid
-        except Exception:
-            pass
-        if dev["uuid"] is None:
-            if entries is None:
-                dev["nvml_index"] = int(idx)
-            elif idx < len(entries):
-                e = entries[idx]
-                if e.isdigit():
-                    dev["nvml_index"] = int(e)
-                else:
-                    dev["uuid"] = e
-        out.append(dev)
-    return out
 
 
 class _Window:

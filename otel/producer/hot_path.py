@@ -18,7 +18,7 @@ from time import perf_counter_ns
 from otel.records import ADD, RECORD
 
 __all__ = ["ADD", "RECORD", "ThreadBuffer", "BufferRegistry", "CudaEventPool", "Stage",
-           "bound_stage_class", "NULL_STAGE", "Drained"]
+           "bound_stage_class", "NULL_STAGE", "NullStages", "Drained", "STAGE_ATTRIBUTE", "name_exception"]
 
 
 class ThreadBuffer:
@@ -55,7 +55,7 @@ class BufferRegistry:
 
     def __init__(self, cap: int):
         self.cap = cap
-        self._tls = threading.local()
+        self.tls = threading.local()     # .buf: the calling thread's ThreadBuffer, once made
         self._lock = threading.Lock()
         self.buffers: list[ThreadBuffer] = []
         self._dead_dropped = 0
@@ -63,12 +63,12 @@ class BufferRegistry:
 
     def get(self) -> ThreadBuffer:
         try:
-            return self._tls.buf
+            return self.tls.buf
         except AttributeError:
             buf = ThreadBuffer(self.cap, threading.current_thread())
             with self._lock:
                 self.buffers.append(buf)
-            self._tls.buf = buf
+            self.tls.buf = buf
             return buf
 
     def drain(self) -> Drained:
@@ -158,21 +158,36 @@ def exception_info(exc_type, exc, tb) -> tuple:
     return (exc_type.__qualname__, str(exc), "".join(traceback.format_exception(exc_type, exc, tb)))
 
 
+STAGE_ATTRIBUTE = "otel_stage"
+
+
+def name_exception(exc, name) -> None:
+    """An exception leaving a stage carries the stage's name as `exc.otel_stage`, unless a
+    stage inside already named it (the innermost stage wins). An exception type that
+    refuses attributes (`__slots__`) stays unnamed. Only ever runs on the error path."""
+    if exc is not None and getattr(exc, STAGE_ATTRIBUTE, None) is None:
+        try:
+            setattr(exc, STAGE_ATTRIBUTE, name)
+        except (AttributeError, TypeError):
+            pass
+
+
 class Stage:
     """Context manager returned by tel.stage(); also the handle for set()/event().
 
-    Each Telemetry makes a subclass with `_tel` set and uses it *as* `tel.stage`: calling
-    the class directly saves one Python call per stage."""
+    Each Telemetry makes a subclass bound to its buffer registry and CUDA event pool and
+    uses it *as* `tel.stage`: calling the class directly saves one Python call per stage."""
 
     __slots__ = ("_buf", "name", "trace", "links", "stream", "attrs", "t0", "extra", "events", "_cuda")
-    _tel = None
-    _tls = None     # the telemetry's thread-local (one attribute lookup less per stage)
+    _tls = None         # the registry's thread-local (one attribute lookup less per stage)
+    _new_buffer = None  # the registry's get(): the calling thread's first stage makes its buffer
+    _cuda_pool = None   # () -> CudaEventPool, made on first use
 
     def __init__(self, name, trace=None, links=None, stream=None, **attrs):
         try:
             self._buf = self._tls.buf
         except AttributeError:
-            self._buf = self._tel._registry.get()
+            self._buf = self._new_buffer()
         self.name = name
         self.trace = trace
         self.links = links
@@ -197,19 +212,24 @@ class Stage:
         else:
             cuda[1].record(self.stream)
             items = buf.cuda
+        if exc_type is None:
+            error = None
+        else:
+            name_exception(exc, self.name)
+            error = exception_info(exc_type, exc, tb)
         if len(items) < buf.cap:
             items.append((self.name, self.t0, t1, self.trace, self.links, self.attrs, self.extra,
-                          self.events, cuda, None if exc_type is None else exception_info(exc_type, exc, tb)))
+                          self.events, cuda, error))
         else:
             buf.dropped += 1
             if cuda is not None:
                 # nothing will resolve these events; they can be reused once complete,
                 # and re-recording an event is legal, so hand them straight back.
-                self._tel._cuda_pool_or_create().give_back(cuda)
+                self._cuda_pool().give_back(cuda)
         return False
 
     def _enter_cuda(self):
-        pair = self._tel._cuda_pool_or_create().take_pair(getattr(self.stream, "device_index", None))
+        pair = self._cuda_pool().take_pair(getattr(self.stream, "device_index", None))
         if pair is not None:
             pair[0].record(self.stream)
             self._cuda = pair
@@ -228,19 +248,27 @@ class Stage:
         self.events.append((name, perf_counter_ns(), attrs))
 
 
-def bound_stage_class(tel) -> type:
-    return type("Stage", (Stage,), {"__slots__": (), "_tel": tel, "_tls": tel._tls})
+def bound_stage_class(registry: BufferRegistry, cuda_pool) -> type:
+    """A Stage subclass writing to `registry`'s buffers; cuda_pool() -> CudaEventPool."""
+    return type("Stage", (Stage,), {"__slots__": (), "_tls": registry.tls, "_new_buffer": registry.get,
+                                    "_cuda_pool": staticmethod(cuda_pool)})
 
 
 class NullStage:
-    """The disabled layer's stage: one shared instance, does nothing."""
+    """The disabled layer's stage: does nothing but name an exception leaving it (see
+    name_exception). One instance per stage name, shared (DisabledTelemetry.stage)."""
 
-    __slots__ = ()
+    __slots__ = ("name",)
+
+    def __init__(self, name=None):
+        self.name = name
 
     def __enter__(self):
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            name_exception(exc, self.name)
         return False
 
     def set(self, **attrs) -> None:
@@ -251,3 +279,20 @@ class NullStage:
 
 
 NULL_STAGE = NullStage()
+
+
+class NullStages(dict):
+    """name -> its shared NullStage, made on first use. Past `max_names` distinct names
+    (names built from data) each call gets a fresh one instead of growing the cache."""
+
+    __slots__ = ("max_names",)
+
+    def __init__(self, max_names: int = 4096):
+        super().__init__()
+        self.max_names = max_names
+
+    def __missing__(self, name):
+        stage = NullStage(name)
+        if len(self) < self.max_names:
+            self[name] = stage
+        return stage

@@ -10,25 +10,18 @@ import sys
 import threading
 import time
 import weakref
-from urllib.parse import unquote
 
+from otel.config import EXPORTER_NICE, WAIT_ATTRIBUTES, ExportConfig
 from otel.health import health as span_health
-from otel.hot_path import ADD, NULL_STAGE, RECORD, BufferRegistry, CudaEventPool, Stage, bound_stage_class
-from otel.instruments import Instruments
-from otel.profile import format_table
+from otel.producer.background import BackgroundThread
+from otel.producer.hot_path import (ADD, RECORD, BufferRegistry, CudaEventPool, NullStage, NullStages, Stage,
+                                    bound_stage_class)
+from otel.producer.instruments import Instruments
+from otel.summary import format_table, with_shares
+from otel.transport import InProcessTransport, ProcessTransport
 
 _TRUE = ("1", "true", "yes", "on")
-# niceness increment of the exporter process (see docs/otel.md, "Exporter priority")
-EXPORTER_NICE = 10
-
-
-def _env_resource_attributes() -> dict:
-    out = {}
-    for item in os.environ.get("OTEL_RESOURCE_ATTRIBUTES", "").split(","):
-        if "=" in item:
-            k, v = item.split("=", 1)
-            out[unquote(k.strip())] = unquote(v.strip())  # values are percent-encoded
-    return out
+__all__ = ["Telemetry", "DisabledTelemetry", "EXPORTER_NICE"]
 
 
 class Telemetry:
@@ -40,17 +33,15 @@ class Telemetry:
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
                  exporter_nice=EXPORTER_NICE, idle_attribution=True, idle_rules=None, root_spans=True,
-                 exporter_start_wait_s=3.0, exporter_stuck_s=15.0):
+                 exporter_start_wait_s=3.0, exporter_stuck_s=15.0, wait_attributes=WAIT_ATTRIBUTES):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
         self.run_id = run_id
         self.mode = mode
         self.console = console
-        self.stage_metric = f"{service_name}.stage.duration"
         self._registry = BufferRegistry(max_queue)
-        self._tls = self._registry._tls
-        self.stage = bound_stage_class(self)  # the hot path: tel.stage(...) builds a Stage
+        self._tls = self._registry.tls
         self._cuda_pool = None
         self._cuda_pool_size = cuda_pool_size
         self._cuda_lock = threading.Lock()
@@ -61,26 +52,22 @@ class Telemetry:
 
         gpu_devices = None
         if gpu_indices is not None:
-            from otel.nvml import resolve_devices
+            from otel.producer.devices import resolve_devices
             gpu_devices = resolve_devices(list(gpu_indices))
-        from otel.background import BackgroundThread
-        self.config = {
-            "service_name": service_name, "run_id": run_id, "mode": mode,
-            "resource_attributes": {**resource_attributes, "service.name": service_name, "run.id": run_id},
-            "file_dir": file_dir, "metric_attributes": tuple(metric_attributes),
-            "metric_export_interval_s": metric_export_interval_s, "max_queue": max_queue,
-            "stage_metric": self.stage_metric, "gpu_devices": gpu_devices,
-            "export_timeout_s": export_timeout_s, "exporter_nice": exporter_nice,
-            "export_chunk": 512 if mode == "process" else 64,
-            # the synthesized per-key root spans; processes that share trace keys (ranks)
-            # let exactly one of them emit, or the backend sees duplicate span ids
-            "root_spans": root_spans,
-            # live busy / idle-by-cause per worker, computed on the exporter side
-            "idle_attribution": idle_attribution, "idle_rules": idle_rules,
-            "console_interval_s": (console_interval_s or 0) if console else 0,
-            "epoch_offset_ns": BackgroundThread.epoch_offset_ns(), "start_epoch_s": time.time(),
-        }
-        from otel.transport import InProcessTransport, ProcessTransport
+        self.config = ExportConfig(
+            service_name=service_name, run_id=run_id, mode=mode,
+            resource_attributes={**resource_attributes, "service.name": service_name, "run.id": run_id},
+            file_dir=file_dir, metric_attributes=tuple(metric_attributes),
+            metric_export_interval_s=metric_export_interval_s, max_queue=max_queue,
+            gpu_devices=gpu_devices, export_timeout_s=export_timeout_s, exporter_nice=exporter_nice,
+            export_chunk=512 if mode == "process" else 64, root_spans=root_spans,
+            idle_attribution=idle_attribution, idle_rules=idle_rules,
+            wait_attributes=tuple(wait_attributes),
+            console_interval_s=(console_interval_s or 0) if console else 0,
+            epoch_offset_ns=BackgroundThread.epoch_offset_ns(), start_epoch_s=time.time())
+        self.stage_metric = self.config.stage_metric
+        # the hot path: tel.stage(...) builds a Stage
+        self.stage = bound_stage_class(self._registry, self._cuda_pool_or_create)
         self._transport = (ProcessTransport(self.config, start_wait_s=exporter_start_wait_s, stuck_s=exporter_stuck_s)
                            if mode == "process" else InProcessTransport(self.config))
         self._bg = BackgroundThread(self._registry, self._transport, self._instruments, self._cuda_pool_or_none,
@@ -111,13 +98,15 @@ class Telemetry:
         one of several processes that share trace keys), exporter_start_wait_s and
         exporter_stuck_s (at shutdown: how long an exporter process that is not ready yet,
         or that makes no progress, is waited for before this process exports the rest
-        itself; default 3 and 15)."""
+        itself; default 3 and 15), wait_attributes (stage attributes holding seconds the
+        stage spent waiting inside, shown apart from its work in the profile; default
+        ("blocked_s", "wait_s")). OTEL_RESOURCE_ATTRIBUTES is merged into the resource
+        by the SDK on the exporter side; `resource_attributes` given here win."""
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
             return cls.disabled()
         service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
         run_id = str(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8))
-        attrs = {**_env_resource_attributes(), **(resource_attributes or {})}
-        return cls(service_name=service_name, run_id=run_id, resource_attributes=attrs,
+        return cls(service_name=service_name, run_id=run_id, resource_attributes=dict(resource_attributes or {}),
                    file_dir=file_dir, console=console, console_interval_s=console_interval_s,
                    mode=mode, gpu_indices=gpu_indices, metric_attributes=metric_attributes,
                    export_interval_s=export_interval_s,
@@ -207,11 +196,10 @@ class Telemetry:
         st = self._transport.status()
         remote = st.get("summary") or {}
         # the exporter's figures are as of its last report; shares are of this wall time
-        stages = {name: {**st, "share": st["total_s"] / wall if wall > 0 else 0.0}
-                  for name, st in (remote.get("stages") or {}).items()}
+        stages = {name: with_shares(dict(st), wall) for name, st in (remote.get("stages") or {}).items()}
         out = {"wall_s": wall, "stages": stages,
                "health": span_health(bg.buffer_full, bg.spans_pending, bg.spans_shipped, st)}
-        if self.config["idle_attribution"]:
+        if self.config.idle_attribution:
             out["workers"] = remote.get("workers", [])
         notes = list(st.get("notes", []))
         if self._cuda_pool is not None and self._cuda_pool.exhausted:
@@ -224,7 +212,8 @@ class Telemetry:
         return out
 
     def profile_table(self) -> str:
-        return format_table(self.summary(), f"{self.service_name} telemetry profile ({self.mode} mode)")
+        return format_table(self.summary(), f"{self.service_name} telemetry profile ({self.mode} mode)",
+                            self.config.wait_attributes)
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout_s=2.0) -> bool:
@@ -265,6 +254,9 @@ class Telemetry:
         return False
 
 
+_NULL_STAGES = NullStages()
+
+
 class DisabledTelemetry:
     """Same API, does nothing (OTEL_SDK_DISABLED=true, or Telemetry.disabled())."""
 
@@ -273,7 +265,10 @@ class DisabledTelemetry:
     run_id = "disabled"
 
     def stage(self, name, trace=None, links=None, stream=None, **attrs):
-        return NULL_STAGE
+        try:
+            return _NULL_STAGES[name]   # shared per name: it names an exception leaving it
+        except TypeError:               # an unhashable name
+            return NullStage(name)
 
     def staged(self, name=None, **stage_kwargs):
         return lambda fn: fn

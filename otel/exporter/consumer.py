@@ -9,7 +9,7 @@ hot path's tuple append. Per batch it:
 - builds span tuples (ids, epoch times, per-key roots) and queues them for export, with
   the batch's sequence number so that completion can be acknowledged batch by batch.
 
-A batch (built by otel.background):
+A batch (built by otel.producer.background):
   {"seq": int, "spans": [stage records], "cuda": [stage records, device seconds resolved],
    "points": [metric points], "buffer_full": int, "final": bool,
    "instruments": {...}, "gauges": {...}}
@@ -19,11 +19,13 @@ from __future__ import annotations
 import sys
 import time
 
+from otel.config import ExportConfig
+from otel.exporter.profile import Profile
+from otel.exporter.sdk_pipeline import ExportPipeline
+from otel.exporter.span_builder import SpanBuilder
 from otel.health import health
-from otel.profile import Profile, format_table
 from otel.records import ADD, KIND, POINT_ATTRS, POINT_NAME, RECORD, VALUE
-from otel.sdk_pipeline import ExportPipeline
-from otel.span_builder import SpanBuilder
+from otel.summary import format_table
 
 
 def _key(name, attrs):
@@ -36,24 +38,24 @@ def _key(name, attrs):
 
 
 class BatchConsumer:
-    def __init__(self, config: dict, pipeline: ExportPipeline | None = None):
+    def __init__(self, config: ExportConfig, pipeline: ExportPipeline | None = None):
         self.config = config
         self.pipeline = pipeline or ExportPipeline(config)
-        self.builder = SpanBuilder(config["run_id"], config["epoch_offset_ns"], config.get("root_spans", True))
-        self.profile = Profile()
-        self.epoch_offset_ns = int(config["epoch_offset_ns"])
-        self.start_epoch_s = float(config.get("start_epoch_s") or time.time())
+        self.builder = SpanBuilder(config.run_id, config.epoch_offset_ns, config.root_spans)
+        self.profile = Profile(config.wait_attributes)
+        self.epoch_offset_ns = int(config.epoch_offset_ns)
+        self.start_epoch_s = float(config.start_epoch_s or time.time())
         self.end_epoch_s = None
-        self.console_interval_s = config.get("console_interval_s") or 0
-        self.title = f"{config['service_name']} telemetry profile ({config.get('mode', 'process')} mode)"
+        self.console_interval_s = config.console_interval_s or 0
+        self.title = f"{config.service_name} telemetry profile ({config.mode} mode)"
         self._last_console = time.monotonic()
         self.metric_failures = 0
         self.received = 0                # stage records consumed
         self.idle = None
-        if config.get("idle_attribution", True):
-            from otel.idle_metrics import IdleMetrics
-            rules = config.get("idle_rules")
-            self.idle = IdleMetrics(config["service_name"], **({"rules": rules} if rules else {}))
+        if config.idle_attribution:
+            from otel.exporter.idle_metrics import IdleMetrics
+            rules = config.idle_rules
+            self.idle = IdleMetrics(config.service_name, **({"rules": rules} if rules else {}))
             self.pipeline.declare({
                 self.idle.busy_name: ("counter", "s", "Worker time inside compute stages."),
                 self.idle.idle_name: ("counter", "s", "Worker idle time by cause."),
@@ -109,7 +111,8 @@ class BatchConsumer:
             self._last_console = time.monotonic()
             st = self.pipeline.status()
             h = health(st["buffer_full"], 0, self.received, {**st, "dropped": dict(st["dropped"])})
-            print(format_table({**self.summary(), "health": h}, self.title), file=sys.stderr, flush=True)
+            print(format_table({**self.summary(), "health": h}, self.title, self.config.wait_attributes),
+                  file=sys.stderr, flush=True)
 
     # ------------------------------------------------------------ reporting
     def summary(self, final: bool = False) -> dict:

@@ -1,12 +1,12 @@
-"""Entry point of the exporter subprocess: `python -m otel.exporter_process`.
+"""Entry point of the exporter subprocess: `python -m otel.exporter.process`.
 
-stdin: length-prefixed pickles from otel.transport.ProcessTransport (config first, then
+stdin: the frames of otel.transport.ProcessTransport (the ExportConfig first, then
 batches and flush/shutdown requests). stdout: JSON lines: `ready`, then `status` (the
 committed span counts of otel.health with `done_seq`, plus the profile/idle summary)
 whenever it changed, `flushed` answers, and `final` once everything is exported.
 
 It owns the OpenTelemetry SDK, the OTLP/file/Prometheus exporters, the NVML sampler, and
-every per-record step (profile, idle attribution, span building: otel.consumer), so
+every per-record step (profile, idle attribution, span building: otel.exporter.consumer), so
 their GIL time is not the training process's.
 
 Signals: SIGINT and SIGTERM are ignored. Ctrl-C, `timeout`, `scancel` and many job
@@ -24,33 +24,13 @@ import sys
 import threading
 import time
 
-from otel.transport import _HEADER, unframe
+from otel.config import ExportConfig
+from otel.transport import read_frames
 
 
-def _read_exact(stream, n: int):
-    buf = bytearray()
-    while len(buf) < n:
-        chunk = stream.read(n - len(buf))
-        if not chunk:
-            return None
-        buf += chunk
-    return bytes(buf)
-
-
-def _frames(stream):
-    while True:
-        head = _read_exact(stream, _HEADER.size)
-        if head is None:
-            return
-        body = _read_exact(stream, _HEADER.unpack(head)[0])
-        if body is None:
-            return
-        yield unframe(head + body)
-
-
-def _nice(config: dict) -> None:
+def _nice(config: ExportConfig) -> None:
     try:
-        os.nice(int(config.get("exporter_nice", 0)))
+        os.nice(int(config.exporter_nice))
     except OSError:
         pass
 
@@ -69,12 +49,12 @@ def main() -> int:
             except (OSError, ValueError):
                 pass
 
-    frames = _frames(stdin)
+    frames = read_frames(stdin)
     first = next(frames, None)
-    if not first or "config" not in first:
+    if not first or not isinstance(first.get("config"), ExportConfig):
         return 1
     config = first["config"]
-    from otel.consumer import BatchConsumer
+    from otel.exporter.consumer import BatchConsumer
     consumer = BatchConsumer(config)  # imports and start-up at the parent's priority
     # then yield to the workers; raising one's own niceness needs no privilege
     _nice(config)

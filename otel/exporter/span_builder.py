@@ -11,8 +11,13 @@ span's ERROR status and an `exception` event (OpenTelemetry's exception conventi
 from __future__ import annotations
 
 import time
+from operator import itemgetter
 
-from otel.trace_ids import KeyIds, random_span_id, random_trace_id
+from otel.exporter.trace_ids import KeyIds, random_span_id, random_trace_id
+from otel.records import ATTRS, DEVICE_S, ERROR, EVENTS, EXTRA, LINKS, NAME, T0, T1, TRACE
+
+# a stage record's fields by their names in otel/records.py, in the order unpacked below
+_FIELDS = itemgetter(NAME, T0, T1, TRACE, LINKS, ATTRS, EXTRA, EVENTS, DEVICE_S, ERROR)
 
 ROOT_IDLE_S = 5.0          # a key's root span is emitted once no stage saw it for this long
 _EMITTED_ROOTS_MAX = 100_000
@@ -31,7 +36,7 @@ class SpanBuilder:
         off, key_ids, roots, emitted = self.off, self.key_ids, self._open_roots, self._emitted_roots
         now = time.monotonic()
         out = []
-        for name, t0, t1, key, links, attrs, extra, events, device_s, error in records:
+        for name, t0, t1, key, links, attrs, extra, events, device_s, error in map(_FIELDS, records):
             if extra:
                 attrs.update(extra)  # attrs is the stage call's own kwargs dict
             if device_s is not None:

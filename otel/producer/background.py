@@ -5,7 +5,7 @@ It never looks at a host-timed record: the hot path already sorted records into 
 records with and without CUDA events and metric points, so a cycle is a few list moves
 and one pickle (done by the transport) at C speed. Profile, idle attribution, counter
 sums and span building all happen on the other side of the transport
-(otel.consumer.BatchConsumer), in the exporter process in "process" mode.
+(otel.exporter.consumer.BatchConsumer), in the exporter process in "process" mode.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 
-from otel.records import CUDA, ERROR
+from otel.records import CUDA
 
 CUDA_GIVE_UP_S = 60.0     # unresolved events after this long: host timing only
 
@@ -49,10 +49,10 @@ class CudaResolver:
                 # both events completed, so elapsed_time cannot block
                 device_s = pair[0].elapsed_time(pair[1]) / 1000.0
                 pool.give_back(pair)
-                done.append(rec[:CUDA] + (device_s, rec[ERROR]))
+                done.append(rec[:CUDA] + (device_s,) + rec[CUDA + 1:])
             elif give_up or now - since > CUDA_GIVE_UP_S:
                 # never wait for the GPU: host timing only; the pair is reused once it completes
-                done.append(rec[:CUDA] + (None, rec[ERROR]))
+                done.append(rec[:CUDA] + (None,) + rec[CUDA + 1:])
                 self._late.append(pair)
             else:
                 still.append((rec, since))

@@ -2,7 +2,7 @@
 and exports them with the SDK's own exporters, chosen from the standard OTEL_* variables.
 
 Runs in the exporter subprocess ("process" mode) or in the training process's background
-thread ("thread" mode), fed by otel.consumer.BatchConsumer. Spans wait in a bounded queue
+thread ("thread" mode), fed by otel.exporter.consumer.BatchConsumer. Spans wait in a bounded queue
 for a dedicated export thread, one shipped batch per queue entry: a slow or dead
 collector drops (and counts) spans instead of growing memory, and the counts are
 committed batch by batch, so `status()` always says exactly which batches are finished
@@ -38,9 +38,10 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import Link, SpanContext, SpanKind, TraceFlags
 from opentelemetry.trace.status import Status, StatusCode
 
-from otel import env_headers, filesink
+from otel.config import ExportConfig
+from otel.exporter import env_headers, filesink
+from otel.exporter.nvml import GpuSampler
 from otel.exporter_choice import LOCAL_EXPORTERS, env, selected_exporters
-from otel.nvml import GpuSampler
 
 # 0.1 ms .. 10 s, 1-2.5-5 steps: resolves both a kernel launch and a slow batch.
 STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -179,19 +180,19 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
 
 
 class ExportPipeline:
-    def __init__(self, config: dict):
+    def __init__(self, config: ExportConfig):
         quiet_exporter_logs()
         self.config = config
-        self.stage_metric = config["stage_metric"]
-        self.metric_attributes = tuple(config.get("metric_attributes") or ())
-        self.max_queue = int(config.get("max_queue", 65536))
-        self.chunk = int(config.get("export_chunk", 512))
-        export_timeout_s = float(config.get("export_timeout_s", 5.0))
-        file_dir = config.get("file_dir")
+        self.stage_metric = config.stage_metric
+        self.metric_attributes = tuple(config.metric_attributes or ())
+        self.max_queue = int(config.max_queue)
+        self.chunk = int(config.export_chunk)
+        export_timeout_s = float(config.export_timeout_s)
+        file_dir = config.file_dir
 
-        # Resource.create merges OTEL_RESOURCE_ATTRIBUTES; explicit attributes win.
-        self.resource = Resource.create({**config.get("resource_attributes", {}),
-                                         "service.name": config["service_name"]})
+        # The one parse of OTEL_RESOURCE_ATTRIBUTES (and OTEL_SERVICE_NAME): the SDK's
+        # Resource.create merges them; the attributes given in code win.
+        self.resource = Resource.create({**config.resource_attributes, "service.name": config.service_name})
         self.notes: list[str] = []
         for note in env_headers.sanitize():  # before any OTLP exporter reads them
             self.notes.append(note)
@@ -218,7 +219,7 @@ class ExportPipeline:
         self.metric_errors = 0
 
         readers = make_metric_readers(selected_exporters("metrics", file_dir),
-                                      file_dir, float(config.get("metric_export_interval_s", 1.0)),
+                                      file_dir, float(config.metric_export_interval_s),
                                       export_timeout_s, self.notes)
         self.meter_provider = MeterProvider(
             resource=self.resource, metric_readers=readers, shutdown_on_exit=False,
@@ -230,8 +231,8 @@ class ExportPipeline:
         self._health_counters()
 
         self.gpu = None
-        if config.get("gpu_devices") is not None:
-            self.gpu = GpuSampler(config["gpu_devices"], float(config.get("gpu_interval_s", 1.0))).start()
+        if config.gpu_devices is not None:
+            self.gpu = GpuSampler(config.gpu_devices, float(config.gpu_interval_s)).start()
             if not self.gpu.available:
                 self.notes.append(f"GPU telemetry unavailable: {self.gpu.reason}")
             for name, (unit, desc) in self.gpu.gauge_specs().items():
@@ -314,6 +315,20 @@ class ExportPipeline:
     def enqueue(self, seq: int, spans: list, n_parent: int, n_roots: int, buffer_full: int = 0) -> None:
         """Queue one shipped batch's spans (n_parent stage records + n_roots synthesized
         roots). buffer_full: the training process's running total of records it dropped."""
+        built = self.build_spans(spans)
+        with self._cv:
+            self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
+            room = max(self.max_queue - self._queued_spans, 0)
+            dropped = max(len(built) - room, 0)
+            if dropped:
+                built = built[:room]
+            self._queue.append([seq, built, dropped, n_parent, n_roots])
+            self._queued_spans += len(built)
+            self._cv.notify_all()
+
+    def build_spans(self, spans: list) -> list:
+        """Span tuples (otel.exporter.span_builder) -> SDK ReadableSpans; records the stage
+        duration histogram on the way."""
         resource, hist, mattrs = self.resource, self.stage_hist, self.metric_attributes
         built = []
         for (name, trace_id, span_id, parent_id, start, end, attrs, events, links, error, device_s) in spans:
@@ -337,15 +352,7 @@ class ExportPipeline:
             if device_s is not None:
                 m["clock"] = "device"
                 hist.record(device_s, m)
-        with self._cv:
-            self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
-            room = max(self.max_queue - self._queued_spans, 0)
-            dropped = max(len(built) - room, 0)
-            if dropped:
-                built = built[:room]
-            self._queue.append([seq, built, dropped, n_parent, n_roots])
-            self._queued_spans += len(built)
-            self._cv.notify_all()
+        return built
 
     def _commit(self, entry, exported: int, failed: dict, timed_out: int) -> None:
         """Caller holds _cv. The entry's spans are all accounted for now. failed: drop

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import Config
+from ..data import dataset as data_mod
 from ..inputs import cache_dir
-from . import dataset as data_mod
+from .regenerate import regenerate
 
 
 @dataclass
@@ -64,9 +65,9 @@ def _regen_cached(cfg: Config, target, tokenizer, convs, device, layer_ids=None)
     # a GPU wants wide batches (one generate() step costs about the same for 1 or 64 rows)
     bs = cfg.data.regen_batch_size or (64 if str(device).startswith("cuda") else 16)
     feats = {} if layer_ids else None
-    out = data_mod.regenerate(target, tokenizer, convs, max_new_tokens=cfg.data.regen_max_new_tokens,
-                              max_prompt_len=cfg.data.regen_max_prompt_len, device=device, batch_size=bs,
-                              layer_ids=layer_ids, features=feats)
+    out = regenerate(target, tokenizer, convs, max_new_tokens=cfg.data.regen_max_new_tokens,
+                     max_prompt_len=cfg.data.regen_max_prompt_len, device=device, batch_size=bs,
+                     layer_ids=layer_ids, features=feats)
     path.parent.mkdir(parents=True, exist_ok=True)
     if feats:  # written first: a reader that finds the replies also finds their features
         tmp = fpath.with_suffix(f".tmp{os.getpid()}")

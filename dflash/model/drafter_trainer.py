@@ -1,0 +1,98 @@
+"""One training step of the drafter, free of host reads of device tensors:
+
+    drafter_forward (anchors, one-pass block forward, loss) -> backward -> optimizer_step
+    (clip, AdamW, cosine schedule)
+
+Loss, accuracy and grad norm come back as device tensors and are read later (see
+run/readback.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import TrainConfig
+from ..data.batch import Batch
+from .drafter import DFlashDrafter, loss_weights, sample_anchors, weighted_block_loss
+from .loss_vocab import RowsHead, batch_vocab, frequent_tokens
+from .lr_schedule import cosine_with_warmup
+
+
+class DrafterTrainer:
+    """Owns the trainable drafter, its optimizer and LR schedule on one device, and counts
+    the optimizer steps taken (`step`). Takes the `train` section and the block size."""
+
+    def __init__(self, train: TrainConfig, block_size: int, drafter: DFlashDrafter, embed, lm_head, device,
+                 ddp=None):
+        self.train, self.block_size, self.device = train, block_size, torch.device(device)
+        self.drafter = drafter
+        self.model = ddp or drafter  # what forward/backward go through (DDP wrapper or not)
+        self.embed, self.lm_head = embed, lm_head
+        params = [p for p in drafter.parameters() if p.requires_grad]
+        # a parameter may ask for a multiple of the learning rate (`lr_scale`: the copy head's
+        # bias, model/copy_head.py); the schedule scales every group alike
+        scales = sorted({getattr(p, "lr_scale", 1.0) for p in params})
+        groups = [{"params": [p for p in params if getattr(p, "lr_scale", 1.0) == sc], "lr": train.lr * sc}
+                  for sc in scales]
+        # fused AdamW: one kernel, and it honours `found_inf` on the device (see optimizer_step)
+        self.opt = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95),
+                                     weight_decay=train.weight_decay, fused=True)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, cosine_with_warmup(max(1, train.steps), train.warmup_ratio))
+        self.weights = loss_weights(block_size, train.loss_gamma or None).to(self.device)[1:]
+        self.step = 0
+        self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
+
+    def use_loss_vocab(self, samples) -> None:
+        """With `train.loss_vocab=K`, score the loss over the K most frequent tokens of these
+        (training) samples plus each batch's own tokens (model/loss_vocab.py)."""
+        if self.train.loss_vocab:
+            self.loss_vocab = frequent_tokens(samples, self.train.loss_vocab)
+
+    def forward(self, features: torch.Tensor, batch: Batch):
+        """drafter_forward: returns (loss, accuracy) device tensors."""
+        ids = batch.input_ids.to(self.device, non_blocking=True)
+        lm = batch.loss_mask.to(self.device, non_blocking=True)
+        # anchors depend only on (seed, batch id): the same whichever worker or loop runs it
+        g = torch.Generator().manual_seed(self.train.seed * 1_000_003 + batch.index)
+        anchors, valid = sample_anchors(batch.loss_mask, self.train.num_anchors,
+                                        self.block_size, generator=g)
+        anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)
+        head = self.lm_head
+        if self.loss_vocab is not None:
+            head = RowsHead(self.lm_head, batch_vocab(self.loss_vocab, batch.input_ids).to(self.device,
+                                                                                          non_blocking=True))
+        # fp32 master weights; the drafter autocasts to the frozen embedding's dtype itself
+        logits, labels = self.model(features, ids, anchors, valid, self.embed, head)
+        if head is not self.lm_head:
+            labels = head.to_subset(labels)
+        Bk = self.block_size
+        pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
+        label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)
+        return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
+
+    def backward(self, loss: torch.Tensor):
+        loss.backward()
+
+    def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clip, then update only when loss and grad norm are finite — decided on the device
+        (no host read): fused AdamW skips the whole update (weights, moments, step count)
+        when `found_inf` is set, the mechanism GradScaler uses. The LR schedule advances."""
+        params = [p for p in self.drafter.parameters() if p.grad is not None]
+        gnorm = torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip)
+        finite = torch.isfinite(loss) & torch.isfinite(gnorm)
+        self.opt.found_inf = (~finite).to(torch.float32)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        return gnorm.detach(), ~finite
+
+    def state(self) -> dict:
+        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+                "torch_rng": torch.get_rng_state()}
+
+    def load_state(self, st: dict):
+        self.opt.load_state_dict(st["optimizer"])
+        self.sched.load_state_dict(st["scheduler"])
+        self.step = st["step"]
+        torch.set_rng_state(st["torch_rng"])

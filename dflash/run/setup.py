@@ -1,0 +1,150 @@
+"""A run's set-up, once for every placement (placement.py says what this process does):
+join the ranks, load the target, prepare the data, build or resume the drafter and make
+the telemetry. A drafter-only rank keeps no target, only its copies of the embedding and
+lm_head; every target worker gets a frozen replica (and a feature cache) on its device."""
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+
+import torch
+
+from ..config import Config, resolve_dtype
+from ..model import checkpoint as ckpt
+from ..model import target as target_mod
+from ..model.drafter_build import build_drafter, drafter_config
+from ..model.drafter_trainer import DrafterTrainer
+from ..model.feature_cache import FeatureCache
+from ..model.features import replicate_target
+from ..prep.prepare import prepare
+from . import distributed as dist_mod
+from . import placement as placement_mod
+from .context import RunContext
+from .telemetry_setup import make_telemetry
+
+
+def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
+    place = placement_mod.resolve(cfg)
+    out = Path(cfg.out)
+    run_id, groups = dist_mod.join(cfg, place)
+    out.mkdir(parents=True, exist_ok=True)
+    if any(d and d.startswith("cuda") for d in place.target_devices + [place.drafter_device]):
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    torch.manual_seed(cfg.train.seed)
+    # the target's dtype is the target role's, also where a drafter rank borrows it on the host
+    dtype = resolve_dtype(cfg, placement_mod.local_device(cfg.pipeline.target_devices[0]))
+    target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
+                                         seed=cfg.model.target_seed)
+    from ..model.warmup import warm_up
+    warmup_s = None
+    if place.has_target:  # CUDA only: Triton compile/autotune and first-call costs, before anything is timed
+        warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len,
+                           quiet=place.rank != 0 or place.layout is not None)
+    L = target_mod.num_layers(target)
+    layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+    prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
+    ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
+                     samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
+                     warmup_s=warmup_s)
+    ctx.start_step = _start_step(ctx, resume)
+    if place.has_drafter:
+        _setup_drafter(ctx, target, resume, dtype)
+    if place.has_target:
+        _setup_targets(ctx, target, resume, prep.features)
+    del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
+    if ctx.tel is None:  # after the data and the models: the profile's wall time is the training's
+        ctx.tel = make_telemetry(cfg, out, place, run_id)
+    if ctx.estimate is not None:
+        est = ctx.estimate
+        ctx.tel.observable_gauge("dflash.train.acceptance_estimate",
+                                 lambda: [(e[1], {})] if (e := est.latest()) else [], "1",
+                                 "Estimated acceptance length on held-out replies (one forward, no decoding).")
+    return ctx
+
+
+def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):
+    """Every process of a single-process run or a replica prepares (cached on disk); in a
+    layout rank 0 (a target rank) prepares once and the samples go to every rank: no other
+    rank reads the data set or generates, and nodes need no shared file system."""
+    if place.layout is None:
+        # a resumed run does not rebuild the feature cache: no features
+        return prepare(cfg, target, tok, device=place.load_device, layer_ids=None if resume else layer_ids)
+    from ..prep.prepare import Prepared
+    samples = prepare(cfg, target, tok, device=place.load_device).samples if place.rank == 0 else None
+    return Prepared(samples=dist_mod.broadcast(samples, 0, groups), eval_convs=[], regenerated=False)
+
+
+def _start_step(ctx, resume: bool) -> int:
+    """Where a resumed run starts: read by the lead from its checkpoint, told to every rank."""
+    place = ctx.placement
+    step = ckpt.load_training_state(ctx.out / "checkpoint")[0]["step"] if resume and place.lead else 0
+    if place.layout is not None:
+        step = dist_mod.broadcast(step, place.layout.drafter_rank(0), ctx.groups)
+    elif place.world > 1:
+        step = dist_mod.broadcast(step, 0, None)
+    return step
+
+
+def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
+    cfg, place = ctx.cfg, ctx.placement
+    ddev = place.drafter_device
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    if not place.has_target or torch.device(ddev) != target.device:
+        # the drafter's own frozen copies; one deepcopy of the pair: a tied lm_head stays tied
+        embed, head = copy.deepcopy((embed, head))
+        embed, head = embed.to(ddev, dtype), head.to(ddev, dtype)
+    tstate = jstate = None
+    if resume:
+        drafter, _ = ckpt.load_drafter(ctx.out / "checkpoint", device=ddev, dtype=torch.float32)
+        ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids), ctx.out / "checkpoint")
+        tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
+    else:
+        drafter = build_drafter(cfg, target, ctx.tokenizer, ctx.layer_ids).to(ddev)
+    ddp = sync_timer = None
+    if place.layout is not None:  # DDP among the drafter ranks, with the all-reduce wait measured
+        ddp = dist_mod.wrap_ddp(drafter, ddev, group=ctx.groups.drafters)
+        from .roles.sync_timing import attach
+        sync_timer = attach(ddp, ctx.groups.drafters)
+        ctx.vote = dist_mod.StopVote(place.drafter_world, group=ctx.groups.drafter_votes)
+    else:
+        ddp = dist_mod.wrap_ddp(drafter, ddev) if place.world > 1 else None
+        ctx.vote = dist_mod.StopVote(place.world)
+    ctx.sync_timer = sync_timer
+    ctx.trainer = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
+    samples = ctx.samples
+    if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
+        # kept out of training: the acceptance estimate must measure held-out replies
+        ctx.samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
+        ctx.held_out = held_out
+    ctx.trainer.use_loss_vocab(ctx.samples)
+    if resume:
+        ctx.trainer.load_state(tstate)
+        # the saved count is the all-rank total: the lead carries it, so sums stay exact
+        ctx.tokens = jstate.get("tokens", 0) if place.lead else 0
+        ctx.history = [tuple(h) for h in jstate.get("history", [])]
+
+
+def _setup_targets(ctx, target, resume: bool, features) -> None:
+    """One frozen replica per target device (workers on one device share it), each with its
+    own feature cache (train.feature_cache) where a hit must come back."""
+    cfg, place = ctx.cfg, ctx.placement
+    replicas = {str(target.device): target}
+    caches = {}
+    if cfg.train.feature_cache and not resume:
+        caches[str(target.device)] = FeatureCache(ctx.layer_ids, target.device)
+        caches[str(target.device)].preload(features, cfg.data.max_len)  # regeneration's: no forward in epoch 1
+    from ..model.warmup import warm_up
+    for d in place.target_devices:
+        key = str(torch.device(d))
+        if key not in replicas:
+            replicas[key] = replicate_target(target, d)
+            warm_up(replicas[key], batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=True)
+            if caches:
+                caches[key] = next(iter(caches.values())).replica(d)
+    keys = [str(torch.device(d)) for d in place.target_devices]
+    ctx.targets = [replicas[k] for k in keys]
+    ctx.feature_caches = [caches.get(k) for k in keys]
+    if ctx.held_out:
+        from .acceptance_estimate import AcceptanceEstimate
+        ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, cfg.train.estimate_every)

@@ -1,0 +1,72 @@
+"""The run's telemetry, made in one place for every placement: resource attributes, the
+per-rank file dir and Prometheus port, the GPUs this process uses, who emits root spans."""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from pathlib import Path
+
+import torch
+
+from ..analysis.idle_rules import DFLASH_RULES
+from ..config import Config
+
+
+def make_telemetry(cfg: Config, out: Path, place, run_id: str):
+    import otel
+
+    if not cfg.telemetry.enabled:
+        return otel.Telemetry.disabled()
+    attrs = {"rank": place.rank, "world_size": place.world, "dflash.target": cfg.model.target}
+    devices = place.target_devices + ([place.drafter_device] if place.drafter_device else [])
+    if place.layout is not None:
+        attrs |= {"role": place.role, "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+                  "host.name": socket.gethostname(), "dflash.layout": str(place.layout)}
+        # a batch's root span: on the rank that trains on it
+        root_spans, console = place.has_drafter, False
+    else:
+        devices = cfg.pipeline.target_devices + cfg.pipeline.drafter_devices
+        root_spans = console = place.rank == 0
+    gpus = sorted({torch.device(d).index or 0 for d in devices if d.startswith("cuda")}) or None
+    tdir = out / "telemetry" / (f"rank{place.rank}" if place.world > 1 else "")
+    with rank_prometheus_port():
+        return otel.Telemetry.from_env(
+            service_name="dflash", run_id=run_id, file_dir=str(tdir), resource_attributes=attrs,
+            console=console, console_interval_s=cfg.telemetry.console_interval_s or None,
+            mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=root_spans)
+
+
+def _prometheus_enabled() -> bool:
+    return "prometheus" in os.environ.get("OTEL_METRICS_EXPORTER", "").replace(" ", "").split(",")
+
+
+@contextlib.contextmanager
+def rank_prometheus_port():
+    """Under torchrun each rank serves its own scrape endpoint: port = base + LOCAL_RANK,
+    base = OTEL_EXPORTER_PROMETHEUS_PORT (default 9464). Set only while the telemetry
+    layer is built (it reads the environment then), so the base stays as the user gave it."""
+    local = os.environ.get("LOCAL_RANK")
+    if not _prometheus_enabled() or local is None:
+        yield
+        return
+    key = "OTEL_EXPORTER_PROMETHEUS_PORT"
+    before = os.environ.get(key)
+    os.environ[key] = str(int(before or 9464) + int(local))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
+def linger_for_scrape(tel) -> None:
+    """DFLASH_PROMETHEUS_LINGER_S=N: keep the scrape endpoint up N s after the last step so
+    Prometheus' last scrape sees the final counts (a pulled endpoint dies with the run)."""
+    secs = float(os.environ.get("DFLASH_PROMETHEUS_LINGER_S", "0") or 0)
+    if secs > 0 and _prometheus_enabled():
+        tel.flush(timeout_s=2.0)
+        time.sleep(secs)
