@@ -29,6 +29,7 @@ class ModelConfig:
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
     copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
+    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; init_from.py)
 
 
 @dataclass
@@ -72,6 +73,9 @@ class EvalConfig:
     max_prompt_len: int = 128
     before: bool = True                  # with `train --eval`: also measure the untrained drafter (tau ~1.0);
                                          # off, the learning curve's step-0 estimate is the baseline
+    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (model/sampling.py)
+    top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
+    top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
 
 
 @dataclass
@@ -263,6 +267,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.num_conversations={d.num_conversations}: expected >= 2")
     if not 0 < d.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction={d.eval_fraction}: expected 0 < x < 1")
+    check_sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, prefix="eval.")
     if p.layout:
         from .run.roles.layout import Layout, LayoutError
         try:
@@ -301,12 +306,30 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")
     if cfg.telemetry.mode not in ("process", "thread"):
         raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
+    if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
+        raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
     try:
         inputs.check_target_spec(m.target)
         if d.path:
             inputs.check_dataset_path(d.path)
     except (inputs.TargetSpecError, inputs.DatasetError) as e:
         raise ConfigError(str(e)) from None
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "--") -> None:
+    """Sampling settings: finite, temperature >= 0, 0 < top_p <= 1, top_k >= 0."""
+    import math
+
+    sep = "_" if prefix == "eval." else "-"
+    for name, v in (("temperature", temperature), (f"top{sep}p", top_p)):
+        if not math.isfinite(v):
+            raise ConfigError(f"{prefix}{name}={v}: expected a finite number")
+    if temperature < 0:
+        raise ConfigError(f"{prefix}temperature={temperature}: expected >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"{prefix}top{sep}p={top_p}: expected 0 < x <= 1")
+    if top_k < 0:
+        raise ConfigError(f"{prefix}top{sep}k={top_k}: expected an integer >= 0 (0: off)")
 
 
 def resolve_dtype(cfg: Config, device: str):

@@ -124,10 +124,14 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
         copy_head=cfg.model.copy_head)
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(dcfg)
+    if cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
+        from ..init_from import load_into_run
+        drafter = load_into_run(cfg, target)
+    else:
+        drafter = DFlashDrafter(dcfg)
     if cfg.train.feature_cache:  # read by target_features: later epochs skip the target forward
         target._dflash_feature_cache = {}
-    if cfg.model.drafter_init == "target":
+    if cfg.model.drafter_init == "target" and not cfg.model.init_from:
         from .drafter_init import init_from_target
         init_from_target(drafter, target)
     return drafter

@@ -155,7 +155,8 @@ def run_eval(ctx: RunContext, label: str) -> dict:
         import copy
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
     res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
-                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len)
+                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
+                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed)
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
@@ -258,6 +259,9 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
                       file=sys.stderr)
         elif eval_before_after:
             summary["eval_after"] = run_eval(ctx, "after training")
+        if ctx.rank == 0 and summary.get("steps") is not None:  # a servable copy: OUT/export/ (or why not)
+            from ..export import export_after_run
+            summary["export"] = export_after_run(ctx, summary)
     finally:
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGINT, prev)
