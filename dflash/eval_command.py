@@ -65,8 +65,8 @@ def run(a) -> int:
                               dtype=resolve_dtype(cfg, dev))
     drafters = []
     for d in dirs:  # every one is checked against the target before any is evaluated
+        drafter_dirs.check_fits(d, target, f"--checkpoint {str(d.path)!r}")
         drafter = drafter_dirs.load(d, device=dev)
-        drafter_dirs.check_fits(drafter, target, f"--checkpoint {str(d.path)!r}")
         drafter.use_copy = not a.no_copy_head
         drafters.append(drafter)
     _, eval_convs = split(cfg)

@@ -10,13 +10,12 @@ and schedule start fresh: this is a new run from those weights, not a resume.
 from __future__ import annotations
 
 from .model import drafter_dirs
-from .model import export_format as fmt
 
 
 def init_flags(path: str) -> dict:
     """Config keys DIR fixes (dotted, as the CLI's flags are)."""
     d = drafter_dirs.inspect(path)
-    f = fmt.drafter_config_fields(d.raw, str(path)) if d.kind == "export" else d.raw
+    f = drafter_dirs.fields(d)
     return {"model.init_from": str(d.path), "model.num_layers": int(f["num_hidden_layers"]),
             "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"])}
 
@@ -28,8 +27,8 @@ def load_into_run(cfg, target):
     from .model.drafter import DFlashDrafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
+    drafter_dirs.check_fits(d, target, f"--init-from {cfg.model.init_from!r}")
     src = drafter_dirs.load(d)
-    drafter_dirs.check_fits(src, target, f"--init-from {cfg.model.init_from!r}")
     drafter = DFlashDrafter(replace(src.cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
     # a copy head the source lacks starts fresh (its own init); one it has but the run
     # does not want is dropped

@@ -91,15 +91,18 @@ def load(d: DrafterDir, device="cpu"):
     return drafter.to(device)
 
 
-def check_fits(drafter, target, where: str) -> None:
-    """Raise DrafterDirError (one line) when the drafter's shapes do not fit the target."""
+def fields(d: DrafterDir) -> dict:
+    """Its DrafterConfig fields, from config.json alone."""
+    return fmt.drafter_config_fields(d.raw, str(d.path)) if d.kind == "export" else d.raw
+
+
+def check_fits(d: DrafterDir, target, where: str) -> None:
+    """Raise DrafterDirError (one line) when the drafter's shapes do not fit the target;
+    from config.json, so before its weights are read."""
     from .target import num_layers
 
-    cfg = drafter.cfg
-    fields = {"hidden_size": cfg.hidden_size, "target_layer_ids": cfg.target_layer_ids,
-              "mask_token_id": cfg.mask_token_id}
     tc = target.config.get_text_config()
-    err = fmt.fit_error(fields, hidden_size=tc.hidden_size, num_layers=num_layers(target),
+    err = fmt.fit_error(fields(d), hidden_size=tc.hidden_size, num_layers=num_layers(target),
                         embed_rows=target.get_input_embeddings().weight.shape[0], where=where)
     if err:
         raise DrafterDirError(err)
