@@ -143,29 +143,30 @@ class _TargetRunner:
 
     def forward(self, new_tokens: list[int]):
         n = len(new_tokens)
-        if self.cache is None:
-            out = self._run(self.seq + new_tokens, hidden=True, keep=n)
-        else:
-            if self.mode == "snapshot":
-                self._saved = self._snapshot()
-            if self.decoder is not None:
-                out = self._run_decoder(self.pending + new_tokens, hidden=True)
-                preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
-                return preds, _features(out, self.layer_ids)[0, -n:]
-            out = self._run(self.pending + new_tokens, hidden=True, keep=n)
-        return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
+        if self.decoder is None:
+            out = self._forward_model(new_tokens)
+            return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
+        if self.mode == "snapshot":
+            self._saved = self._snapshot()
+        out = self._run_decoder(self.pending + new_tokens, hidden=True)
+        preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
+        return preds, _features(out, self.layer_ids)[0, -n:]
 
     def forward_logits(self, new_tokens: list[int]):
         """`forward`, but the logits of every new token ([n, V]) instead of their argmax:
         sampling reads whole distributions (model/spec_sample.py)."""
         n = len(new_tokens)
-        if self.cache is None:
-            out = self._run(self.seq + new_tokens, hidden=True, keep=n)
-        else:
-            if self.mode == "snapshot":
-                self._saved = self._snapshot()
-            out = self._run(self.pending + new_tokens, hidden=True, keep=n)
+        out = self._forward_model(new_tokens)
         return out.logits[0, -n:], _features(out, self.layer_ids)[0, -n:]
+
+    def _forward_model(self, new_tokens: list[int]):
+        """The whole model (lm_head included) over the new tokens, through the cache if any."""
+        n = len(new_tokens)
+        if self.cache is None:
+            return self._run(self.seq + new_tokens, hidden=True, keep=n)
+        if self.mode == "snapshot":
+            self._saved = self._snapshot()
+        return self._run(self.pending + new_tokens, hidden=True, keep=n)
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
