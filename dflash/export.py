@@ -45,7 +45,7 @@ def serve_commands(target: str, out: Path, block_size: int) -> dict:
     spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": block_size - 1})
     return {
         "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                  f"--speculative-draft-model-path {out}",
+                  f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
         "vllm": f"vllm serve {target} --speculative-config '{spec}'",
     }
 
