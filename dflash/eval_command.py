@@ -36,7 +36,8 @@ def _plan(a):
         first = next(d for d in dirs if d.kind == "export")
         raise ConfigError(f"--checkpoint {str(first.path)!r} is a served-format drafter, which names no target: "
                           f"add --target (the model it drafts for: a model dir or hub id)")
-    model = dict(run_cfg.get("model") or {}) | {"target": target}
+    # init_from named where training started; eval reads the drafter itself (the dir may be gone)
+    model = dict(run_cfg.get("model") or {}) | {"target": target, "init_from": ""}
     ev = dict(run_cfg.get("eval") or {})
     for key, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k)):
         if v is not None:

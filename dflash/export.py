@@ -185,18 +185,21 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
             "block_size": drafter.cfg.block_size}
 
 
-def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16") -> dict:
+def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16", target_config=None) -> dict:
     """The end of `dflash train`: write OUT/export/, or say why not. Never raises: a run's
     result (its checkpoint) is already on disk; a failed export is reported, not fatal."""
     try:
         drafter = ctx.step.drafter
         if drafter.copy is not None:
-            return {"skipped": "the drafter has a copy head (model.copy_head), which the DFlash format cannot "
-                               f"carry; export the rest with: dflash export --checkpoint {ctx.out / 'checkpoint'} "
-                               f"--out {ctx.out / 'export'} --without-copy-head"}
+            why = ("the drafter has a copy head (model.copy_head), which the DFlash format cannot carry; export "
+                   f"the rest with: dflash export --checkpoint {ctx.out / 'checkpoint'} --out {ctx.out / 'export'} "
+                   "--without-copy-head")
+            print(f"dflash train: no served export: {why}", file=sys.stderr)
+            return {"skipped": why}
         figures = {"after training": summary["eval_after"]} if "acceptance_length" in (
             summary.get("eval_after") or {}) else None
-        dst = write_export(drafter, ctx.target.config, ctx.out / "export", dtype=dtype,
+        tcfg = target_config if target_config is not None else ctx.target.config
+        dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype,
                            target=ctx.cfg.model.target, figures=figures)
         return {"out": str(dst), "dtype": dtype, "bytes": (dst / "model.safetensors").stat().st_size}
     except Exception as e:  # reported in summary.json and on stderr

@@ -281,6 +281,7 @@ def _run_drafter(cfg, rc, holder, resume, out, lead):
         tstate, jstate = ckpt.load_training_state(out / "checkpoint")
     else:
         drafter = build_drafter(cfg, target, rc.tokenizer, rc.layer_ids).to(dev)
+    target_config = target.config  # for the served export at the end
     del target  # the drafter rank keeps no target: only the copies above
     from torch.nn.parallel import DistributedDataParallel as DDP
     d = torch.device(dev)
@@ -321,6 +322,9 @@ def _run_drafter(cfg, rc, holder, resume, out, lead):
         if ctx.lead and ctx.history:
             write_png(out / "learning_curve.png", ctx.history, [], cfg.model.block_size,
                       f"{cfg.model.target}: drafter training ({rc.layout})")
+        if ctx.lead:  # a servable copy: OUT/export/ (or why not)
+            from ...export import export_after_run
+            summary["export"] = export_after_run(ctx, summary, target_config=target_config)
     finally:
         rc.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = rc.tel.summary()
