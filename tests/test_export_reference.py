@@ -81,10 +81,79 @@ def _reference_steps(ref, model, target, steps, stop_ids, max_new):
     return out
 
 
+def _drafts_ours(drafter, target, steps, res):
+    """Every block our decode drafted, per prompt."""
+    from dflash.model.spec_decode import speculative_generate
+
+    out, seen = [], []
+    plain = drafter.draft
+    drafter.draft = lambda *a, **k: seen.append(plain(*a, **k)[0].tolist()) or torch.tensor([seen[-1]])
+    for s in steps:
+        seen = []
+        speculative_generate(target, drafter, s["prompt_ids"], max_new_tokens=res["max_new_tokens"],
+                             eos_ids=set(res["stop_token_ids"]))
+        out.append(seen)
+    return out
+
+
+def _drafts_ref(ref, model, target, steps, res):
+    out, seen = [], []
+    plain = model.compute_logits
+
+    def recording(hidden, head):
+        logits = plain(hidden, head)
+        seen.append(logits.argmax(-1)[0].tolist())
+        return logits
+    model.compute_logits = recording
+    try:
+        for s in steps:
+            seen = []
+            ref.dflash_generate(model, target, torch.tensor([s["prompt_ids"]]), max_new_tokens=res["max_new_tokens"],
+                                stop_token_ids=res["stop_token_ids"])
+            out.append(seen)
+    finally:
+        del model.compute_logits
+    return out
+
+
+def _same_drafts(ours, theirs):
+    for a, b in zip(ours, theirs):
+        full = [i for i, d in enumerate(b) if len(d) == len(a[0])]  # the reference shortens its last blocks
+        assert [a[i] for i in full] == [b[i] for i in full]
+        assert full and len(full) >= len(a) - len(a[0])  # only the last few blocks are short
+
+
+def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
+    """The trained drafter of a repetitive tiny target drafts one token everywhere; a random
+    drafter with a strong context path drafts a different token at every slot, so a wrong
+    name, layer id or rotary setting in the export changes its drafts."""
+    from dflash.export import write_export
+    from dflash.model.drafter import DFlashDrafter
+    from dflash.model.target import load_target
+
+    run, _, (_, served), _ = trained
+    cfg = json.loads((run / "checkpoint" / "config.json").read_text())
+    from dflash.model.drafter import DrafterConfig
+    torch.manual_seed(3)
+    ours = DFlashDrafter(DrafterConfig.from_dict(cfg)).eval()
+    with torch.no_grad():
+        ours.fc.weight.mul_(20)
+        for name, p in ours.named_parameters():
+            if p.dim() == 1:
+                p.uniform_(0.5, 1.5)
+    target, _ = load_target("tiny-qwen3", seed=0)
+    write_export(ours, target.config, tmp_path / "x", dtype="float32", target="tiny-qwen3")
+    model = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "x"), dtype=torch.float32).eval()
+    steps = served["per_prompt_steps"][:2]
+    mine, theirs = _drafts_ours(ours, target, steps, served), _drafts_ref(ref, model, target, steps, served)
+    assert len({t for blocks in mine for b in blocks for t in b}) > 3  # lively drafts, not one token
+    _same_drafts(mine, theirs)
+
+
 def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
     from dflash.model.target import load_target
 
-    _, exp, (_, served), _ = trained
+    run, exp, (_, served), _ = trained
     model, info = ref.DFlashDraftModel.from_pretrained(str(exp), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
     target, _ = load_target("tiny-qwen3", seed=0)
@@ -98,6 +167,10 @@ def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
         total += max(len(acc), len(s["acceptance_lengths"]))
         ref_taus.append(sum(acc) / len(acc))
     assert total > 3 and served["acceptance_length"] > 1
+    # a repetitive tiny target lets different drafters accept alike: compare every draft too
+    from dflash.model import checkpoint as ckpt
+    _same_drafts(_drafts_ours(ckpt.load_drafter(run / "checkpoint")[0].eval(), target, steps, served),
+                 _drafts_ref(ref, model, target, steps, served))
     print(f"\nreference: {agreed}/{total} verify steps agreed; tau ours {served['acceptance_length']:.4f}, "
           f"reference {sum(ref_taus) / len(ref_taus):.4f} ({len(steps)} prompts)")
 
