@@ -203,6 +203,10 @@ def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
                                                         res["max_new_tokens"])):
         assert acc[:-1] == s["acceptance_lengths"][:-1], (acc, s["acceptance_lengths"])
         assert out == s["output_ids"]
+    # and block by block, what our loader made of its weights drafts what it drafts
+    from dflash.model import drafter_dirs
+    ours = drafter_dirs.load(drafter_dirs.inspect(tmp_path / "ref-drafter")).eval()
+    _same_drafts(_drafts_ours(ours, target, steps, res), _drafts_ref(ref, model, target, steps, res))
 
 
 def test_a_drafter_that_does_not_fit_the_target_is_one_line(ref, trained, tmp_path):
