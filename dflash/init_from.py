@@ -28,6 +28,12 @@ def load_into_run(cfg, target):
 
     d = drafter_dirs.inspect(cfg.model.init_from)
     drafter_dirs.check_fits(d, target, f"--init-from {cfg.model.init_from!r}")
+    # set in a YAML file rather than by --init-from, the run's shape may disagree with DIR's
+    for key, want in init_flags(cfg.model.init_from).items():
+        have = getattr(cfg.model, key.split(".")[1])
+        if key != "model.init_from" and have != want:
+            raise drafter_dirs.DrafterDirError(f"{key}={have}: model.init_from={cfg.model.init_from!r} has {want} "
+                                               f"(dflash train --init-from DIR takes DIR's shape)")
     src = drafter_dirs.load(d)
     drafter = DFlashDrafter(replace(src.cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
     # a copy head the source lacks starts fresh (its own init); one it has but the run
