@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, TINY, last_json, run_dflash
+from helpers import ROOT, TINY, run_dflash
 
 _NO_TORCH_PROBE = """
 import json, sys
