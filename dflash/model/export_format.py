@@ -144,12 +144,16 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
         "block_size": flags["block_size"],     # older readers (MLX) look at the top level
         "num_target_layers": num_target_layers,
     }
+    # plain RoPE is `rope_scaling: null` to transformers-4 readers (vLLM, SGLang), as in z-lab's
+    # published configs; transformers 5 reads rope_parameters. A scaling is copied as it is.
+    scaled = _rope_type(tc) != "default"
     for key in ("rope_scaling", "rope_parameters"):
         val = getattr(tc, key, None)
-        if val is not None:
-            cfg[key] = dict(val) if isinstance(val, dict) else val
+        cfg[key] = (dict(val) if isinstance(val, dict) else val) if scaled or key == "rope_parameters" else None
     if isinstance(cfg.get("rope_parameters"), dict):  # one theta, whichever the reader takes
         cfg["rope_parameters"]["rope_theta"] = dcfg.rope_theta
+    if cfg["rope_parameters"] is None:
+        del cfg["rope_parameters"]
     return cfg
 
 
