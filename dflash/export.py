@@ -64,11 +64,21 @@ def _eval_lines(figures: dict | None) -> list[str]:
     return out or ["Not measured."]
 
 
+# the embedded default is a dequantized Q4_1 GGUF of this model: the closest thing an engine loads
+_SERVED_AS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
 def readme(dcfg, *, target: str, out: Path, dtype: str, figures: dict | None, note: str | None) -> str:
-    cmds = serve_commands(target, out, dcfg.block_size)
-    servable = "" if "/" in target or os.path.isdir(target) else (
-        f"\n(`{target}` is one of this trainer's built-in targets, not a model an engine can load: "
-        f"the commands show the shape only.)\n")
+    served = _SERVED_AS.get(target, target)
+    cmds = serve_commands(served, out, dcfg.block_size)
+    if served != target:
+        servable = (f"\n(`{target}` is the Q4_1 GGUF of `{served}`, dequantized: the drafter trained on that; "
+                    f"the full-precision model drafts alike but not identically.)\n")
+    elif "/" in target or os.path.isdir(target):
+        servable = ""
+    else:
+        servable = (f"\n(`{target}` is one of this trainer's built-in targets, not a model an engine can load: "
+                    f"the commands show the shape only.)\n")
     return "\n".join([
         "# DFlash drafter",
         "",
