@@ -209,7 +209,7 @@ def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
     _same_drafts(_drafts_ours(ours, target, steps, res), _drafts_ref(ref, model, target, steps, res))
 
 
-def test_a_drafter_that_does_not_fit_the_target_is_one_line(ref, trained, tmp_path):
+def test_a_drafter_that_does_not_fit_the_target_is_one_line(trained, tmp_path):
     _, exp, _, _ = trained
     bad = tmp_path / "bad"
     bad.mkdir()
