@@ -22,6 +22,7 @@ STATE_TREE = "training_state.json"             # the structure around them, and 
 LEGACY_STATE = "training_state.pt"             # earlier versions: read with torch's weights_only loader
 TRAINER_STATE = "trainer_state.json"           # step, tokens, loss history (human readable)
 WRITTEN = (CONFIG, WEIGHTS, STATE_TENSORS, STATE_TREE, LEGACY_STATE, TRAINER_STATE)
+EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md")  # what `dflash export` writes into its dir
 
 
 class CheckpointError(ValueError):
@@ -38,7 +39,8 @@ def resolve(path: str | os.PathLike) -> Path:
         return old
     if p.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r}: is a file (expected a directory with {CONFIG})")
-    raise CheckpointError(f"checkpoint {str(path)!r}: no {CONFIG} there (expected a dir written by dflash train)")
+    raise CheckpointError(f"checkpoint {str(path)!r}: no {CONFIG} there (expected RUN/checkpoint from dflash "
+                          f"train, or a DFlash drafter dir such as dflash export writes)")
 
 
 def read_config(path: Path) -> dict:
@@ -82,20 +84,20 @@ def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:
 
 
 # -- removing only what dflash wrote ---------------------------------------------------------
-def foreign_entries(d: Path) -> list[str]:
-    """Entries of a checkpoint dir that dflash did not write there."""
+def foreign_entries(d: Path, written=WRITTEN) -> list[str]:
+    """Entries of a checkpoint (or export) dir that dflash did not write there."""
     try:
-        return sorted(e.name for e in d.iterdir() if e.name not in WRITTEN)
+        return sorted(e.name for e in d.iterdir() if e.name not in written)
     except OSError:
         return []
 
 
-def remove_written(d: Path) -> Path | None:
-    """Delete the files dflash writes into a checkpoint dir, then the dir if that empties it.
-    Anything else is kept: the dir is renamed aside (returned) rather than deleted."""
+def remove_written(d: Path, written=WRITTEN) -> Path | None:
+    """Delete the files dflash writes into a checkpoint (or export) dir, then the dir if that
+    empties it. Anything else is kept: the dir is renamed aside (returned), never deleted."""
     if not d.is_dir():
         return None
-    for name in WRITTEN:
+    for name in written:
         try:
             (d / name).unlink()
         except FileNotFoundError:

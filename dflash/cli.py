@@ -4,7 +4,6 @@ worker, its name and stage, also written to OUT/error.txt (see errors.py)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -37,8 +36,18 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-telemetry", action="store_true")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
 
-    e = sub.add_parser("eval", help="acceptance length of a trained drafter")
-    e.add_argument("--checkpoint", required=True)
+    t.add_argument("--init-from", metavar="DIR",
+                   help="start from a drafter in the served DFlash format (a published one, a SpecForge or "
+                        "dflash export); its layers, block size and target layers replace the config's")
+
+    e = sub.add_parser("eval", help="acceptance length of a trained drafter (several: side by side)")
+    e.add_argument("--checkpoint", required=True, action="append",
+                   help="RUN/checkpoint or a served-format DFlash drafter dir; repeat to compare on the same prompts")
+    e.add_argument("--target", help="the target to draft for (default: the first training checkpoint's)")
+    e.add_argument("--temperature", type=float, help="> 0: speculative sampling at this temperature (default 0)")
+    e.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
+    e.add_argument("--top-k", type=int, help="with --temperature: the k most likely tokens only")
+    e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
     e.add_argument("--prompts", type=int)
     e.add_argument("--max-new-tokens", type=int)
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
@@ -46,6 +55,13 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-copy-head", action="store_true",
                    help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
     e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
+
+    x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
+    x.add_argument("--checkpoint", required=True, help="RUN/checkpoint from dflash train")
+    x.add_argument("--out", required=True, help="the directory to write (config.json, model.safetensors, README.md)")
+    x.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    x.add_argument("--without-copy-head", action="store_true",
+                   help="export a drafter that has a copy head without it (the format cannot carry one)")
 
     from .cli_analysis import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
@@ -63,6 +79,9 @@ def _train(a) -> int:
              "pipeline.pipelined": False if a.reference else None,
              "telemetry.enabled": False if a.no_telemetry else None,
              "telemetry.wandb": True if a.wandb else None}
+    if a.init_from:
+        from .init_from import init_flags
+        flags |= init_flags(a.init_from)
     cfg = load_config(a.config, a.set, **flags)
     if a.resume and a.overwrite:
         from .config import ConfigError
@@ -174,102 +193,23 @@ def _check_layout_launch(cfg, eval_flag: bool) -> None:
 
 
 def _eval(a) -> int:
-    from .checkpoint_files import CheckpointError, check_readable
-    from .config import ConfigError, load_config
+    from .eval_command import run
+    return run(a)
 
-    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
-        if v is not None and v < 1:
-            raise ConfigError(f"{name}={v}: expected an integer >= 1")
-    try:  # torch-free: a missing, corrupt or truncated checkpoint is one line in milliseconds
-        path, raw = check_readable(a.checkpoint)
-    except CheckpointError as err:
-        raise ConfigError(str(err)) from None
-    run_cfg = raw.get("dflash_run") if isinstance(raw.get("dflash_run"), dict) else {}
-    sections = {k: run_cfg.get(k) for k in ("model", "data", "eval") if isinstance(run_cfg.get(k), dict)}
-    cfg = load_config(None, [], **sections, **{"train.seed": (run_cfg.get("train") or {}).get("seed", 0)})
-    from .inputs import TargetSpecError, check_target_spec
-    try:
-        check_target_spec(cfg.model.target, probe_hub=True)
-    except TargetSpecError as e:
-        raise ConfigError(str(e)) from None
-    a.phase = "eval set-up"
-    from .model import checkpoint as ckpt
-    from .prep.prepare import split
-    from .model.evaluate import evaluate
-    from .model.target import load_target
 
-    drafter, _ = ckpt.load_drafter(path)
-    # same device kind and dtype as the run's target: eval in the precision training used
-    dev = (run_cfg.get("pipeline", {}).get("target_devices") or ["cpu"])[0]
-    import torch
-    dev = dev if dev.startswith("cuda") and torch.cuda.is_available() else "cpu"
-    from .config import resolve_dtype
-    target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
-                              dtype=resolve_dtype(cfg, dev))
-    drafter = drafter.to(dev)
-    drafter.use_copy = not a.no_copy_head
-    _, eval_convs = split(cfg)
-    with _stop_on_signal() as stop:  # SIGTERM / Ctrl-C: finish the prompt, report what was measured
-        a.phase = "eval"
-        res = evaluate(target, drafter, tok, eval_convs, prompts=a.prompts or cfg.eval.prompts,
-                       max_new_tokens=a.max_new_tokens or cfg.eval.max_new_tokens,
-                       max_prompt_len=cfg.eval.max_prompt_len, check_lossless=not a.no_lossless_check, stop=stop)
-    res["interrupted"] = res["interrupted"] or stop.is_set()
-    res["checkpoint"] = str(path)
-    if drafter.copy is not None:
-        res["copy_head"] = drafter.use_copy
-    from .model.evaluate import describe_lossless
-    print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
-          f"(block {res['block_size']}, {res['dtype']}, {describe_lossless(res)})"
-          + (" [interrupted: partial]" if res["interrupted"] else ""))
-    print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
-    if a.wandb:  # the run dir holds the checkpoint; bounded, falls back to RUN/wandb_fallback.jsonl
-        from .wandb_bridge import log_eval
-        log_eval(path.parent, res)
-    if a.json:
-        print(json.dumps(res))
-    if res["interrupted"]:
-        print(f"dflash eval: interrupted after {res['prompts']} prompt(s): the figures above are partial; "
-              f"run it again for all: {_command_line(a)}", file=sys.stderr)
-        return 130
+def _export(a) -> int:
+    from .export import check_request, export_checkpoint
+
+    check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head)  # before torch loads
+    res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head)
+    print(f"exported {a.checkpoint} -> {res['out']} ({res['dtype']}, {res['bytes'] / 1e6:.2f} MB of weights)")
+    if res["without_copy_head"]:
+        tau = res["tau_no_copy_estimate"]
+        print("without its copy head: " + (f"held-out acceptance estimate tau {tau:.3f} (from training)"
+                                           if tau is not None else "tau not measured")
+              + f"; measure it: dflash eval --checkpoint {a.checkpoint} --no-copy-head")
+    print(f"serve it: see {res['out']}/README.md (vLLM num_speculative_tokens = {res['block_size'] - 1})")
     return 0
-
-
-class _Interrupted(KeyboardInterrupt):
-    """SIGTERM, delivered as Ctrl-C is: set-up phases (model load, regeneration) stop at once."""
-
-
-def _raise_interrupt(signum, frame):
-    raise _Interrupted()
-
-
-class _stop_on_signal:
-    """While inside: SIGTERM / SIGINT set an event (the loop finishes its item and returns)
-    instead of raising; a second signal raises as usual."""
-
-    def __enter__(self):
-        import signal
-        import threading
-
-        self.stop = threading.Event()
-        self.prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-
-        def on_signal(signum, frame):
-            if self.stop.is_set():
-                raise _Interrupted()
-            print("\ninterrupt: finishing the current prompt, then reporting what was measured", file=sys.stderr)
-            self.stop.set()
-
-        for s in self.prev:
-            signal.signal(s, on_signal)
-        return self.stop
-
-    def __exit__(self, *exc):
-        import signal
-
-        for s, h in self.prev.items():
-            signal.signal(s, h)
-        return False
 
 
 def _command_line(a) -> str:
@@ -279,19 +219,17 @@ def _command_line(a) -> str:
 
 
 def main(argv=None) -> int:
-    import signal
-    import threading
+    from .signals import raise_on_sigterm
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"
-    if threading.current_thread() is threading.main_thread():
-        # a job runner's SIGTERM before the loop's own handler is in place (model load,
-        # regeneration): stop now with 130 and say how to go on, not die silently with 143
-        signal.signal(signal.SIGTERM, _raise_interrupt)
+    # a job runner's SIGTERM before the loop's own handler is in place (model load,
+    # regeneration): stop now with 130 and say how to go on, not die silently with 143
+    raise_on_sigterm()
     try:
         from .cli_analysis import COMMANDS
-        return ({"train": _train, "eval": _eval} | COMMANDS)[a.cmd](a)
+        return ({"train": _train, "eval": _eval, "export": _export} | COMMANDS)[a.cmd](a)
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
         return 130

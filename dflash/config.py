@@ -30,6 +30,7 @@ class ModelConfig:
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
     copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
+    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; init_from.py)
 
 
 @dataclass
@@ -73,6 +74,9 @@ class EvalConfig:
     max_prompt_len: int = 128
     before: bool = True                  # with `train --eval`: also measure the untrained drafter (tau ~1.0);
                                          # off, the learning curve's step-0 estimate is the baseline
+    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (model/sampling.py)
+    top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
+    top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
 
 
 @dataclass
@@ -285,6 +289,9 @@ RANGES: dict[str, Range] = {
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1),
     "eval.max_prompt_len": Range(1),
+    "eval.temperature": Range(0, note="0: greedy"),
+    "eval.top_p": Range(0, 1, lo_open=True),
+    "eval.top_k": Range(0, note="0: off"),
     "pipeline.queue_size": Range(1),
     "pipeline.min_ready": Range(1),
     "pipeline.prefetch": Range(1),
@@ -377,6 +384,8 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")
     if cfg.telemetry.mode not in ("process", "thread"):
         raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
+    if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
+        raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
     try:
         inputs.check_target_spec(m.target)
         if d.path:
@@ -388,6 +397,22 @@ def validate(cfg: Config) -> None:
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "
                           f"(target {m.target!r} has {layers} decoder layers)")
+
+
+def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "--") -> None:
+    """Sampling settings: finite, temperature >= 0, 0 < top_p <= 1, top_k >= 0."""
+    import math
+
+    sep = "_" if prefix == "eval." else "-"
+    for name, v in (("temperature", temperature), (f"top{sep}p", top_p)):
+        if not math.isfinite(v):
+            raise ConfigError(f"{prefix}{name}={v}: expected a finite number")
+    if temperature < 0:
+        raise ConfigError(f"{prefix}temperature={temperature}: expected >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ConfigError(f"{prefix}top{sep}p={top_p}: expected 0 < x <= 1")
+    if top_k < 0:
+        raise ConfigError(f"{prefix}top{sep}k={top_k}: expected an integer >= 0 (0: off)")
 
 
 def resolve_dtype(cfg: Config, device: str):

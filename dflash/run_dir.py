@@ -127,7 +127,7 @@ _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", 
 def clear_earlier_run(p: Path) -> None:
     """--overwrite: remove what an earlier run wrote (by name), so its spans, summary and
     checkpoint cannot be mixed with this run's; a file dflash did not write stays."""
-    from .checkpoint_files import remove_written
+    from .checkpoint_files import EXPORT_WRITTEN, remove_written
 
     for pattern in _RUN_FILES:
         for f in p.glob(pattern):
@@ -135,6 +135,7 @@ def clear_earlier_run(p: Path) -> None:
                 f.unlink()
     for name in ("checkpoint", "checkpoint.old"):
         remove_written(p / name)
+    remove_written(p / "export", EXPORT_WRITTEN)
     for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"]:
         try:
             d.rmdir()  # only when empty

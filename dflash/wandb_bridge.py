@@ -343,11 +343,13 @@ def start(ctx):
 
 # ------------------------------------------------------------------ dflash eval --wandb
 
-def log_eval(run_dir, res: dict, timeout_s: float = 60.0) -> dict:
-    """Add tau to the training run's W&B summary (resumed by id), else to the fallback."""
+def log_eval(run_dir, res: dict, timeout_s: float = 60.0, summary: dict | None = None) -> dict:
+    """Add tau to the training run's W&B summary (resumed by id), else to the fallback.
+    `summary`: more keys for that summary (a side-by-side eval's per-drafter figures)."""
     run_dir = Path(run_dir)
     final = {"tau": res["acceptance_length"], "eval/prompts": res.get("prompts"),
-             "eval/block_size": res.get("block_size"), "eval/lossless": res.get("lossless")}
+             "eval/block_size": res.get("block_size"), "eval/lossless": res.get("lossless"),
+             "eval/temperature": res.get("temperature") or None} | (summary or {})
     final = {k: v for k, v in final.items() if v is not None}
     done = threading.Event()
     err: list = []

@@ -68,6 +68,7 @@ def test_three_target_ranks_feed_two_drafter_ranks(tmp_path):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 8 and summary["layout"] == "target:3,drafter:2"
     assert summary["loss_last"] < summary["loss_first"], summary["loss_history"]
+    assert (run / "export" / "model.safetensors").is_file(), summary["export"]  # the lead drafter served it
 
     ranks = {r["rank"]: r for r in summary["ranks"]}
     assert [ranks[r]["role"] for r in range(5)] == ["target"] * 3 + ["drafter"] * 2

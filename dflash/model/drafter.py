@@ -274,6 +274,12 @@ class DFlashDrafter(nn.Module):
         """anchor_id [B]; ctx_kv: per-layer (k, v) of context positions < anchor_pos;
         context_ids [B, anchor_pos + 1]: the tokens so far, anchor last (the copy head's
         source; required with one). Returns greedy draft ids for slots 1..Bk-1: [B, Bk-1]."""
+        return self.draft_logits(anchor_id, anchor_pos, ctx_kv, embed, lm_head, context_ids).argmax(-1)
+
+    @torch.no_grad()
+    def draft_logits(self, anchor_id: torch.Tensor, anchor_pos: int, ctx_kv, embed, lm_head, context_ids=None):
+        """What `draft` takes the argmax of: the slots' logits [B, Bk-1, V] (log-probabilities
+        with a copy head). Sampling at temperature > 0 draws from them instead."""
         Bk, dev = self.cfg.block_size, anchor_id.device
         ids = torch.full((anchor_id.shape[0], Bk), self.cfg.mask_token_id, device=dev, dtype=torch.long)
         ids[:, 0] = anchor_id
@@ -286,7 +292,7 @@ class DFlashDrafter(nn.Module):
                 raise ValueError("a drafter with a copy head drafts from context_ids (the tokens so far)")
             at = torch.full((ids.shape[0], 1), anchor_pos, device=dev, dtype=torch.long)
             logits = self.add_copies(logits[:, None], h[:, None], context_ids, at, lm_head)[:, 0]
-        return logits.argmax(-1)
+        return logits
 
     @torch.no_grad()
     def context_from_features(self, features: torch.Tensor, positions: torch.Tensor, embed) -> list[tuple]:

@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import time
 
+import torch
 from tqdm import tqdm
 
 from ..data import dataset as data_mod
 from .spec_decode import first_divergence, greedy_generate, speculative_generate
+from .spec_sample import speculative_sample
 
 
 def describe_lossless(res: dict) -> str:
     """One phrase for the console: 'lossless=True' or where the outputs diverged."""
     if res.get("lossless") is None:
+        if res.get("temperature"):
+            return "lossless=not checked per prompt at T>0 (a distribution property; see tests)"
         return "lossless=not checked"
     if res["lossless"]:
         return "lossless=True"
@@ -30,29 +34,50 @@ def describe_lossless(res: dict) -> str:
 
 def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens: int,
              max_prompt_len: int, check_lossless: bool = True, progress: bool = True,
-             stop=None, mode: str = "auto", keep_outputs: bool = False) -> dict:
+             stop=None, mode: str = "auto", keep_outputs: bool = False, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, prompt_ids: list | None = None) -> dict:
     """`stop` (a threading.Event): when set, finish the current prompt and return what was
-    measured so far, marked ``interrupted`` (a preempted job must exit within its grace period)."""
-    ids = data_mod.prompts_for_eval(tokenizer, convs, max_prompt_len=max_prompt_len)[:prompts]
+    measured so far, marked ``interrupted`` (a preempted job must exit within its grace period).
+
+    temperature > 0 samples (model/spec_sample.py; prompt i draws from a generator seeded
+    seed + i); "lossless" is then a property of the output distribution, which tests check,
+    not a per-prompt comparison: it is reported as not checked. `prompt_ids` replaces the
+    prompts taken from `convs` (a replayed eval)."""
+    ids = prompt_ids if prompt_ids is not None else \
+        data_mod.prompts_for_eval(tokenizer, convs, max_prompt_len=max_prompt_len)[:prompts]
+    sampled = temperature > 0
+    check_lossless = check_lossless and not sampled
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     eos = {t for t in eos | {tokenizer.eos_token_id} if t is not None}
     B = drafter.cfg.block_size
     hist = [0] * (B + 1)
-    taus, divergences, done, outputs = [], [], 0, []
+    taus, divergences, done, outputs, replay = [], [], 0, [], []
+    decode_s, generated = 0.0, 0
     t0 = time.perf_counter()
     drafter.eval()
     for i, prompt in enumerate(tqdm(ids, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
             break
-        res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                                   stop=stop)
+        t1 = time.perf_counter()
+        if sampled:
+            res = speculative_sample(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                     temperature=temperature, top_p=top_p, top_k=top_k,
+                                     generator=torch.Generator().manual_seed(seed + i), stop=stop)
+        else:
+            res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                       stop=stop)
+        decode_s += time.perf_counter() - t1
         margins: list = []
         ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
                               margins=margins, stop=stop) if check_lossless else None
         if stop is not None and stop.is_set():
             break  # a prompt cut short is not counted: every figure below is over whole prompts
+        generated += len(res.tokens)
         outputs.append(res.tokens)
+        # enough for any other decoder to replay this prompt and compare step by step
+        replay.append({"prompt_ids": list(prompt), "acceptance_lengths": list(res.acceptance),
+                       "output_ids": list(res.tokens)})
         if res.acceptance:
             taus.append(res.tau)
         for a in res.acceptance:
@@ -76,6 +101,10 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
         "lossless_divergences": divergences,      # [{prompt, position (first differing token), margin}]
         "dtype": str(target.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
+        "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "tokens_per_s": round(generated / decode_s, 2) if decode_s > 0 else None,  # decoding only
+        "per_prompt_steps": replay,  # [{prompt_ids, acceptance_lengths (accepted + 1 per step), output_ids}]
+        "stop_token_ids": sorted(eos),
         "interrupted": bool(stop is not None and stop.is_set()),
         "wall_s": round(time.perf_counter() - t0, 2),
     }

@@ -143,17 +143,30 @@ class _TargetRunner:
 
     def forward(self, new_tokens: list[int]):
         n = len(new_tokens)
+        if self.decoder is None:
+            out = self._forward_model(new_tokens)
+            return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
+        if self.mode == "snapshot":
+            self._saved = self._snapshot()
+        out = self._run_decoder(self.pending + new_tokens, hidden=True)
+        preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
+        return preds, _features(out, self.layer_ids)[0, -n:]
+
+    def forward_logits(self, new_tokens: list[int]):
+        """`forward`, but the logits of every new token ([n, V]) instead of their argmax:
+        sampling reads whole distributions (model/spec_sample.py)."""
+        n = len(new_tokens)
+        out = self._forward_model(new_tokens)
+        return out.logits[0, -n:], _features(out, self.layer_ids)[0, -n:]
+
+    def _forward_model(self, new_tokens: list[int]):
+        """The whole model (lm_head included) over the new tokens, through the cache if any."""
+        n = len(new_tokens)
         if self.cache is None:
-            out = self._run(self.seq + new_tokens, hidden=True, keep=n)
-        else:
-            if self.mode == "snapshot":
-                self._saved = self._snapshot()
-            if self.decoder is not None:
-                out = self._run_decoder(self.pending + new_tokens, hidden=True)
-                preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
-                return preds, _features(out, self.layer_ids)[0, -n:]
-            out = self._run(self.pending + new_tokens, hidden=True, keep=n)
-        return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
+            return self._run(self.seq + new_tokens, hidden=True, keep=n)
+        if self.mode == "snapshot":
+            self._saved = self._snapshot()
+        return self._run(self.pending + new_tokens, hidden=True, keep=n)
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
@@ -220,6 +233,22 @@ class _TargetRunner:
                     layer.crop(-extra)
 
 
+def grow_context(drafter, ctx_kv, new_feats, n: int, embed):
+    """The drafter's per-layer context keys/values, extended by the features of the newly
+    committed positions n - len(new_feats) .. n - 1 (position-wise: exact to append)."""
+    pos = torch.arange(n - new_feats.shape[0], n, device=new_feats.device)[None]
+    kv = drafter.context_from_features(new_feats[None], pos, embed)
+    return kv if ctx_kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+                                      for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
+
+
+def copy_source(drafter, seq: list[int], anchor: int, dev) -> dict:
+    """A copy head drafts from the tokens so far too (model/copy_head.py)."""
+    if not getattr(drafter, "copying", False):
+        return {}
+    return {"context_ids": torch.tensor([seq + [anchor]], device=dev)}
+
+
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, max_new_tokens: int,
                          eos_ids: set[int] = frozenset(), mode: str = "auto", stop=None) -> DecodeResult:
@@ -240,14 +269,9 @@ def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, m
         n = len(runner.seq)
         anchor = out[-1]
         dev = new_feats.device
-        pos = torch.arange(n - new_feats.shape[0], n, device=dev)[None]
-        kv = drafter.context_from_features(new_feats[None], pos, embed)  # position-wise: exact to append
-        ctx_kv = kv if ctx_kv is None else [(torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
-                                            for (k0, v0), (k1, v1) in zip(ctx_kv, kv)]
-        # a copy head drafts from the tokens so far too (model/copy_head.py)
-        copy_src = ({"context_ids": torch.tensor([runner.seq + [anchor]], device=dev)}
-                    if getattr(drafter, "copying", False) else {})
-        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head, **copy_src)[0].tolist()
+        ctx_kv = grow_context(drafter, ctx_kv, new_feats, n, embed)
+        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head,
+                              **copy_source(drafter, runner.seq, anchor, dev))[0].tolist()
         block = [anchor] + draft
         preds, feats = runner.forward(block)  # ids read as far as the drafts hold (lazily on the CPU)
         accepted = 0

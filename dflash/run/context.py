@@ -46,6 +46,7 @@ class RunContext:
     held_out: list = field(default_factory=list)     # samples kept out of training for the estimate
     sync_timer: object = None                        # a layout's drafter: DDP all-reduce wait (sync_timing)
     target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
+    target_config: object = None                     # the target's HF config (kept where the target is not)
 
 
     @property

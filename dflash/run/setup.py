@@ -46,7 +46,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
     ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
                      samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
-                     warmup_s=warmup_s)
+                     warmup_s=warmup_s, target_config=target.config)
     ctx.start_step = _start_step(ctx, resume)
     if place.has_drafter:
         _setup_drafter(ctx, target, resume, dtype)
@@ -99,6 +99,10 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
         drafter, _ = ckpt.load_drafter(ctx.out / "checkpoint", device=ddev, dtype=torch.float32)
         ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids), ctx.out / "checkpoint")
         tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
+    elif cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
+        from ..init_from import load_into_run
+        torch.manual_seed(cfg.train.seed)
+        drafter = load_into_run(cfg, target).to(ddev)
     else:
         drafter = build_drafter(cfg, target, ctx.tokenizer, ctx.layer_ids).to(ddev)
     ddp = sync_timer = None

@@ -41,7 +41,8 @@ def run_eval(ctx: RunContext, label: str) -> dict:
     if next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
     res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
-                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len)
+                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
+                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed)
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
@@ -165,6 +166,9 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
             if ctx.rank == 0:
                 print(f"eval after training interrupted: tau above is partial; run it whole with: "
                       f"{eval_command(cfg)}", file=sys.stderr)
+    if ctx.is_lead:  # a servable copy: OUT/export/ (or why not)
+        from ..export import export_after_run
+        summary["export"] = export_after_run(ctx, summary)
 
 
 def _rank_report(ctx) -> dict:

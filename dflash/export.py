@@ -1,0 +1,226 @@
+"""`dflash export`: write a trained drafter in the format SGLang, vLLM and the reference read.
+
+The format itself (names, config keys) is model/export_format.py; this file writes a
+directory in it: config.json, model.safetensors and a README.md that says what the
+drafter is for and how to serve it. The copy head (model/copy_head.py) has no place in
+the format: exporting a drafter that has one is refused unless the user asks for the
+rest without it (what an engine would then run).
+
+Also called at the end of every `dflash train` (`export_after_run`): what a run leaves
+behind can be served as it is.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from . import checkpoint_files as files
+from .config import ConfigError
+from .model import export_format as fmt
+
+DTYPES = ("bfloat16", "float32")
+
+
+def check_request(checkpoint: str, out: str, *, without_copy_head: bool) -> dict:
+    """Torch-free checks of `dflash export`'s arguments; returns the checkpoint's config.json."""
+    raw = fmt.read_config(checkpoint)
+    if raw is None:
+        raise ConfigError(f"--checkpoint {checkpoint!r}: no config.json there (expected RUN/checkpoint from dflash train)")
+    if fmt.is_export_config(raw):
+        raise ConfigError(f"--checkpoint {checkpoint!r}: already in the served DFlash format (nothing to export)")
+    if raw.get("copy_head") and not without_copy_head:
+        raise ConfigError(f"--checkpoint {checkpoint!r}: the drafter has a copy head (model.copy_head), which the "
+                          f"DFlash format cannot carry; add --without-copy-head to export the rest")
+    dst = Path(out)
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"--out {out!r}: is a file (expected a new or empty dir, or an earlier export)")
+    if dst.is_dir() and any(dst.iterdir()):
+        earlier = fmt.read_config(dst) if (dst / "config.json").is_file() else None
+        foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
+        if earlier is None or not fmt.is_export_config(earlier) or foreign:
+            shown = ", ".join(foreign[:3] or sorted(e.name for e in dst.iterdir())[:3])
+            raise ConfigError(f"--out {out!r}: holds files that are not an earlier export ({shown}); "
+                              "expected a new or empty dir, or an earlier export to replace")
+    return raw
+
+
+def serve_commands(target: str, out: Path, block_size: int) -> dict:
+    out = str(Path(out).resolve())
+    spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": block_size - 1})
+    return {
+        "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+                  f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
+        "vllm": f"vllm serve {target} --speculative-config '{spec}'",
+    }
+
+
+def _eval_lines(figures: dict | None) -> list[str]:
+    if not figures:
+        return ["Not measured. Measure it with `dflash eval --checkpoint DIR --target TARGET`."]
+    out = []
+    for label, res in figures.items():
+        if not isinstance(res, dict) or "acceptance_length" not in res:
+            continue
+        temp = res.get("temperature", 0.0)
+        out.append(f"- {label}: tau {res['acceptance_length']:.3f} over {res.get('prompts')} prompts "
+                   f"(block {res.get('block_size')}, T={temp}, {res.get('dtype', '?')}, "
+                   f"lossless={res.get('lossless')})")
+    return out or ["Not measured."]
+
+
+# the embedded default is a dequantized Q4_1 GGUF of this model: the closest thing an engine loads
+_SERVED_AS = {"smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
+
+
+def readme(dcfg, *, target: str, out: Path, dtype: str, figures: dict | None, note: str | None) -> str:
+    served = _SERVED_AS.get(target, target)
+    cmds = serve_commands(served, out, dcfg.block_size)
+    if served != target:
+        servable = (f"\n(`{target}` is the Q4_1 GGUF of `{served}`, dequantized: the drafter trained on that; "
+                    f"the full-precision model drafts alike but not identically.)\n")
+    elif "/" in target or os.path.isdir(target):
+        servable = ""
+    else:
+        servable = (f"\n(`{target}` is one of this trainer's built-in targets, not a model an engine can load: "
+                    f"the commands show the shape only.)\n")
+    return "\n".join([
+        "# DFlash drafter",
+        "",
+        f"Trained by dflash-otel for the target `{target}`. Served format: z-lab's DFlash layout "
+        f"(`DFlashDraftModel`), read by SGLang, vLLM and the reference `dflash` package.",
+        "",
+        f"- block size: {dcfg.block_size} (vLLM `num_speculative_tokens` = {dcfg.block_size - 1})",
+        f"- mask token id: {dcfg.mask_token_id}",
+        f"- drafter layers: {dcfg.num_hidden_layers}; target layers fused: {dcfg.target_layer_ids} "
+        f"(id i = output of decoder layer i = `hidden_states[i + 1]`)",
+        f"- weights: {dtype}; no embedding and no lm_head (the target's are used)",
+        *([f"- note: {note}"] if note else []),
+        "",
+        "## Acceptance length (tau)",
+        "",
+        *_eval_lines(figures),
+        "",
+        "## Serve it",
+        servable,
+        "SGLang:",
+        "",
+        f"    {cmds['sglang']}",
+        "",
+        "vLLM:",
+        "",
+        f"    {cmds['vllm']}",
+        "",
+        "Compare against another drafter on your prompts:",
+        "",
+        f"    dflash eval --target {target} --checkpoint {Path(out).resolve()} --checkpoint OTHER_DIR",
+        "",
+    ])
+
+
+def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloat16", target: str = "",
+                 figures: dict | None = None, note: str | None = None) -> Path:
+    """Write `drafter` (ours, without a copy head in use) to `out` in the served format,
+    atomically (temp dir + rename, so a reader never sees half an export)."""
+    import torch
+    from safetensors.torch import save_file
+
+    dcfg = drafter.cfg
+    state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("copy.")}
+    tensors = {k: v.detach().to("cpu", getattr(torch, dtype)).contiguous()
+               for k, v in fmt.export_state_dict(state).items()}
+    cfg = fmt.export_config(dcfg, target_config, dtype=dtype)
+    dst = Path(out)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    try:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "README.md").write_text(readme(dcfg, target=target, out=dst, dtype=dtype, figures=figures, note=note))
+        kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
+        if kept is not None:
+            print(f"dflash: {dst} held other files too: they are kept in {kept}", file=sys.stderr)
+        os.replace(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def target_config(spec: str):
+    """The target's config, without loading its weights (tiny targets build theirs)."""
+    from .model import target as target_mod
+
+    if spec in target_mod.TINY_TARGETS:
+        return target_mod._tiny_config(spec, target_mod.load_tokenizer(spec))
+    from transformers import AutoConfig
+
+    src = target_mod._smollm2_model_dir() if spec == target_mod.SMOLLM2 else spec
+    return AutoConfig.from_pretrained(str(src))
+
+
+def run_figures(run_dir: Path) -> dict:
+    """The eval figures a run recorded in summary.json (after training), if any."""
+    f = run_dir / "summary.json"
+    try:
+        s = json.loads(f.read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    if isinstance(s.get("eval_after"), dict) and "acceptance_length" in s["eval_after"]:
+        out["after training"] = s["eval_after"]
+    last = (s.get("acceptance_estimate") or {}).get("last") or {}
+    if "tau_no_copy" in last:
+        out["_tau_no_copy_estimate"] = last["tau_no_copy"]
+    return out
+
+
+def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", without_copy_head: bool = False) -> dict:
+    """`dflash export`: a `dflash train` checkpoint -> the served format. Returns what it did."""
+    raw = check_request(checkpoint, out, without_copy_head=without_copy_head)
+    from .model import checkpoint as ckpt
+
+    drafter, run_cfg = ckpt.load_drafter(ckpt.resolve(checkpoint))
+    target = (run_cfg.get("model") or {}).get("target") or raw.get("target") or ""
+    tcfg = target_config(target)
+    figures = run_figures(Path(checkpoint).resolve().parent)
+    no_copy = figures.pop("_tau_no_copy_estimate", None)
+    note = None
+    if raw.get("copy_head"):
+        figures = {}  # what the run measured included the copy head's proposals
+        note = ("exported without its copy head (the format has no place for it); "
+                + (f"held-out acceptance estimate without it: tau {no_copy:.3f}" if no_copy is not None else
+                   "tau without it: not measured"))
+    warn = fmt.rope_warning(tcfg)
+    if warn:
+        print(f"dflash export: warning: {warn}", file=sys.stderr)
+    dst = write_export(drafter, tcfg, out, dtype=dtype, target=target, figures=figures, note=note)
+    size = (dst / "model.safetensors").stat().st_size
+    return {"out": str(dst), "dtype": dtype, "bytes": size, "target": target,
+            "without_copy_head": bool(raw.get("copy_head")), "tau_no_copy_estimate": no_copy,
+            "block_size": drafter.cfg.block_size}
+
+
+def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16", target_config=None) -> dict:
+    """The end of `dflash train`: write OUT/export/, or say why not. Never raises: a run's
+    result (its checkpoint) is already on disk; a failed export is reported, not fatal."""
+    try:
+        drafter = ctx.trainer.drafter
+        if drafter.copy is not None:
+            why = ("the drafter has a copy head (model.copy_head), which the DFlash format cannot carry; export "
+                   f"the rest with: dflash export --checkpoint {ctx.out / 'checkpoint'} --out {ctx.out / 'export'} "
+                   "--without-copy-head")
+            print(f"dflash train: no served export: {why}", file=sys.stderr)
+            return {"skipped": why}
+        figures = {"after training": summary["eval_after"]} if "acceptance_length" in (
+            summary.get("eval_after") or {}) else None
+        tcfg = target_config if target_config is not None else ctx.target_config
+        dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype,
+                           target=ctx.cfg.model.target, figures=figures)
+        return {"out": str(dst), "dtype": dtype, "bytes": (dst / "model.safetensors").stat().st_size}
+    except Exception as e:  # reported in summary.json and on stderr
+        print(f"dflash train: export to {ctx.out / 'export'} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        return {"error": f"{type(e).__name__}: {e}"}

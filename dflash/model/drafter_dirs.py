@@ -1,0 +1,109 @@
+"""Read a drafter from either directory kind `dflash eval` and `--init-from` accept.
+
+- ours: `RUN/checkpoint/` written by `dflash train` (architectures ["DFlashDrafter"], the run
+  config under "dflash_run", training state for --resume);
+- served: the z-lab format (model/export_format.py) that `dflash export` writes, z-lab
+  publishes and SpecForge exports. It carries no run config: the target comes from --target.
+
+The kind is told by config.json alone (`export_format.is_export_config`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..config import ConfigError
+from . import export_format as fmt
+
+
+class DrafterDirError(ConfigError):
+    """A drafter directory that cannot be read or does not fit the target: bad input, exit 2."""
+
+
+@dataclass
+class DrafterDir:
+    path: Path
+    kind: str                      # "checkpoint" (ours) | "export" (the served format)
+    raw: dict                      # its config.json
+    run_config: dict = field(default_factory=dict)  # ours only: the training run's config
+
+    @property
+    def target(self) -> str | None:
+        return (self.run_config.get("model") or {}).get("target") or self.raw.get("target") or None
+
+
+def inspect(path: str | Path) -> DrafterDir:
+    """Which kind a directory is, from its config.json, and that its files are whole (a
+    corrupt config, a truncated safetensors: one line); nothing heavy is imported."""
+    from .. import checkpoint_files as files
+
+    try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
+        p = files.resolve(path)
+        raw = files.read_config(p)
+        for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]:
+            files.check_safetensors(f)
+    except files.CheckpointError as e:
+        raise DrafterDirError(f"--{e}") from None
+    if fmt.is_export_config(raw):
+        try:
+            fmt.drafter_config_fields(raw, str(path))
+        except fmt.FormatError as e:
+            raise DrafterDirError(str(e)) from None
+        return DrafterDir(p, "export", raw)
+    if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
+        raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint nor "
+                              f"a DFlash drafter (architectures {raw.get('architectures')})")
+    return DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
+
+
+def load(d: DrafterDir, device="cpu"):
+    """The drafter (float32 master weights, eval-ready) of an inspected directory."""
+    import torch
+
+    if d.kind == "checkpoint":
+        from . import checkpoint as ckpt
+        drafter, _ = ckpt.load_drafter(d.path, device=device, dtype=torch.float32)
+        return drafter
+    from safetensors.torch import load_file
+
+    from .drafter import DFlashDrafter, DrafterConfig
+
+    fields = fmt.drafter_config_fields(d.raw, str(d.path))
+    files = sorted(d.path.glob("*.safetensors"))
+    if not files:
+        raise DrafterDirError(f"--checkpoint {str(d.path)!r}: no *.safetensors weights beside config.json")
+    state = {}
+    try:
+        for f in files:
+            state.update(fmt.import_state_dict(load_file(str(f))))
+    except fmt.FormatError as e:
+        raise DrafterDirError(f"{d.path}: {e}") from None
+    drafter = DFlashDrafter(DrafterConfig(**fields, target=d.raw.get("target", "")))
+    want = drafter.state_dict()
+    missing = sorted(set(want) - set(state))
+    if missing:
+        raise DrafterDirError(f"{d.path}: weights missing for this config: {', '.join(missing[:4])}"
+                              + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+    for k, v in state.items():
+        if tuple(v.shape) != tuple(want[k].shape):
+            raise DrafterDirError(f"{d.path}: weight {fmt.to_export_name(k)} has shape {tuple(v.shape)}; "
+                                  f"its config implies {tuple(want[k].shape)}")
+    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    return drafter.to(device)
+
+
+def fields(d: DrafterDir) -> dict:
+    """Its DrafterConfig fields, from config.json alone."""
+    return fmt.drafter_config_fields(d.raw, str(d.path)) if d.kind == "export" else d.raw
+
+
+def check_fits(d: DrafterDir, target, where: str) -> None:
+    """Raise DrafterDirError (one line) when the drafter's shapes do not fit the target;
+    from config.json, so before its weights are read."""
+    from .target import num_layers
+
+    tc = target.config.get_text_config()
+    err = fmt.fit_error(fields(d), hidden_size=tc.hidden_size, num_layers=num_layers(target),
+                        embed_rows=target.get_input_embeddings().weight.shape[0], where=where)
+    if err:
+        raise DrafterDirError(err)

@@ -1,0 +1,240 @@
+"""The DFlash drafter format the serving engines read: z-lab's published layout.
+
+SGLang (`--speculative-algorithm DFLASH`), vLLM (`method: dflash`), z-lab's reference
+code (`DFlashDraftModel.from_pretrained`) and SpecForge (`specforge export --to hf`) all
+read one directory layout:
+
+- `config.json`: a Qwen3 config of the drafter's own layers (`model_type: qwen3`,
+  `architectures: ["DFlashDraftModel"]`) plus `dflash_config` {target_layer_ids,
+  mask_token_id, block_size, num_target_layers}. Readers disagree on where they look
+  (vLLM reads `dflash_config` only, older loaders the top level), so block_size and
+  num_target_layers go in both places.
+- `model.safetensors`: the drafter's weights under Qwen3 decoder names (`layers.{i}.self_attn.*`,
+  `layers.{i}.mlp.*`), with no embedding and no lm_head: engines use the target's.
+
+`target_layer_ids` in that format mean what ours mean: id i is the output of decoder layer
+i, i.e. `hidden_states[i + 1]` of a Hugging Face forward (hidden_states[0] is the embedding).
+
+This module is the format in both directions: our state dict <-> its names, our
+DrafterConfig <-> its config. It reads only JSON until a drafter is built, so a bad
+directory fails before any model loads.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+from ..config import ConfigError
+
+ARCHITECTURE = "DFlashDraftModel"
+
+# our DrafterLayer keeps attention and MLP projections flat; Qwen3 nests them
+_NESTED = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "q_norm": "self_attn", "k_norm": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+_TOP = ("fc.weight", "hidden_norm.weight", "norm.weight")
+_LAYER_OWN = ("input_layernorm", "post_attention_layernorm")
+# what a reader may ship beside the drafter and we can drop: engines use the target's
+_TARGET_OWNED = ("embed_tokens.weight", "lm_head.weight")
+
+
+class FormatError(ConfigError):
+    """A directory or drafter the format cannot express (one line naming what): exit 2."""
+
+
+def is_export_config(raw: dict) -> bool:
+    """A config.json in the served format (ours say architectures ['DFlashDrafter'])."""
+    return "dflash_config" in raw or any(str(a).startswith("DFlash") and a != "DFlashDrafter"
+                                         for a in raw.get("architectures") or [])
+
+
+def read_config(path: str | Path) -> dict | None:
+    """The config.json of `path` (a dir), or None when there is none."""
+    f = Path(path) / "config.json"
+    if not f.is_file():
+        return None
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError) as e:
+        raise FormatError(f"{f}: not readable JSON ({e})") from None
+
+
+# -- weights ------------------------------------------------------------------------------
+def to_export_name(name: str) -> str:
+    """Our state-dict name -> the format's; FormatError for a part the format cannot carry."""
+    if name in _TOP:
+        return name
+    m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.weight", name)
+    if m:
+        i, part = m.groups()
+        if part in _LAYER_OWN:
+            return name
+        if part in _NESTED:
+            return f"layers.{i}.{_NESTED[part]}.{part}.weight"
+    raise FormatError(f"weight {name!r}: the DFlash format has no place for it")
+
+
+def from_export_name(name: str) -> str | None:
+    """The format's name -> ours; None for target-owned weights a writer may have added."""
+    name = name.removeprefix("model.")  # vLLM / speculators prefix the drafter's weights
+    if name in _TOP:
+        return name
+    if name in _TARGET_OWNED:
+        return None
+    m = re.fullmatch(r"layers\.(\d+)\.(?:(self_attn|mlp)\.)?(\w+)\.weight", name)
+    if m:
+        i, group, part = m.groups()
+        if (group is None and part in _LAYER_OWN) or (group is not None and _NESTED.get(part) == group):
+            return f"layers.{i}.{part}.weight"
+    raise FormatError(f"weight {name!r}: not a DFlash drafter weight this trainer knows "
+                      f"(a DFlash2 or other variant?)")
+
+
+def export_state_dict(state: dict) -> dict:
+    return {to_export_name(k): v for k, v in state.items()}
+
+
+def import_state_dict(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        ours = from_export_name(k)
+        if ours is not None:
+            out[ours] = v
+    return out
+
+
+# -- config -------------------------------------------------------------------------------
+def _rope_type(tcfg) -> str:
+    for key in ("rope_parameters", "rope_scaling"):
+        rp = getattr(tcfg, key, None)
+        if isinstance(rp, dict):
+            return str(rp.get("rope_type") or rp.get("type") or "default")
+    return "default"
+
+
+def export_config(dcfg, target_config, *, dtype: str) -> dict:
+    """The served config.json of a drafter (DrafterConfig) trained for `target_config`."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    num_target_layers = int(tc.num_hidden_layers)
+    flags = {"target_layer_ids": list(dcfg.target_layer_ids), "mask_token_id": int(dcfg.mask_token_id),
+             "block_size": int(dcfg.block_size), "num_target_layers": num_target_layers}
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": dcfg.hidden_size,
+        "num_attention_heads": dcfg.num_attention_heads,
+        "num_key_value_heads": dcfg.num_key_value_heads,
+        "head_dim": dcfg.head_dim,
+        "intermediate_size": dcfg.intermediate_size,
+        "num_hidden_layers": dcfg.num_hidden_layers,
+        "vocab_size": int(dcfg.vocab_size),   # the target's embedding rows (build_drafter)
+        "rms_norm_eps": dcfg.rms_norm_eps,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_sliding_window": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,                  # transformers 4.x readers (vLLM, SGLang) look here
+        # the theta the drafter trained with (DrafterConfig.from_target took it from the target)
+        "rope_theta": dcfg.rope_theta,
+        "max_position_embeddings": getattr(tc, "max_position_embeddings", None) or 32768,
+        "dflash_config": flags,
+        "block_size": flags["block_size"],     # older readers (MLX) look at the top level
+        "num_target_layers": num_target_layers,
+    }
+    # plain RoPE is `rope_scaling: null` to transformers-4 readers (vLLM, SGLang), as in z-lab's
+    # published configs; transformers 5 reads rope_parameters. A scaling is copied as it is.
+    scaled = _rope_type(tc) != "default"
+    for key in ("rope_scaling", "rope_parameters"):
+        val = getattr(tc, key, None)
+        cfg[key] = (dict(val) if isinstance(val, dict) else val) if scaled or key == "rope_parameters" else None
+    if isinstance(cfg.get("rope_parameters"), dict):  # one theta, whichever the reader takes
+        cfg["rope_parameters"]["rope_theta"] = dcfg.rope_theta
+    if cfg["rope_parameters"] is None:
+        del cfg["rope_parameters"]
+    return cfg
+
+
+def rope_warning(target_config) -> str | None:
+    """Our drafter applies plain RoPE; a reader applies the target's scaling if it has one."""
+    tc = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    kind = _rope_type(tc)
+    if kind != "default":
+        return (f"the target uses rope type {kind!r}; this drafter trained with plain RoPE, and a reader "
+                f"of the exported config applies {kind!r} to it (positions beyond the original context differ)")
+    return None
+
+
+def _value(raw: dict, name: str, default=None):
+    """Where the reference looks: dflash_config first, then the top level."""
+    return (raw.get("dflash_config") or {}).get(name, raw.get(name, default))
+
+
+def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
+    """The reference's default when a config names no target_layer_ids (same rule as ours)."""
+    if n == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (n - 1)) for i in range(n)]
+
+
+def drafter_config_fields(raw: dict, where: str) -> dict:
+    """DrafterConfig fields from a served config.json; FormatError for what we cannot run."""
+    for arch in raw.get("architectures") or []:
+        if arch != ARCHITECTURE:
+            raise FormatError(f"{where}: architecture {arch!r}: expected {ARCHITECTURE} (DFlash2 and other "
+                              f"variants add parts this trainer does not have)")
+    for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
+        if float(_value(raw, key, neutral)) != neutral:
+            raise FormatError(f"{where}: {key}={_value(raw, key)}: this trainer's drafter supports {neutral} only")
+    if _value(raw, "final_logit_softcapping"):
+        raise FormatError(f"{where}: final_logit_softcapping: not supported by this trainer's drafter")
+    if raw.get("attention_bias"):
+        raise FormatError(f"{where}: attention_bias=true: this trainer's drafter has no attention biases")
+    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
+        raise FormatError(f"{where}: sliding-window attention: this trainer's drafter attends to the whole context")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise FormatError(f"{where}: hidden_act={raw['hidden_act']!r}: expected silu")
+    mask = _value(raw, "mask_token_id")
+    if mask is None:
+        raise FormatError(f"{where}: no mask_token_id (in dflash_config or at the top level)")
+    try:
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        layers = int(raw["num_hidden_layers"])
+        ids = _value(raw, "target_layer_ids")
+        if ids is None:
+            ids = spread_layer_ids(int(_value(raw, "num_target_layers")), layers)
+        rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        return {
+            "hidden_size": hidden,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
+            "head_dim": int(raw.get("head_dim") or hidden // heads),
+            "intermediate_size": int(raw["intermediate_size"]),
+            "vocab_size": int(raw["vocab_size"]),
+            "target_layer_ids": [int(i) for i in ids],
+            "mask_token_id": int(mask),
+            "num_hidden_layers": layers,
+            "block_size": int(_value(raw, "block_size", 16)),
+            "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
+            "rope_theta": float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+        }
+    except (KeyError, TypeError, ValueError) as e:
+        raise FormatError(f"{where}: config.json lacks or garbles {e} (expected a DFlash drafter config)") from None
+
+
+def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: int, where: str) -> str | None:
+    """One line naming the first way a drafter does not fit a target, or None."""
+    if fields["hidden_size"] != hidden_size:
+        return (f"{where}: drafter hidden_size={fields['hidden_size']} does not fit the target's "
+                f"hidden size {hidden_size}")
+    bad = [i for i in fields["target_layer_ids"] if not 0 <= i < num_layers]
+    if bad:
+        return (f"{where}: target_layer_ids {fields['target_layer_ids']} name layer(s) {bad}; the target has "
+                f"{num_layers} decoder layers (ids 0..{num_layers - 1})")
+    if not 0 <= fields["mask_token_id"] < embed_rows:
+        return (f"{where}: mask_token_id={fields['mask_token_id']} is outside the target's {embed_rows} "
+                f"embedding rows")
+    return None
