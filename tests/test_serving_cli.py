@@ -57,6 +57,8 @@ def test_served_dir_without_target_and_export_checks_fail_before_torch(tmp_path)
                                                     "num_hidden_layers": 1, "intermediate_size": 512,
                                                     "vocab_size": 49152, "dflash_config": {
                                                         "target_layer_ids": [1], "mask_token_id": 16}}))
+    header = json.dumps({"fc.weight": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (served / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)  # whole
     out, err = _probe("eval", "--checkpoint", served)
     assert out == {"rc": 2, "heavy": []} and "--target" in err, err
     ours = tmp_path / "run" / "checkpoint"
