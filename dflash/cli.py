@@ -95,7 +95,7 @@ def _train(a) -> int:
     from . import run_dir
     out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
     a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
-    if a.overwrite:
+    if a.overwrite and os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock
         run_dir.clear_earlier_run(out)
     if a.resume:
         from .checkpoint_files import clean_stale_temps
