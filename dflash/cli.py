@@ -95,11 +95,12 @@ def _train(a) -> int:
     from . import run_dir
     out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
     a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
-    if a.overwrite and os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock
-        run_dir.clear_earlier_run(out)
-    if a.resume:
-        from .checkpoint_files import clean_stale_temps
-        clean_stale_temps(out / "checkpoint")
+    if os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock tidies up
+        if a.overwrite:
+            run_dir.clear_earlier_run(out)
+        if a.resume:
+            from .checkpoint_files import clean_stale_temps
+            clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
     from .run.trainer import train  # torch and transformers: only once the input is known to be good
 
