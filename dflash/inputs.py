@@ -157,17 +157,36 @@ def smollm2_cache_entry(suffix: str = "") -> Path | None:
 # ----------------------------------------------------------------------------- datasets
 
 
+def is_jsonl(path) -> bool:
+    """JSON Lines (one record a line), by name: .jsonl, .jsonl.gz."""
+    return Path(path).name.endswith((".jsonl", ".jsonl.gz"))
+
+
+def open_text(path):
+    """A data file as UTF-8 text, gzip-compressed (.gz) or not."""
+    import gzip
+
+    p = Path(path)
+    return gzip.open(p, "rt", encoding="utf-8") if p.name.endswith(".gz") else open(p, encoding="utf-8")
+
+
 def check_dataset_path(path) -> None:
-    """Cheap up-front check: the file exists, is readable and starts like a JSON list of objects."""
+    """Cheap up-front check: the file exists, is readable and starts like a JSON list of
+    objects, or (.jsonl) like a JSON object a line; .gz is read through gzip."""
     p = Path(path).expanduser()
+    expected = "a JSON or JSONL file of conversations (.json, .jsonl, optionally .gz)"
     if p.is_dir():
-        raise DatasetError(f"dataset '{path}': is a directory (expected a JSON file of ShareGPT conversations)")
+        raise DatasetError(f"dataset '{path}': is a directory (expected {expected})")
     if not p.is_file():
         raise DatasetError(f"dataset '{path}': no such file")
     try:
-        with open(p, encoding="utf-8") as f:
+        with open_text(p) as f:
             head = f.read(4096).lstrip()
-    except (OSError, UnicodeDecodeError) as e:
+    except (OSError, UnicodeDecodeError, EOFError) as e:
         raise DatasetError(f"dataset '{path}': unreadable ({e.__class__.__name__}: {e})") from None
-    if not re.match(r"\[\s*(\{|\]|$)", head):
-        raise DatasetError(f"dataset '{path}': not a JSON list of ShareGPT conversations (starts with {head[:20]!r})")
+    if is_jsonl(p):
+        if head and not head.startswith("{"):
+            raise DatasetError(f"dataset '{path}': not JSON Lines of conversations (starts with {head[:20]!r})")
+    elif not re.match(r"\[\s*(\{|\]|$)", head):
+        raise DatasetError(f"dataset '{path}': not a JSON list of conversations (starts with {head[:20]!r}; "
+                           f"expected {expected})")

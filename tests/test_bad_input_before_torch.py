@@ -38,8 +38,8 @@ def _record(i):
 
 
 @pytest.mark.parametrize("kind,needle", [
-    ("empty_list", "no valid ShareGPT conversations in 0 records"),
-    ("all_malformed", "no valid ShareGPT conversations in 3 records"),
+    ("empty_list", "no usable conversation in 0 records"),
+    ("all_malformed", "no usable conversation in 3 records"),
     ("late_bad_utf8", "not UTF-8"),
     ("one_record", "1 usable conversation(s); expected at least 2"),
     ("directory", "is a directory"),

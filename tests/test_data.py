@@ -151,7 +151,7 @@ def test_dataset_errors(tmp_path):
     broken.write_text('[{"conversations": [}')
     with pytest.raises(D.DatasetError, match="broken.json"):
         D.load_conversations(broken, limit=5)
-    with pytest.raises(D.DatasetError, match="no valid"):
+    with pytest.raises(D.DatasetError, match="no usable conversation in 2 records .dropped: "):
         D.load_conversations(_write_sharegpt(tmp_path / "bad.json", RECORDS[1:3]), limit=5)
     D.check_dataset_path(D.sharegpt_path())
 

@@ -1,8 +1,12 @@
-"""ShareGPT files -> clean conversations, without torch: the CLI reads the data set this
-way before any model loads, so an empty, malformed or non-UTF-8 file is one line (exit 2)
-in seconds, and the subset it picks is cached for the run that follows.
+"""Data files -> clean conversations, without torch: the CLI reads the data set this way
+before any model loads, so an empty, malformed or non-UTF-8 file is one line (exit 2) in
+seconds, and the subset it picks is cached for the run that follows.
 
-A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``.
+Files: a JSON array (ShareGPT's layout, the embedded default) or JSON Lines (SpecForge's),
+either one gzip-compressed (.gz); both streamed. Records: `conversations` of `from`/`value`
+(ShareGPT) or `role`/`content`, or OpenAI-style `messages`; a system prompt is kept.
+A record that cannot be used is dropped and counted by reason (`DROP_REASONS`), never a
+crash. A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``.
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ..inputs import DatasetError, cache_dir, check_dataset_path
+from ..inputs import DatasetError, cache_dir, check_dataset_path, is_jsonl, open_text
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +50,28 @@ def sharegpt_path() -> Path:
     return _resources.enter_context(dataset_path())
 
 
-def _iter_json_array(path: Path, chunk: int = 1 << 20) -> Iterator:
-    """The records of a JSON array file, streamed; bytes that are not UTF-8 are one line."""
+DROP_REASONS = ("not_json", "not_a_conversation", "no_assistant_turn", "roles_out_of_order", "empty")
+_NOT_JSON = object()  # a JSON Lines line that does not parse: counted, not a crash
+
+
+def _iter_records(path: Path, chunk: int = 1 << 20) -> Iterator:
+    """The records of a data file, streamed; bytes that are not UTF-8 are one line."""
     try:
-        yield from _stream_array(path, chunk)
+        yield from (_stream_lines(path) if is_jsonl(path) else _stream_array(path, chunk))
     except UnicodeDecodeError as e:
         raise DatasetError(f"dataset '{path}': not UTF-8 text ({e.reason} in a chunk read from the file)") from None
-    except OSError as e:
-        raise DatasetError(f"dataset '{path}': unreadable ({e.strerror or e})") from None
+    except (OSError, EOFError) as e:
+        raise DatasetError(f"dataset '{path}': unreadable ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _stream_lines(path: Path) -> Iterator:
+    with open_text(path) as f:
+        for line in f:
+            if line.strip():
+                try:
+                    yield json.loads(line)
+                except ValueError:
+                    yield _NOT_JSON
 
 
 def _stream_array(path: Path, chunk: int) -> Iterator:
@@ -62,7 +80,7 @@ def _stream_array(path: Path, chunk: int) -> Iterator:
     A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream.
     """
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8") as f:
+    with open_text(path) as f:
         buf = f.read(chunk)
         pos = _SEP.match(buf).end()
         if not buf.startswith("[", pos):
@@ -92,19 +110,36 @@ def _stream_array(path: Path, chunk: int) -> Iterator:
 
 
 def _normalize(record) -> list[dict] | None:
-    """A ShareGPT record -> a clean conversation, or None when it is malformed.
+    """A record -> a clean conversation, or None when it cannot be used (see `classify`)."""
+    return classify(record)[0]
+
+
+def _turn(t) -> dict | None:
+    """One turn, ShareGPT's `from`/`value` or chat's `role`/`content`; None when neither."""
+    if not isinstance(t, dict):
+        return None
+    role, text = (t.get("from"), t.get("value")) if "from" in t else (t.get("role"), t.get("content"))
+    if role not in _ROLES or not isinstance(text, str):
+        return None
+    return {"role": _ROLES[role], "content": text}
+
+
+def classify(record) -> tuple[list[dict] | None, str | None]:
+    """(clean conversation, None) or (None, the reason it is dropped: one of DROP_REASONS).
 
     Leading assistant turns (ShareGPT splits long chats mid-way) and a trailing user turn are
     dropped; roles must then alternate user/assistant after an optional system prompt.
     """
-    turns = record.get("conversations") if isinstance(record, dict) else None
+    if record is _NOT_JSON:
+        return None, "not_json"
+    turns = None
+    if isinstance(record, dict):
+        turns = record.get("conversations", record.get("messages"))
     if not isinstance(turns, list):
-        return None
-    conv = []
-    for t in turns:
-        if not isinstance(t, dict) or not isinstance(t.get("value"), str) or t.get("from") not in _ROLES:
-            return None
-        conv.append({"role": _ROLES[t["from"]], "content": t["value"]})
+        return None, "not_a_conversation"
+    conv = [_turn(t) for t in turns]
+    if any(c is None for c in conv):
+        return None, "not_a_conversation"
     system = conv[:1] if conv and conv[0]["role"] == "system" else []
     rest = conv[len(system):]
     while rest and rest[0]["role"] == "assistant":
@@ -112,11 +147,13 @@ def _normalize(record) -> list[dict] | None:
     if rest and rest[-1]["role"] == "user":
         rest = rest[:-1]
     if len(rest) < 2:  # needs at least one user -> assistant exchange
-        return None
+        return None, "no_assistant_turn"
     for i, m in enumerate(rest):
-        if m["role"] != ("user", "assistant")[i % 2] or not m["content"].strip():
-            return None
-    return system + rest
+        if m["role"] != ("user", "assistant")[i % 2]:
+            return None, "roles_out_of_order"
+        if not m["content"].strip():
+            return None, "empty"
+    return system + rest, None
 
 
 def _subset_cache_path(path: Path, limit: int, seed: int) -> Path:
@@ -149,7 +186,7 @@ def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dic
 
 
 def _take(path: Path, limit: int, seed: int) -> list[list[dict]]:
-    records, stream, prefix = [], _iter_json_array(path), 4 * limit + 1000
+    records, stream, prefix = [], _iter_records(path), 4 * limit + 1000
     while True:
         records.extend(r for _, r in zip(range(prefix - len(records)), stream))
         order = list(range(len(records)))
@@ -160,7 +197,24 @@ def _take(path: Path, limit: int, seed: int) -> list[list[dict]]:
             break
         prefix *= 2
     if not convs and limit:
-        raise DatasetError(f"dataset '{path}': no valid ShareGPT conversations in {len(records)} records")
+        raise DatasetError(f"dataset '{path}': no usable conversation in {len(records)} records "
+                           f"({_dropped(records)})")
     if len(convs) < limit:
-        log.warning("dataset %s: only %d valid conversations (asked for %d)", path, len(convs), limit)
+        log.warning("dataset %s: only %d usable conversations (asked for %d; %s)", path, len(convs), limit,
+                    _dropped(records))
     return convs
+
+
+def drop_counts(records) -> dict[str, int]:
+    """How many records each reason drops."""
+    out = {r: 0 for r in DROP_REASONS}
+    for rec in records:
+        reason = classify(rec)[1]
+        if reason is not None:
+            out[reason] += 1
+    return out
+
+
+def _dropped(records) -> str:
+    counts = {k: v for k, v in drop_counts(records).items() if v}
+    return "dropped: " + (", ".join(f"{k} {v}" for k, v in counts.items()) if counts else "none")

@@ -1,0 +1,83 @@
+"""Data files beyond ShareGPT's JSON array: JSON Lines, gzip, chat `messages` records with a
+system prompt; unusable records are dropped and counted by reason, never a crash."""
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from dflash.data import conversations as C
+from dflash.inputs import DatasetError, check_dataset_path
+from helpers import ROOT, TINY
+
+CHAT = [
+    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+                  {"role": "assistant", "content": "Hello."}]},
+    {"conversations": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                       {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]},
+    {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]},
+]
+BAD = [
+    {"messages": [{"role": "user", "content": "only a question"}]},                          # no_assistant_turn
+    {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                  {"role": "assistant", "content": "c"}]},                                   # roles_out_of_order
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},  # empty
+    {"text": "no turns at all"},                                                             # not_a_conversation
+]
+
+
+def _write(path, records, *, jsonl: bool, gz: bool, garbage_line: bool = False):
+    lines = [json.dumps(r) for r in records]
+    if garbage_line:
+        lines.insert(1, "{this is not json")
+    text = "\n".join(lines) + "\n" if jsonl else json.dumps(records)
+    (gzip.open(path, "wt", encoding="utf-8") if gz else open(path, "w", encoding="utf-8")).write(text)
+    return path
+
+
+@pytest.mark.parametrize("name,jsonl,gz", [("d.jsonl", True, False), ("d.jsonl.gz", True, True),
+                                           ("d.json.gz", False, True), ("d.json", False, False)])
+def test_every_file_kind_gives_the_same_conversations(tmp_path, monkeypatch, name, jsonl, gz):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    path = _write(tmp_path / name, CHAT + BAD, jsonl=jsonl, gz=gz)
+    check_dataset_path(path)
+    convs = C.load_conversations(path, limit=10, seed=0)
+    assert len(convs) == 3
+    by_first_user = {next(m["content"] for m in c if m["role"] == "user"): c for c in convs}
+    assert by_first_user["Hi?"][0] == {"role": "system", "content": "Be brief."}  # the system prompt is kept
+    assert [m["role"] for m in by_first_user["2+2?"]] == ["user", "assistant"] * 2
+    assert by_first_user["Name a colour."][-1] == {"role": "assistant", "content": "Blue."}
+
+
+def test_unusable_records_are_counted_by_reason(tmp_path):
+    path = _write(tmp_path / "d.jsonl", CHAT + BAD, jsonl=True, gz=False, garbage_line=True)
+    counts = C.drop_counts(C._iter_records(path))
+    assert counts == {"not_json": 1, "not_a_conversation": 1, "no_assistant_turn": 1, "roles_out_of_order": 1,
+                      "empty": 1}
+
+
+def test_a_jsonl_file_that_is_not_jsonl_is_one_line(tmp_path):
+    bad = tmp_path / "d.jsonl"
+    bad.write_text("[1, 2, 3]\n")
+    with pytest.raises(DatasetError, match="not JSON Lines"):
+        check_dataset_path(bad)
+
+
+_NO_TORCH = """
+import json, sys
+from dflash.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
+"""
+
+
+def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
+    path = _write(tmp_path / "d.jsonl", BAD, jsonl=True, gz=False, garbage_line=True)
+    p = subprocess.run([sys.executable, "-c", _NO_TORCH, "train", "--out", str(tmp_path / "run"), *TINY,
+                        "--set", f"data.path={path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+    assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
+    assert "roles_out_of_order 1" in lines[0]
