@@ -170,13 +170,58 @@ def open_text(path):
     return gzip.open(p, "rt", encoding="utf-8") if p.name.endswith(".gz") else open(p, encoding="utf-8")
 
 
-def check_dataset_path(path) -> None:
-    """Cheap up-front check: the file exists, is readable and starts like a JSON list of
-    objects, or (.jsonl) like a JSON object a line; .gz is read through gzip."""
-    p = Path(path).expanduser()
-    expected = "a JSON or JSONL file of conversations (.json, .jsonl, optionally .gz)"
-    if p.is_dir():
-        raise DatasetError(f"dataset '{path}': is a directory (expected {expected})")
+DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
+
+
+def is_hf_dataset_dir(path) -> bool:
+    """A directory written by `datasets`' `save_to_disk`."""
+    p = Path(path)
+    return p.is_dir() and ((p / "dataset_info.json").is_file() or (p / "state.json").is_file()
+                           or (p / "dataset_dict.json").is_file())
+
+
+def data_files(spec: str) -> list[Path]:
+    """`data.path` -> the files (or `save_to_disk` dirs) it names, in a fixed order: a file, a
+    glob, a directory (its data files, or a saved dataset), or several of these joined
+    with commas. One line (DatasetError) for a part that names nothing."""
+    import glob
+
+    out: list[Path] = []
+    for part in [s.strip() for s in str(spec).split(",") if s.strip()]:
+        p = Path(part).expanduser()
+        if any(c in part for c in "*?["):
+            found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
+            if not found:
+                raise DatasetError(f"dataset '{part}': the pattern matches no file")
+            out += found
+        elif p.is_dir() and not is_hf_dataset_dir(p):
+            found = sorted(f for f in p.iterdir() if f.is_file() and f.name.endswith(DATA_SUFFIXES))
+            if not found:
+                raise DatasetError(f"dataset '{part}': a directory with no data file ({', '.join(DATA_SUFFIXES)}) "
+                                   "and not a saved Hugging Face dataset")
+            out += found
+        else:
+            out.append(p)
+    if not out:
+        raise DatasetError(f"dataset {spec!r}: names no file")
+    return out
+
+
+def check_dataset_path(spec) -> None:
+    """Cheap up-front check of every file `data.path` names (see data_files)."""
+    for p in data_files(str(spec)):
+        _check_data_file(p)
+
+
+def _check_data_file(p: Path) -> None:
+    """It exists and is readable, and starts like a JSON list of objects, or (.jsonl) like
+    a JSON object a line; .gz is read through gzip; parquet and saved datasets by `datasets`."""
+    path = str(p)
+    expected = "a JSON or JSONL file of conversations (.json, .jsonl, optionally .gz), parquet, or a saved dataset"
+    if is_hf_dataset_dir(p) or p.name.endswith(".parquet") and p.is_file():
+        if importlib.util.find_spec("datasets") is None:
+            raise DatasetError(f"dataset '{path}': reading it needs the `datasets` package (pip install datasets)")
+        return
     if not p.is_file():
         raise DatasetError(f"dataset '{path}': no such file")
     try:

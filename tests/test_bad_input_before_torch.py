@@ -42,7 +42,7 @@ def _record(i):
     ("all_malformed", "no usable conversation in 3 records"),
     ("late_bad_utf8", "not UTF-8"),
     ("one_record", "1 usable conversation(s); expected at least 2"),
-    ("directory", "is a directory"),
+    ("directory", "a directory with no data file"),
 ])
 def test_datasets_without_usable_records_fail_before_any_model_loads(tmp_path, kind, needle):
     path = tmp_path / "data.json"

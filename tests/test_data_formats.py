@@ -81,3 +81,34 @@ def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
     assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
     assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
     assert "roles_out_of_order 1" in lines[0]
+
+
+def test_a_glob_a_directory_and_a_list_name_several_files(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "shards"
+    d.mkdir()
+    _write(d / "a.jsonl", CHAT[:2], jsonl=True, gz=False)
+    _write(d / "b.json.gz", CHAT[2:] + BAD, jsonl=False, gz=True)
+    (d / "notes.txt").write_text("not data")
+    want = sorted(map(json.dumps, C.load_conversations(f"{d / 'a.jsonl'},{d / 'b.json.gz'}", limit=10, seed=0)))
+    for spec in (str(d), str(d / "*.*s*"), f"{d / 'a.jsonl'}, {d / 'b.json.gz'}"):
+        got = C.load_conversations(spec, limit=10, seed=0)
+        assert len(got) == 3 and sorted(map(json.dumps, got)) == want, spec
+    with pytest.raises(DatasetError, match="the pattern matches no file"):
+        check_dataset_path(str(d / "*.parquet"))
+    with pytest.raises(DatasetError, match="a directory with no data file"):
+        check_dataset_path(str(tmp_path / "cache"))
+
+
+def test_parquet_and_a_saved_hugging_face_dataset(tmp_path, monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+    rows = [{"messages": r["messages"]} for r in CHAT[:1]] + [{"messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]} for i in range(4)]
+    ds = datasets.Dataset.from_list(rows)
+    ds.to_parquet(str(tmp_path / "d.parquet"))
+    ds.save_to_disk(str(tmp_path / "saved"))
+    for spec in (tmp_path / "d.parquet", tmp_path / "saved"):
+        check_dataset_path(spec)
+        convs = C.load_conversations(spec, limit=10, seed=0)
+        assert len(convs) == 5 and any(c[0] == {"role": "system", "content": "Be brief."} for c in convs), spec

@@ -22,7 +22,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ..inputs import DatasetError, cache_dir, check_dataset_path, is_jsonl, open_text
+from ..inputs import (DatasetError, cache_dir, check_dataset_path, data_files, is_hf_dataset_dir, is_jsonl,
+                      open_text)
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +58,29 @@ _NOT_JSON = object()  # a JSON Lines line that does not parse: counted, not a cr
 def _iter_records(path: Path, chunk: int = 1 << 20) -> Iterator:
     """The records of a data file, streamed; bytes that are not UTF-8 are one line."""
     try:
-        yield from (_stream_lines(path) if is_jsonl(path) else _stream_array(path, chunk))
+        if is_hf_dataset_dir(path) or path.name.endswith(".parquet"):
+            yield from _stream_hf(path)
+        else:
+            yield from (_stream_lines(path) if is_jsonl(path) else _stream_array(path, chunk))
     except UnicodeDecodeError as e:
         raise DatasetError(f"dataset '{path}': not UTF-8 text ({e.reason} in a chunk read from the file)") from None
     except (OSError, EOFError) as e:
         raise DatasetError(f"dataset '{path}': unreadable ({getattr(e, 'strerror', None) or e})") from None
+
+
+def _stream_hf(path: Path) -> Iterator:
+    """Rows of a parquet file or a `save_to_disk` directory, through `datasets`: arrow data
+    memory-mapped or streamed, never loaded whole."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+        parts = ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]
+    else:
+        parts = [datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)]
+    for part in parts:
+        yield from part
 
 
 def _stream_lines(path: Path) -> Iterator:
@@ -156,28 +175,34 @@ def classify(record) -> tuple[list[dict] | None, str | None]:
     return system + rest, None
 
 
-def _subset_cache_path(path: Path, limit: int, seed: int) -> Path:
-    st = path.stat()
-    ident = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_dir() / "conversations" / f"{path.stem}-{ident}-n{limit}-s{seed}.json"
+def _subset_cache_path(paths: list[Path], limit: int, seed: int) -> Path:
+    def ident(p: Path) -> str:
+        st = p.stat()
+        return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    key = "\n".join(ident(p) for p in paths)  # one file: the key it always had
+    name = paths[0].stem if len(paths) == 1 else f"{paths[0].stem}+{len(paths) - 1}"
+    return cache_dir() / "conversations" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-n{limit}-s{seed}.json"
 
 
 def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dict]]:
-    """``limit`` valid conversations, deterministic for (file, limit, seed).
+    """``limit`` valid conversations, deterministic for (files, limit, seed).
 
-    Parses only a prefix of ``4 * limit + 1000`` records (growing it if too few are valid),
-    shuffles that prefix with ``seed`` and keeps the first ``limit`` valid ones. The subset is
-    cached as a small json, so repeated runs skip the parse. Fewer than ``limit`` come back only
-    when the whole file holds fewer.
+    ``path``: what `data.path` takes (a file, a glob, a directory, several joined with
+    commas; see inputs.data_files); None: the embedded ShareGPT file. Parses only a prefix
+    of ``4 * limit + 1000`` records (growing it if too few are valid), shuffles that prefix
+    with ``seed`` and keeps the first ``limit`` valid ones: memory follows ``limit``, not the
+    files' size. The subset is cached as a small json, so repeated runs skip the parse.
+    Fewer than ``limit`` come back only when the files hold fewer.
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
-    path = Path(path).expanduser() if path is not None else sharegpt_path()
-    check_dataset_path(path)
-    cached = _subset_cache_path(path, limit, seed)
+    paths = data_files(str(path)) if path is not None else [sharegpt_path()]
+    for p in paths:
+        check_dataset_path(p)
+    cached = _subset_cache_path(paths, limit, seed)
     if cached.is_file():
         return json.loads(cached.read_text(encoding="utf-8"))
-    convs = _take(path, limit, seed)
+    convs = _take(paths, limit, seed)
     cached.parent.mkdir(parents=True, exist_ok=True)
     tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(convs), encoding="utf-8")
@@ -185,8 +210,9 @@ def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dic
     return convs
 
 
-def _take(path: Path, limit: int, seed: int) -> list[list[dict]]:
-    records, stream, prefix = [], _iter_records(path), 4 * limit + 1000
+def _take(paths: list[Path], limit: int, seed: int) -> list[list[dict]]:
+    path = paths[0] if len(paths) == 1 else ",".join(map(str, paths))  # for the messages
+    records, stream, prefix = [], (r for p in paths for r in _iter_records(p)), 4 * limit + 1000
     while True:
         records.extend(r for _, r in zip(range(prefix - len(records)), stream))
         order = list(range(len(records)))
