@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
 
     from .cli_analysis import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
+    from .data_inspect import add_command as add_data_command
+    add_data_command(sub)  # data inspect
     return p
 
 
@@ -230,7 +232,8 @@ def main(argv=None) -> int:
     raise_on_sigterm()
     try:
         from .cli_analysis import COMMANDS
-        return ({"train": _train, "eval": _eval, "export": _export} | COMMANDS)[a.cmd](a)
+        from .data_inspect import run as data_inspect
+        return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect} | COMMANDS)[a.cmd](a)
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
         return 130

@@ -112,3 +112,20 @@ def test_parquet_and_a_saved_hugging_face_dataset(tmp_path, monkeypatch):
         check_dataset_path(spec)
         convs = C.load_conversations(spec, limit=10, seed=0)
         assert len(convs) == 5 and any(c[0] == {"role": "system", "content": "Be brief."} for c in convs), spec
+
+
+def test_data_inspect_reports_counts_lengths_loss_share_and_marked_examples(tmp_path):
+    from helpers import last_json, run_dflash
+
+    path = _write(tmp_path / "d.jsonl", CHAT + BAD, jsonl=True, gz=False, garbage_line=True)
+    p = run_dflash("data", "inspect", path, "--max-len", 40, "--json", timeout=300)
+    r = last_json(p.stdout)
+    assert r["records_read"] == 8 and r["used"] == 3
+    assert {k: v for k, v in r["dropped"].items() if k != "over_length"} == {
+        "not_json": 1, "not_a_conversation": 1, "no_assistant_turn": 1, "roles_out_of_order": 1, "empty": 1}
+    assert sum(r["token_length_histogram"].values()) == 3 and 0 < r["loss_share"] < 1
+    assert len(r["examples"]) == 3 and all("[[" in e and "]]" in e for e in r["examples"])
+    assert any("[[Hello.<|im_end|>]]" in e for e in r["examples"])  # the reply and its end-of-turn token
+    assert "records read 8, used 3" in p.stdout
+    bad = run_dflash("data", "inspect", tmp_path / "nope.jsonl", check=False)
+    assert bad.returncode == 2 and "nope.jsonl" in bad.stderr
