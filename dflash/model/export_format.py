@@ -21,7 +21,6 @@ directory fails before any model loads.
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -51,13 +50,10 @@ def is_export_config(raw: dict) -> bool:
 
 def read_config(path: str | Path) -> dict | None:
     """The config.json of `path` (a dir), or None when there is none."""
+    from ..inputs import read_json_object
+
     f = Path(path) / "config.json"
-    if not f.is_file():
-        return None
-    try:
-        return json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{f}: not readable JSON ({e})") from None
+    return read_json_object(f, str(path), FormatError) if f.is_file() else None
 
 
 # -- weights ------------------------------------------------------------------------------

@@ -6,8 +6,10 @@
              device->host copy into pinned, pre-allocated buffers on a side stream;
     ranks    roles by rank: credit-based hand-off over torch.distributed (roles/handoff.py).
 
-Target side: `hand_over(item, stage) -> seconds blocked` inside the cpu_copy_enqueue stage
-(None from a ranks channel whose drafters stopped). Drafter side: `take(step) -> (item,
+Target side, inside the cpu_copy_enqueue stage: `stage_copy` starts the copy toward the
+drafter (the queue, on CUDA; a no-op elsewhere), `hand_over(item, stop) -> seconds
+blocked` (None from a ranks channel whose drafters stopped); `span_attrs` are what the
+stage carries about the channel. Drafter side: `take(step) -> (item,
 seconds waited)` inside queue_get, `taken(step)` once it is out, `batch_id(step)`.
 Ordering across streams is explicit everywhere: events, `record_stream`, and a staging
 buffer goes back to its pool only once the drafter's copy out of it has finished.
@@ -59,6 +61,7 @@ class PinnedPool:
 class DirectChannel:
     """The reference loop: the drafter's `take` runs the target worker inline."""
     waits = False  # no queue: no queue_get / cpu_copy_enqueue stages
+    span_attrs: dict = {}
 
     def __init__(self):
         self.produce = None  # set by the run: step -> HiddenItem (the target worker, inline)
@@ -82,6 +85,7 @@ class DirectChannel:
 class QueueChannel:
     """Target worker threads -> the bounded in-order queue -> the drafter thread."""
     waits = True
+    span_attrs: dict = {}
 
     def __init__(self, pcfg, drafter_device: torch.device, capacity: int | None = None):
         self.pcfg, self.drafter_device = pcfg, drafter_device
@@ -113,7 +117,7 @@ class QueueChannel:
             ev.record(cur)
             item.ready = ev
 
-    def hand_over(self, item: HiddenItem) -> float:
+    def hand_over(self, item: HiddenItem, stop: bool = False) -> float:
         return self.hq.put(item.batch.index, item)
 
     def take(self, step: int):
@@ -144,8 +148,15 @@ class RankChannel(QueueChannel):
         super().__init__(pcfg, drafter_device, capacity=pcfg.queue_size + 1)
         self.target_side, self.drafter_side = target_side, drafter_side
         self.layout, self.index = layout, index
+        self.span_attrs = {"transport": target_side.transport} if target_side is not None else {}
 
     # target rank
+    def staging(self, target_device, numel: int, dtype) -> None:
+        return None  # the payload goes over the wire from where it is (handoff.py)
+
+    def stage_copy(self, item, pool, side, cur, stop) -> None:
+        pass
+
     def hand_over(self, item: HiddenItem, stop: bool = False) -> float | None:
         t0 = time.perf_counter()
         granted = self.target_side.wait_credit(item.batch.index)

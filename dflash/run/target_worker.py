@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..model.features import pack, target_features
-from .channels import HiddenItem, RankChannel
+from .channels import HiddenItem
 from .faults import inject
 
 
@@ -24,7 +24,7 @@ class TargetWorker:
         self.cuda = self.dev.type == "cuda"
         self.extra = extra_attrs or {}
         self.side = self.pool = None
-        if channel.waits and not isinstance(channel, RankChannel):
+        if channel.waits:  # a queue: on CUDA, a side stream and (across devices) pinned staging
             self.side = torch.cuda.Stream(self.dev) if self.cuda else None
             H = target.config.get_text_config().hidden_size * len(ctx.layer_ids)
             t = ctx.cfg.train
@@ -52,12 +52,10 @@ class TargetWorker:
     def hand_over(self, item: HiddenItem, a: dict, cur) -> bool:
         """cpu_copy_enqueue: False when the channel takes nothing more (the drafters stopped)."""
         ctx, ch, thr = self.ctx, self.channel, self.ctx.cfg.pipeline.stall_threshold_s
-        transport = {"transport": ch.target_side.transport} if isinstance(ch, RankChannel) else {}
-        with ctx.tel.stage("cpu_copy_enqueue", trace=("batch", item.batch.index), **a, **transport) as s:
-            if not transport:  # the queue: start the copy toward the drafter's device
-                ch.stage_copy(item, self.pool, self.side, cur, ctx.workers_stop)
+        with ctx.tel.stage("cpu_copy_enqueue", trace=("batch", item.batch.index), **a, **ch.span_attrs) as s:
+            ch.stage_copy(item, self.pool, self.side, cur, ctx.workers_stop)  # toward the drafter's device
             inject(ctx.cfg.pipeline, "cpu_copy_enqueue", a["step"])
-            blocked = ch.hand_over(item, stop=ctx.stop.is_set()) if transport else ch.hand_over(item)
+            blocked = ch.hand_over(item, stop=ctx.stop.is_set())
             if blocked is None:
                 s.set(cancelled=True)
                 return False
