@@ -36,6 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--no-telemetry", action="store_true")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
 
+    t.add_argument("--features", metavar="FEATS",
+                   help="train from features dflash capture wrote: no target forward, only the target's "
+                        "embedding and lm_head are loaded; target and layer ids come from the capture")
     t.add_argument("--init-from", metavar="DIR",
                    help="start from a drafter in the served DFlash format (a published one, a SpecForge or "
                         "dflash export); its layers, block size and target layers replace the config's")
@@ -67,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     add_analysis_commands(sub)  # stalls, timeline
     from .data_inspect import add_command as add_data_command
     add_data_command(sub)  # data inspect
+    from .offline.capture_command import add_command as add_capture_command
+    add_capture_command(sub)  # capture
     return p
 
 
@@ -84,6 +89,11 @@ def _train(a) -> int:
     if a.init_from:
         from .init_from import init_flags
         flags |= init_flags(a.init_from)
+    features = a.features or load_config(a.config, a.set, **flags).data.features
+    if features:  # the capture decides target, its seed and the layer ids
+        from .offline.capture_command import train_flags
+        flags |= train_flags(features, load_config(a.config, a.set, **flags), target_flag=a.target,
+                             eval_flag=a.eval)
     cfg = load_config(a.config, a.set, **flags)
     if a.resume and a.overwrite:
         from .config import ConfigError
@@ -91,7 +101,7 @@ def _train(a) -> int:
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
     _check_torchrun_env()
-    _check_inputs_before_torch(cfg)
+    _check_inputs_before_torch(cfg, data=not cfg.data.features)
     if a.resume:
         _check_resume(cfg)
     from . import run_dir
@@ -130,7 +140,7 @@ def _check_torchrun_env() -> None:
         raise ConfigError(f"RANK={env['RANK']}: expected < WORLD_SIZE={world}")
 
 
-def _check_inputs_before_torch(cfg) -> None:
+def _check_inputs_before_torch(cfg, data: bool = True) -> None:
     """What can be known about the target and the data set without loading a model: a hub
     id that does not exist or cannot be reached, a data set with no usable record."""
     from .config import ConfigError
@@ -144,6 +154,8 @@ def _check_inputs_before_torch(cfg) -> None:
     log.setLevel(logging.ERROR)  # "fewer than asked" is said by the run itself, or refused below
     try:
         check_target_spec(cfg.model.target, probe_hub=True)
+        if not data:  # training from a capture: the samples are in it
+            return
         # picks (and caches) the run's subset: the run reads it back in milliseconds
         convs = load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations, seed=cfg.train.seed)
     except (TargetSpecError, DatasetError) as e:
@@ -233,7 +245,9 @@ def main(argv=None) -> int:
     try:
         from .cli_analysis import COMMANDS
         from .data_inspect import run as data_inspect
-        return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect} | COMMANDS)[a.cmd](a)
+        from .offline.capture_command import run as capture
+        return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect, "capture": capture}
+                | COMMANDS)[a.cmd](a)
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
         return 130

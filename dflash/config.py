@@ -43,6 +43,7 @@ class DataConfig:
     regen_max_prompt_len: int = 128
     regen_batch_size: int = 0            # prompts per generate() call, sorted by length; 0: auto (64 on CUDA, 16 on CPU)
     eval_fraction: float = 0.05
+    features: str = ""                   # a dir from `dflash capture`: train on its features, no target forward
 
 
 @dataclass
@@ -350,6 +351,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
+    if d.features:
+        _check_features(cfg)
     if p.layout:
         from .run.roles.layout import Layout, LayoutError
         try:
@@ -397,6 +400,17 @@ def validate(cfg: Config) -> None:
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "
                           f"(target {m.target!r} has {layers} decoder layers)")
+
+
+def _check_features(cfg: Config) -> None:
+    """`data.features`: what training from a capture cannot do (it has no target to run)."""
+    m, p, where = cfg.model, cfg.pipeline, f"data.features={cfg.data.features!r}"
+    if p.layout:
+        raise ConfigError(f"{where} with pipeline.layout={p.layout!r}: no target ranks are needed; launch the "
+                          "drafter ranks alone (torchrun --nproc_per_node N, no --layout)")
+    if m.drafter_init == "target":
+        raise ConfigError(f"{where} with model.drafter_init=target: only the target's embedding and lm_head are "
+                          "loaded; use model.drafter_init=random, or train online")
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "--") -> None:

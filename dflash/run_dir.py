@@ -83,7 +83,7 @@ def _is_run_dir(p: Path) -> bool:
     return False
 
 
-def claim(out: str, *, resume: bool, overwrite: bool) -> Path:
+def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") -> Path:
     """Check, then create and lock the run dir (global rank 0 only; other ranks check).
     A dir another run holds is reported as that, whatever else is wrong with it."""
     if os.environ.get("RANK", "0") not in ("", "0"):
@@ -108,7 +108,7 @@ def claim(out: str, *, resume: bool, overwrite: bool) -> Path:
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
         if not (p / MARKER).is_file():
             tmp = p / f"{MARKER}.tmp{os.getpid()}"
-            tmp.write_text(json.dumps({"written_by": "dflash train", "version": 1}) + "\n")
+            tmp.write_text(json.dumps({"written_by": by, "version": 1}) + "\n")
             os.replace(tmp, p / MARKER)
     except OSError as e:
         os.close(fd)

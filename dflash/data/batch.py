@@ -14,6 +14,7 @@ class Batch:
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
     lengths: list[int]         # valid tokens per sequence (host ints: packing needs no sync)
+    features: torch.Tensor | None = None  # [B, S, F] read from a capture by data_load (train --features)
 
     @property
     def tokens(self) -> int:

@@ -167,7 +167,7 @@ def batches(samples, *, batch_size: int, seed: int, pad_id: int, bucket: bool = 
     while True:
         for group in _epoch_batches(samples, bs, seed, epoch, bucket):
             if index >= start:
-                yield _collate([samples[i] for i in group], pad_id, index if batch_id is None else batch_id(index))
+                yield collate([samples[i] for i in group], pad_id, index if batch_id is None else batch_id(index))
             index += 1
         epoch += 1
 
@@ -187,7 +187,7 @@ def _epoch_batches(samples, bs: int, seed: int, epoch: int, bucket: bool) -> lis
     return groups
 
 
-def _collate(group: list[Sample], pad_id: int, index: int) -> Batch:
+def collate(group: list[Sample], pad_id: int, index: int) -> Batch:
     """The one place a batch is built: its id, padded tensors and (host) lengths."""
     width = max(len(s.input_ids) for s in group)
     ids = torch.full((len(group), width), pad_id, dtype=torch.long)

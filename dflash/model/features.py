@@ -16,7 +16,10 @@ def target_features(target, batch: Batch, layer_ids, device, cache=None) -> torc
 
     ``cache`` (a FeatureCache, `train.feature_cache`): a batch whose sequences were all seen
     before is assembled from it without a forward (the target is frozen), and a forward's
-    rows are kept for next time."""
+    rows are kept for next time. A batch that carries captured features (``dflash train
+    --features``: data_load read them from disk) needs no forward: they go to the device."""
+    if batch.features is not None:
+        return batch.features.to(device, non_blocking=True)
     if cache is not None:
         hit = cache.assemble(batch)
         if hit is not None:

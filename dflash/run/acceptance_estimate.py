@@ -34,6 +34,8 @@ class AcceptanceEstimate:
         self.batch = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
                                            pad_id=ctx.tokenizer.pad_token_id, bucket=False))
         dev = self.trainer.device
+        if ctx.feature_store is not None:  # train --features: the held-out rows were captured too
+            ctx.feature_store.attach(self.batch)
         with torch.no_grad():
             self.features = target_features(ctx.target, self.batch, ctx.layer_ids, ctx.target.device).to(dev)
         g = torch.Generator().manual_seed(cfg.train.seed + 7919)

@@ -47,6 +47,7 @@ class RunContext:
     sync_timer: object = None                        # a layout's drafter: DDP all-reduce wait (sync_timing)
     target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
     target_config: object = None                     # the target's HF config (kept where the target is not)
+    feature_store: object = None                     # train --features: offline/feature_shards.FeatureStore
 
 
     @property
@@ -84,8 +85,10 @@ class RunContext:
         """Deterministic batches of this rank (batch id == the step that consumes it); skips
         what a resumed run already consumed."""
         shard = self.samples[self.rank::self.world_size]
-        return data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
-                                pad_id=self.tokenizer.pad_token_id, start=self.start_step)
+        stream = data_mod.batches(shard, batch_size=self.cfg.train.batch_size, seed=self.cfg.train.seed,
+                                  pad_id=self.tokenizer.pad_token_id, start=self.start_step)
+        # train --features: each batch reads its captured rows as it is loaded (data_load)
+        return stream if self.feature_store is None else map(self.feature_store.attach, stream)
 
     def record(self, step: int, loss, acc, gnorm, nonfinite):
         """Called on the drafter thread after each optimizer step: no host read here."""

@@ -34,23 +34,36 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     torch.manual_seed(cfg.train.seed)
     # the target's dtype is the target role's, also where a drafter rank borrows it on the host
     dtype = resolve_dtype(cfg, placement_mod.local_device(cfg.pipeline.target_devices[0]))
-    target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
-                                         seed=cfg.model.target_seed)
-    from ..model.warmup import warm_up
-    warmup_s = None
-    if place.has_target:  # CUDA only: Triton compile/autotune and first-call costs, before anything is timed
-        warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len,
-                           quiet=place.rank != 0 or place.layout is not None)
-    L = target_mod.num_layers(target)
-    layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-    prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
+    store = features_dtype = None
+    if cfg.data.features:  # a capture: no target forward, no data preparation
+        from ..offline.train_from_features import open_capture, training_samples
+        target, tok, store, features_dtype = open_capture(cfg, device=place.load_device, dtype=dtype)
+        warmup_s, layer_ids = None, store.layer_ids
+        from ..prep.prepare import Prepared
+        prep = Prepared(samples=training_samples(cfg, store), eval_convs=[], regenerated=False)
+    else:
+        target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
+                                             seed=cfg.model.target_seed)
+        from ..model.warmup import warm_up
+        warmup_s = None
+        if place.has_target:  # CUDA only: Triton compile/autotune and first-call costs, before anything is timed
+            warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len,
+                               quiet=place.rank != 0 or place.layout is not None)
+        L = target_mod.num_layers(target)
+        layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+        prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
     ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
                      samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
-                     warmup_s=warmup_s, target_config=target.config)
+                     warmup_s=warmup_s, target_config=target.config, feature_store=store)
     ctx.start_step = _start_step(ctx, resume)
     if place.has_drafter:
         _setup_drafter(ctx, target, resume, dtype)
-    if place.has_target:
+    if place.has_target and store is not None:
+        from ..offline.train_from_features import feature_sides
+        ctx.targets = feature_sides(target, place.target_devices, features_dtype)
+        ctx.feature_caches = [None] * len(ctx.targets)
+        _setup_estimate(ctx)
+    elif place.has_target:
         _setup_targets(ctx, target, resume, prep.features)
     del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
     if ctx.tel is None:  # after the data and the models: the profile's wall time is the training's
@@ -149,6 +162,10 @@ def _setup_targets(ctx, target, resume: bool, features) -> None:
     keys = [str(torch.device(d)) for d in place.target_devices]
     ctx.targets = [replicas[k] for k in keys]
     ctx.feature_caches = [caches.get(k) for k in keys]
+    _setup_estimate(ctx)
+
+
+def _setup_estimate(ctx) -> None:
     if ctx.held_out:
         from .acceptance_estimate import AcceptanceEstimate
-        ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, cfg.train.estimate_every)
+        ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, ctx.cfg.train.estimate_every)

@@ -22,7 +22,9 @@ class TargetWorker:
         self.ctx, self.target, self.channel, self.name, self.cache = ctx, target, channel, name, cache
         self.dev = torch.device(target.device)
         self.cuda = self.dev.type == "cuda"
-        self.extra = extra_attrs or {}
+        self.extra = dict(extra_attrs or {})
+        if ctx.feature_store is not None:  # train --features: model_forward only moves captured rows
+            self.extra["source"] = "features"
         self.side = self.pool = None
         if channel.waits:  # a queue: on CUDA, a side stream and (across devices) pinned staging
             self.side = torch.cuda.Stream(self.dev) if self.cuda else None

@@ -1,0 +1,105 @@
+"""`dflash capture --target SPEC --out FEATS`: the target's fused-layer features of the
+prepared training samples, on disk (format: feature_index.py), so that any number of
+drafters train from them without running the target again (`dflash train --features`).
+
+The samples are what `dflash train` would train on with the same config (data set,
+regeneration, chat template, data.max_len, train.seed), so a drafter trained from a
+capture sees exactly the batches an online run would. Samples are forwarded in batches
+sorted by length (little padding). Under torchrun every rank captures every world-th of
+them into its own shards; rank 0 writes the index once all ranks are done (FEATS must be
+on a file system every rank writes to).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..config import Config, resolve_dtype
+from ..data import dataset as data_mod
+from ..model import target as target_mod
+from ..run.placement import local_device
+from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION
+from .feature_shards import SHARD_BYTES, ShardWriter, data_fingerprint
+
+
+def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
+    from ..model.features import target_features
+    from ..prep.prepare import prepare
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")  # object collectives only: shard lists and fingerprints
+    device = local_device(cfg.pipeline.target_devices[0])
+    dtype = resolve_dtype(cfg, device)
+    t0 = time.perf_counter()
+    target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    L = target_mod.num_layers(target)
+    layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+    samples = prepare(cfg, target, tok, device=device).samples
+    fingerprint = data_fingerprint(samples)
+    _same_on_every_rank(fingerprint, world)
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+    mine = order[rank::world]
+    bs = max(1, cfg.train.batch_size)
+    writer = ShardWriter(out, rank, shard_bytes)
+    t1 = time.perf_counter()
+    for b in range(0, len(mine), bs):
+        idx = mine[b:b + bs]
+        batch = data_mod.collate([samples[i] for i in idx], tok.pad_token_id, b // bs)
+        feats = target_features(target, batch, layer_ids, device).to("cpu")
+        for k, i in enumerate(idx):
+            writer.add(i, samples[i], feats[k, :batch.lengths[k]])
+    shards = writer.finish()
+    took = time.perf_counter() - t1
+    tokens = sum(s["tokens"] for s in shards)
+    print(f"rank {rank}: captured {sum(s['samples'] for s in shards)} samples, {tokens} tokens in "
+          f"{len(shards)} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):.0f} tokens/s)", file=sys.stderr)
+    every = _gather(shards, world)
+    if rank != 0:
+        return {}
+    key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
+           "arch": hashlib.sha256(target.config.to_json_string().encode()).hexdigest()[:16],
+           "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
+    all_shards = [s for part in every for s in part]
+    total_tokens = sum(s["tokens"] for s in all_shards)
+    F = len(layer_ids) * target.config.get_text_config().hidden_size
+    disk = sum(s["bytes"] for s in all_shards)
+    index = {"format": FORMAT, "version": VERSION, "written_by": "dflash capture", "key": key,
+             "feature_dim": F, "num_target_layers": L, "samples": len(samples), "tokens": total_tokens,
+             "bytes": disk, "bytes_per_token": round(disk / max(total_tokens, 1), 1),
+             "feature_bytes_per_token": F * torch.tensor([], dtype=dtype).element_size(),
+             "world_size": world, "shards": all_shards,
+             "data": {k: getattr(cfg.data, k) for k in ("path", "num_conversations", "max_len", "regenerate",
+                                                        "regen_max_new_tokens", "regen_max_prompt_len")}
+                     | {"train_seed": cfg.train.seed, "min_loss_tokens": 2 * cfg.model.block_size},
+             "seconds": {"load_and_prepare": round(t1 - t0, 1), "capture": round(took, 1)}}
+    target.config.save_pretrained(out / TARGET_DIR)
+    tmp = out / f".{INDEX}.tmp{os.getpid()}"
+    tmp.write_text(json.dumps(index, indent=1) + "\n")
+    os.replace(tmp, out / INDEX)  # last: a dir with an index is a finished capture
+    return index
+
+
+def _same_on_every_rank(fingerprint: str, world: int) -> None:
+    if world == 1:
+        return
+    prints = _gather(fingerprint, world)
+    if len(set(prints)) != 1:
+        raise RuntimeError(f"capture: the ranks prepared different samples ({len(set(prints))} versions); "
+                           "every rank needs the same data set and config")
+
+
+def _gather(obj, world: int) -> list:
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+    out: list = [None] * world
+    dist.all_gather_object(out, obj)
+    return out

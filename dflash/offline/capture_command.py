@@ -1,0 +1,92 @@
+"""The command lines of capture-once-train-many, checked before torch loads:
+
+    dflash capture --target SPEC --out FEATS [--config C] [--set k=v] [--overwrite]
+    dflash train --features FEATS ...   (run settings come from the capture's index)
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from ..config import ConfigError
+
+
+def add_command(sub) -> None:
+    c = sub.add_parser("capture", help="run the target once over the prepared data and keep its features on disk "
+                                       "(then: dflash train --features FEATS, as often as you like)")
+    c.add_argument("--out", required=True, metavar="FEATS", help="the directory to write (shards + index.json)")
+    c.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
+    c.add_argument("--config", help="YAML file with any of the config keys (data.*, model.* decide what is captured)")
+    c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
+    c.add_argument("--seed", type=int, help="train.seed: which conversations are picked and held out")
+    c.add_argument("--target-devices", help="the device of this rank's target, e.g. cuda (default cpu)")
+    c.add_argument("--shard-mb", type=int, default=512, help="feature MB per shard file (default 512)")
+    c.add_argument("--overwrite", action="store_true", help="replace an earlier capture in FEATS")
+
+
+def run(a) -> int:
+    from .. import run_dir
+    from ..cli import _check_inputs_before_torch, _check_torchrun_env
+    from ..config import load_config
+
+    if a.shard_mb < 1:
+        raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
+    cfg = load_config(a.config, a.set, **{"out": a.out, "model.target": a.target, "train.seed": a.seed,
+                                          "pipeline.target_devices": a.target_devices})
+    if cfg.data.features:
+        raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
+    _check_torchrun_env()
+    _check_inputs_before_torch(cfg)
+    out = run_dir.claim(cfg.out, resume=False, overwrite=a.overwrite, by="dflash capture")
+    if os.environ.get("RANK", "0") in ("", "0") and a.overwrite:
+        clear_earlier_capture(out)
+    a.phase = "capture"
+    from .capture import capture
+
+    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20)
+    if index:
+        print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
+              f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
+              f"{index['key']['dtype']}) -> {out}\ntrain from it: dflash train --features {out} --out RUN")
+    return 0
+
+
+def clear_earlier_capture(out: Path) -> None:
+    """--overwrite: remove an earlier capture's files by name; a user's file stays."""
+    from .feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
+
+    for pattern in (INDEX, SHARD_GLOB, PART_GLOB, f".{SHARD_GLOB}.tmp*", f"{TARGET_DIR}/config.json"):
+        for f in out.glob(pattern):
+            if f.is_file():
+                f.unlink()
+    try:
+        (out / TARGET_DIR).rmdir()
+    except OSError:
+        pass
+
+
+def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:
+    """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
+    capture's index; what the user asked (``asked``: the config before them) must not
+    contradict it. One line before torch loads."""
+    from .feature_index import FeaturesError, mismatch, read_index
+
+    try:
+        idx = read_index(path)
+    except FeaturesError as e:
+        raise ConfigError(str(e)) from None
+    why = mismatch(idx, target=target_flag, layer_ids=asked.model.target_layer_ids)
+    if why:
+        raise ConfigError(f"--features {path}: {why}")
+    if eval_flag:
+        raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
+                          f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
+    key = idx["key"]
+    print(f"training from features {path}: {idx['samples']} samples, {idx['tokens']} tokens of "
+          f"{key['target']} layers {key['layer_ids']} ({key['dtype']}); no target forward", file=sys.stderr)
+    if asked.data.max_len != idx["data"]["max_len"]:
+        print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
+              file=sys.stderr)
+    return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
+            "model.target_layer_ids": key["layer_ids"], "data.max_len": idx["data"]["max_len"]}

@@ -1,0 +1,137 @@
+"""Feature shards on disk: written by `dflash capture` (ShardWriter), read by training
+(FeatureStore). Format in feature_index.py.
+
+Shards are safetensors: no pickle, and a reader maps them instead of loading them, so a
+batch reads only its own rows (`get_slice`) and a capture far larger than memory trains.
+Each shard is written to a temp name and renamed: a killed capture leaves whole shards.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..data.batch import Batch
+from ..data.dataset import Sample
+from .feature_index import FORMAT, VERSION
+
+SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts
+
+
+def sequence_key(ids) -> bytes:
+    """One sequence's key: a hash of its int64 token ids (16 bytes, whatever its length)."""
+    t = torch.as_tensor(ids, dtype=torch.long)
+    return hashlib.blake2b(t.numpy().tobytes(), digest_size=16).digest()
+
+
+def data_fingerprint(samples) -> str:
+    """What the features were captured for: every sample's ids and loss mask, in order."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(torch.tensor(s.input_ids, dtype=torch.long).numpy().tobytes())
+        h.update(bytes(s.loss_mask))
+        h.update(b"|")
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """One rank's shards: ``add`` each sample's rows, ``finish`` writes the rest and returns
+    the shard list for the index."""
+
+    def __init__(self, out: Path, rank: int, shard_bytes: int = SHARD_BYTES):
+        self.out, self.rank, self.shard_bytes = Path(out), rank, shard_bytes
+        self.shards: list[dict] = []
+        self._reset()
+
+    def _reset(self):
+        self._feats, self._ids, self._mask, self._pos, self._bytes = [], [], [], [], 0
+
+    def add(self, position: int, sample: Sample, feats: torch.Tensor) -> None:
+        """``feats``: [len, F] on the host, the sample's rows of a forward."""
+        n = len(sample.input_ids)
+        if feats.shape[0] != n:
+            raise ValueError(f"sample {position}: {feats.shape[0]} feature rows for {n} tokens")
+        self._feats.append(feats.contiguous())
+        self._ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
+        self._mask.append(torch.tensor(sample.loss_mask, dtype=torch.uint8))
+        self._pos.append(position)
+        self._bytes += feats.numel() * feats.element_size()
+        if self._bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        if not self._pos:
+            return
+        lengths = torch.tensor([0] + [len(x) for x in self._ids], dtype=torch.long)
+        tensors = {"features": torch.cat(self._feats), "input_ids": torch.cat(self._ids),
+                   "loss_mask": torch.cat(self._mask), "offsets": torch.cumsum(lengths, 0),
+                   "sample": torch.tensor(self._pos, dtype=torch.long)}
+        name = f"shard-r{self.rank}-{len(self.shards):05d}.safetensors"
+        tmp = self.out / f".{name}.tmp{os.getpid()}"
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION)})
+        os.chmod(tmp, 0o644)  # readable by every rank and user, like any data set
+        os.replace(tmp, self.out / name)
+        self.shards.append({"file": name, "samples": len(self._pos), "tokens": int(lengths.sum()),
+                            "bytes": (self.out / name).stat().st_size})
+        self._reset()
+
+    def finish(self) -> list[dict]:
+        self._flush()
+        return self.shards
+
+
+class FeatureStore:
+    """A finished capture, for training: its samples (in the prepared order) and, per batch,
+    the captured features of the batch's sequences (`attach`, the `data_load` stage)."""
+
+    def __init__(self, path: str, index: dict):
+        self.path, self.index = Path(path), index
+        self.layer_ids = list(index["key"]["layer_ids"])
+        self._files = [self.path / s["file"] for s in index["shards"]]
+        self._open: dict = {}
+        self._where: dict = {}  # sequence key -> (shard, first row, rows)
+
+    def _shard(self, k: int):
+        f = self._open.get(k)
+        if f is None:  # mapped, not read: a batch reads only its own rows
+            f = self._open[k] = safe_open(str(self._files[k]), framework="pt")
+        return f
+
+    def samples(self) -> list[Sample]:
+        """Every captured sample, in the order training would have prepared them."""
+        by_pos: dict = {}
+        for k in range(len(self._files)):
+            f = self._shard(k)
+            ids, mask = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
+            offsets, pos = f.get_tensor("offsets").tolist(), f.get_tensor("sample").tolist()
+            for j, p in enumerate(pos):
+                a, b = offsets[j], offsets[j + 1]
+                s = Sample(ids[a:b], mask[a:b])
+                by_pos[p] = s
+                self._where.setdefault(sequence_key(s.input_ids), (k, a, b - a))
+        if sorted(by_pos) != list(range(len(by_pos))) or len(by_pos) != self.index["samples"]:
+            raise ValueError(f"features {self.path}: shards hold {len(by_pos)} samples, the index says "
+                             f"{self.index['samples']}; capture again")
+        return [by_pos[p] for p in range(len(by_pos))]
+
+    def attach(self, batch: Batch) -> Batch:
+        """Read the batch's rows into ``batch.features`` [B, S, F] (padding rows zero, as a
+        forward's are after pack/unpack)."""
+        if not self._where:
+            self.samples()
+        out = None
+        for i, n in enumerate(batch.lengths):
+            where = self._where.get(sequence_key(batch.input_ids[i, :n]))
+            if where is None:
+                raise KeyError(f"features {self.path}: batch {batch.index} row {i} was not captured")
+            k, a, rows = where
+            x = self._shard(k).get_slice("features")[a:a + min(rows, n)]
+            if out is None:
+                out = x.new_zeros(len(batch.lengths), batch.padded_len, x.shape[-1])
+            out[i, :x.shape[0]] = x
+        batch.features = out
+        return batch

@@ -1,0 +1,48 @@
+"""`dflash train --features FEATS`: what set-up does instead of loading the target and
+preparing the data. The samples come from the capture (in the order training would have
+prepared them), the target is only its embedding and lm_head (head_only.py), and every
+batch carries its features, read from the shards in the `data_load` stage."""
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from ..config import Config
+from ..model import target as target_mod
+from .feature_index import TARGET_DIR, read_index
+from .feature_shards import FeatureStore
+from .head_only import FeatureSide, load_head_only
+
+
+def open_capture(cfg: Config, *, device, dtype):
+    """(head-only target, tokenizer, store, the features' dtype)."""
+    from transformers import AutoConfig
+
+    index = read_index(cfg.data.features)
+    store = FeatureStore(cfg.data.features, index)
+    config = AutoConfig.from_pretrained(str(store.path / TARGET_DIR))
+    target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    print(f"target {cfg.model.target}: {target.note}", file=sys.stderr)
+    tok = target_mod.load_tokenizer(cfg.model.target)
+    return target, tok, store, getattr(torch, index["key"]["dtype"])
+
+
+def training_samples(cfg: Config, store: FeatureStore) -> list:
+    """The capture's samples, filtered as prepare() filters for this run's block size (a
+    capture for a larger block size kept fewer: said once)."""
+    need = 2 * cfg.model.block_size
+    had = store.index["data"]["min_loss_tokens"]
+    if had > need:
+        print(f"features: captured for >= {had} loss tokens per sample; this run (block size "
+              f"{cfg.model.block_size}) would also take samples with {need}..{had - 1}: capture again to have them",
+              file=sys.stderr)
+    samples = [s for s in store.samples() if sum(s.loss_mask) >= need]
+    if not samples:
+        raise ValueError(f"features {store.path}: no sample has >= {need} loss tokens (2 x model.block_size)")
+    return samples
+
+
+def feature_sides(target, devices, dtype) -> list[FeatureSide]:
+    """One stand-in per target worker: it reads, it runs nothing."""
+    return [FeatureSide(target.config, torch.device(d), dtype) for d in devices]
