@@ -83,8 +83,6 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
         raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
                           f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
     key = idx["key"]
-    print(f"training from features {path}: {idx['samples']} samples, {idx['tokens']} tokens of "
-          f"{key['target']} layers {key['layer_ids']} ({key['dtype']}); no target forward", file=sys.stderr)
     if asked.data.max_len != idx["data"]["max_len"]:
         print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
               file=sys.stderr)

@@ -21,6 +21,9 @@ def open_capture(cfg: Config, *, device, dtype):
 
     index = read_index(cfg.data.features)
     store = FeatureStore(cfg.data.features, index)
+    key = index["key"]
+    print(f"training from features {cfg.data.features}: {index['samples']} samples, {index['tokens']} tokens of "
+          f"{key['target']} layers {key['layer_ids']} ({key['dtype']}); no target forward", file=sys.stderr)
     config = AutoConfig.from_pretrained(str(store.path / TARGET_DIR))
     target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed)
     print(f"target {cfg.model.target}: {target.note}", file=sys.stderr)
