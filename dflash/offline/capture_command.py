@@ -27,7 +27,7 @@ def add_command(sub) -> None:
 
 def run(a) -> int:
     from .. import run_dir
-    from ..cli import _check_inputs_before_torch, _check_torchrun_env
+    from ..launch_checks import check_inputs, check_torchrun_env
     from ..config import load_config
 
     if a.shard_mb < 1:
@@ -36,8 +36,8 @@ def run(a) -> int:
                                           "pipeline.target_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
-    _check_torchrun_env()
-    _check_inputs_before_torch(cfg)
+    check_torchrun_env()
+    check_inputs(cfg)
     out = run_dir.claim(cfg.out, resume=False, overwrite=a.overwrite, by="dflash capture")
     if os.environ.get("RANK", "0") in ("", "0") and a.overwrite:
         clear_earlier_capture(out)
