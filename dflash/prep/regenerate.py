@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 
 import torch
 
 from ..data.dataset import truncated_prompt
 from ..model.layer_capture import LayerCapture
+from .regen_cache import prompt_key
+from .regen_shard import SOLO, Shard
 
 
 def _eos_ids(model, tokenizer) -> set[int]:
@@ -21,38 +24,83 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 
 def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int = 16, device="cpu",
-               max_prompt_len: int = 256, layer_ids=None, features: dict | None = None) -> list[list[dict]]:
+               max_prompt_len: int = 256, layer_ids=None, features: dict | None = None, cache=None,
+               shard: Shard = SOLO, counts: dict | None = None) -> list[list[dict]] | None:
     """Let the target write the reply to each conversation's first user turn (batched greedy).
 
     Returns ``[system?, user, assistant]`` conversations in input order; the assistant turn holds
     the decoded text and the generated ``token_ids`` (up to and including the first eos).
-    Prompts are sorted by length so batches carry little left padding.
+    Prompts are sorted by length so batches carry little left padding; a prompt that occurs
+    twice is generated once.
+
+    ``cache`` (`regen_cache.RegenCache`): replies already on disk are taken from it and each
+    finished batch is written to it, so a killed regeneration resumes where it stopped.
+    ``shard`` (`regen_shard.Shard`): under torchrun this rank generates only its part of what
+    no rank has yet; the replies are gathered, and a rank that is not the gather's ``dst``
+    gets None. ``counts`` receives regenerated (all ranks) / regenerated_here / cached /
+    total (distinct prompts) / seconds.
 
     With ``layer_ids`` and a ``features`` dict, the selected layers' outputs of the generating
     forwards are kept too (`model/layer_capture.py`): ``features[tuple(prompt_ids + reply_ids)]``
     is a CPU tensor ``[len, n*H]``, what `capture_hidden` gives for that sequence, except that
     the very last token (never fed back to the target) has a zero row. Nothing trains on that
     row: a block's context is the positions before its anchor, and an anchor needs a label.
+    Cached replies bring their features when the cache kept them (this rank wrote them with
+    the same layers); where not, the feature cache misses and training runs the forward.
     """
     from tqdm.auto import tqdm
 
+    t0 = time.perf_counter()
     prompts = [truncated_prompt(tokenizer, c, max_prompt_len) for c in convs]
-    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
+    keys = [prompt_key(p[1]) for p in prompts]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i][1]))
-    out: list = [None] * len(prompts)
+    first: dict[str, int] = {}
+    for i in order:  # one generation per distinct prompt, at its first place in length order
+        first.setdefault(keys[i], i)
+    have = cache.load(set(first)) if cache is not None else {}
+    held = shard.agree(set(have))
+    done = set().union(*held)
+    pending = [i for i in first.values() if keys[i] not in done]
+    mine = shard.mine(pending)
+    eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
     keep = features is not None and bool(layer_ids)
-    with tqdm(total=len(prompts), desc="regenerate", unit="conv", file=sys.stderr) as bar:
-        for b in range(0, len(order), batch_size):
-            idx = order[b:b + batch_size]
-            batch_prompts = [prompts[i][1] for i in idx]
-            gens, feats = _generate_left_padded(model, batch_prompts, pad, eos, max_new_tokens, device,
-                                                layer_ids if keep else None)
-            for k, (i, gen) in enumerate(zip(idx, gens)):
-                reply = tokenizer.decode(gen, skip_special_tokens=True)
-                out[i] = prompts[i][0] + [{"role": "assistant", "content": reply, "token_ids": gen}]
-                if feats is not None:
-                    features[tuple(prompts[i][1] + gen)] = feats[k]
+    made: dict[str, list[int]] = {}
+    with tqdm(total=len(mine), desc="regenerate", unit="conv", file=sys.stderr) as bar:
+        for b in range(0, len(mine), batch_size):
+            idx = mine[b:b + batch_size]
+            gens, feats = _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens,
+                                                device, layer_ids if keep else None)
+            batch = {keys[i]: gen for i, gen in zip(idx, gens)}
+            if feats is not None:
+                for i, gen, f in zip(idx, gens, feats):
+                    features[tuple(prompts[i][1] + gen)] = f
+            if cache is not None:
+                cache.write_batch(batch, {keys[i]: f for i, f in zip(idx, feats)} if feats is not None else None)
+            made.update(batch)
             bar.update(len(idx))
+    # each cached reply comes from one rank: the first that holds it
+    owned = {k: v for k, v in have.items() if not any(k in h for h in held[:shard.index])}
+    replies = shard.gather(owned | made)
+    secs = time.perf_counter() - t0
+    if counts is not None:
+        # every pending reply was made by some rank: the all-rank total needs no extra collective
+        counts.update(regenerated=len(pending), regenerated_here=len(made), cached=len(done), total=len(first),
+                      seconds=round(secs, 3))
+    who = f"rank {shard.index}/{shard.count}: " if shard.count > 1 else ""
+    print(f"{who}regenerated {len(made)} (cached {len(done)}) of {len(first)} replies in {secs:.1f} s, "
+          f"{len(made) / secs if secs > 0 else 0.0:.2f} replies/s", file=sys.stderr)
+    if replies is None:
+        return None
+    if keep and have:
+        cached = cache.load_features(set(have))
+        for i in first.values():
+            if keys[i] in cached:
+                features[tuple(prompts[i][1] + replies[keys[i]])] = cached[keys[i]]
+    out = []
+    for (msgs, _), k in zip(prompts, keys):
+        gen = replies[k]
+        out.append(msgs + [{"role": "assistant", "content": tokenizer.decode(gen, skip_special_tokens=True),
+                            "token_ids": gen}])
     return out
 
 

@@ -48,6 +48,7 @@ class RunContext:
     target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
     target_config: object = None                     # the target's HF config (kept where the target is not)
     feature_store: object = None                     # train --features: offline/feature_shards.FeatureStore
+    regen_counts: dict = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
 
 
     @property

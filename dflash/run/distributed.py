@@ -52,6 +52,13 @@ def broadcast(obj, src: int, groups):
     return box[0]
 
 
+def broadcast_in(obj, src: int, group):
+    """An object from global rank `src` to every rank of `group` (each of them calls this)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
 def wrap_ddp(module, device: str, group=None):
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -54,7 +54,8 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
         prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
     ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
                      samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
-                     warmup_s=warmup_s, target_config=target.config, feature_store=store)
+                     warmup_s=warmup_s, target_config=target.config, feature_store=store,
+                     regen_counts=prep.counts)
     ctx.start_step = _start_step(ctx, resume)
     if place.has_drafter:
         _setup_drafter(ctx, target, resume, dtype)
@@ -77,15 +78,43 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
 
 
 def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):
-    """Every process of a single-process run or a replica prepares (cached on disk); in a
-    layout rank 0 (a target rank) prepares once and the samples go to every rank: no other
-    rank reads the data set or generates, and nodes need no shared file system."""
+    """Every process of a single-process run or a replica prepares; replicas split the
+    regeneration (each rank its shard, replies all-gathered). In a layout rank 0 (a target
+    rank) reads the data set, the target ranks split the regeneration and gather the replies
+    to rank 0, and rank 0's samples go to every rank: drafter ranks never generate, and nodes
+    need no shared file system (each rank's disk cache serves its own resume)."""
+    from ..prep.prepare import Prepared, should_regenerate, split
+    from ..prep.regen_shard import SOLO, Shard
+
+    regen = should_regenerate(cfg)
     if place.layout is None:
+        shard = SOLO
+        if place.world > 1 and regen:  # every rank, same order; gloo: the default group may be NCCL
+            shard = Shard(place.rank, place.world, _regen_group(None), dst=None)
         # a resumed run does not rebuild the feature cache: no features
-        return prepare(cfg, target, tok, device=place.load_device, layer_ids=None if resume else layer_ids)
-    from ..prep.prepare import Prepared
-    samples = prepare(cfg, target, tok, device=place.load_device).samples if place.rank == 0 else None
-    return Prepared(samples=dist_mod.broadcast(samples, 0, groups), eval_convs=[], regenerated=False)
+        return prepare(cfg, target, tok, device=place.load_device, layer_ids=None if resume else layer_ids,
+                       shard=shard)
+    n = place.layout.targets
+    prep = None
+    if regen and n > 1:
+        group = _regen_group(list(range(n)))  # every rank calls new_group, drafter ranks too
+        if place.has_target:
+            parts = dist_mod.broadcast_in(split(cfg) if place.rank == 0 else None, 0, group)
+            prep = prepare(cfg, target, tok, device=place.load_device, split_convs=parts,
+                           shard=Shard(place.index, n, group, dst=0))
+    elif place.rank == 0:
+        prep = prepare(cfg, target, tok, device=place.load_device)
+    samples, counts = dist_mod.broadcast((prep.samples, prep.counts) if place.rank == 0 else None, 0, groups)
+    return Prepared(samples=samples, eval_convs=[], regenerated=regen, counts=counts)
+
+
+def _regen_group(ranks):
+    """A gloo group for regeneration's collectives, as patient as the set-up group: a rank may
+    wait there for the slowest shard."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    return dist.new_group(ranks, backend="gloo", timeout=timedelta(hours=6))
 
 
 def _start_step(ctx, resume: bool) -> int:

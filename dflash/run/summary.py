@@ -16,7 +16,7 @@ def summarize(ctx, wall: float, step0: int, tokens0: int) -> dict:
     tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))
     tokens_run = int(dist_mod.sum_over_ranks(ctx.tokens - tokens0, ctx.vote.group))
     step = ctx.trainer.step
-    return {
+    out = {
         "rank": ctx.rank, "lead": ctx.is_lead, "steps": step, "steps_this_run": step - step0,
         "tokens": tokens, "tokens_this_run": tokens_run, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens_run / wall, 1) if wall > 0 else 0.0,
@@ -27,6 +27,10 @@ def summarize(ctx, wall: float, step0: int, tokens0: int) -> dict:
         "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
         "world_size": ctx.world_size, "train_samples": len(ctx.samples),
     }
+    if c := ctx.regen_counts:  # regeneration, all ranks: replies made this run, found cached, distinct prompts
+        out["data"] = {"regenerated": c["regenerated"], "regen_cached": c["cached"], "regen_total": c["total"],
+                       "regen_s": c["seconds"]}
+    return out
 
 
 def balance_from_files(out: Path) -> dict | None:

@@ -1,0 +1,140 @@
+"""The regeneration shard cache: the target's replies on disk, one file per finished batch.
+
+A directory under ``cache_dir()/regenerated/`` is keyed by everything that decides a reply
+except the data: the target (spec, tiny-target seed, a hash of its config), its dtype and
+``regen_max_new_tokens``. Inside, a record is keyed by a hash of the rendered prompt token
+ids, so anything that changes the prompt (the cut at ``regen_max_prompt_len``, a chat
+template setting) changes the key by itself, and data sets that share prompts share replies.
+
+Each finished batch is one file written to a temp name and renamed into place, so a reader
+only ever sees whole batches: ``kill -9`` mid-regeneration loses at most the batch in flight,
+and the next start regenerates only what no file holds. Writers never share a file (the name
+carries host, pid and a sequence number), so ranks on one node may share the directory.
+
+With ``train.feature_cache`` the batch's target features go beside it (``features-<key>/``,
+same name, ``.pt``), written before the replies: whoever finds the replies finds them too.
+Read back with torch's weights-only loader (nothing loaded from disk runs code).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+FORMAT = 2  # 1: one JSON file per (data set, settings), written only at the end
+_TMP = ".tmp-"
+
+
+def prompt_key(ids: list[int]) -> str:
+    """A record's key: the prompt's token ids, hashed (128 bits; collisions are not a concern)."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:32]
+
+
+class RegenCache:
+    def __init__(self, path: Path, features_tag: str | None = None):
+        self.dir = Path(path)
+        self.features_dir = self.dir / f"features-{features_tag}" if features_tag else None
+        self._seq = itertools.count()
+        self._stem = f"b-{socket.gethostname()}-{os.getpid()}"
+        self.skipped_files = 0  # unreadable batch files (a non-atomic file system): their replies are redone
+
+    @classmethod
+    def for_target(cls, root: Path, cfg, target, layer_ids=None) -> "RegenCache":
+        arch = hashlib.sha256(target.config.to_json_string().encode()).hexdigest()
+        # regen_max_prompt_len is not here: the cut is part of the prompt ids, hence of each record's key
+        key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch,
+                          "dtype": str(getattr(target, "dtype", None)), "new": cfg.data.regen_max_new_tokens,
+                          "v": FORMAT}, sort_keys=True)
+        tag = None
+        if layer_ids:
+            fkey = json.dumps({"layers": list(layer_ids),
+                               "attn": getattr(target.config, "_attn_implementation", None)}, sort_keys=True)
+            tag = hashlib.sha256(fkey.encode()).hexdigest()[:12]
+        return cls(Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24], tag)
+
+    # -- reading -----------------------------------------------------------------------
+    def _batch_files(self) -> list[Path]:
+        if not self.dir.is_dir():
+            return []
+        return sorted(p for p in self.dir.glob("b-*.json") if not p.name.startswith(_TMP))
+
+    def load(self, wanted: set[str] | None = None) -> dict[str, list[int]]:
+        """Reply token ids by prompt key, from every whole batch on disk (only ``wanted`` keys)."""
+        self._sweep_tmp()
+        found: dict[str, list[int]] = {}
+        for p in self._batch_files():
+            try:
+                recs = json.loads(p.read_text())
+            except (OSError, ValueError):
+                self.skipped_files += 1
+                continue
+            for k, ids in recs.items():
+                if wanted is None or k in wanted:
+                    found[k] = ids
+        if self.skipped_files:
+            print(f"regeneration cache {self.dir}: {self.skipped_files} unreadable batch file(s) skipped; "
+                  f"their replies are regenerated", file=sys.stderr)
+        return found
+
+    def load_features(self, wanted: set[str]) -> dict:
+        """Features by prompt key for ``wanted`` keys, where a batch file kept them (else absent)."""
+        import torch
+
+        got: dict = {}
+        if self.features_dir is None or not self.features_dir.is_dir():
+            return got
+        for p in sorted(self.features_dir.glob("b-*.pt")):
+            try:
+                feats = torch.load(p, weights_only=True)
+            except Exception:  # a broken file costs only a target forward later: a miss
+                continue
+            got.update({k: v for k, v in feats.items() if k in wanted})
+        return got
+
+    # -- writing -----------------------------------------------------------------------
+    def write_batch(self, replies: dict[str, list[int]], features: dict | None = None) -> Path:
+        """One finished batch: features first, then the replies, each via temp + rename."""
+        name = f"{self._stem}-{next(self._seq):06d}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        if features and self.features_dir is not None:
+            import torch
+
+            self.features_dir.mkdir(exist_ok=True)
+            fpath = self.features_dir / f"{name}.pt"
+            tmp = fpath.with_name(_TMP + fpath.name)
+            torch.save(features, tmp)
+            os.replace(tmp, fpath)
+        path = self.dir / f"{name}.json"
+        tmp = path.with_name(_TMP + path.name)
+        tmp.write_text(json.dumps(replies))
+        os.replace(tmp, path)
+        return path
+
+    def _sweep_tmp(self) -> None:
+        """Remove temp files a killed writer on this host left (its pid is gone); a live
+        writer's (another rank on this node) stay."""
+        host = socket.gethostname()
+        for d in (self.dir, self.features_dir):
+            if d is None or not d.is_dir():
+                continue
+            for p in d.glob(_TMP + "b-*"):
+                parts = p.name[len(_TMP):].split("-")
+                try:
+                    if "-".join(parts[1:-2]) == host and not _alive(int(parts[-2])):
+                        p.unlink(missing_ok=True)
+                except (ValueError, IndexError):
+                    continue
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
