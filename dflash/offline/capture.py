@@ -30,19 +30,26 @@ from .feature_shards import SHARD_BYTES, ShardWriter, data_fingerprint
 
 def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     from ..model.features import target_features
-    from ..prep.prepare import prepare
+    from ..prep.prepare import prepare, should_regenerate
+    from ..prep.regen_shard import SOLO, Shard
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1:
         import torch.distributed as dist
-        dist.init_process_group("gloo")  # object collectives only: shard lists and fingerprints
+        from datetime import timedelta
+        # gloo, object collectives only (replies, shard lists, fingerprints); as patient as a
+        # training run's set-up: a rank may wait there for the slowest regeneration shard
+        dist.init_process_group("gloo", timeout=timedelta(hours=6))
     device = local_device(cfg.pipeline.target_devices[0])
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
     target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype, seed=cfg.model.target_seed)
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-    samples = prepare(cfg, target, tok, device=device).samples
+    shard = SOLO
+    if world > 1 and should_regenerate(cfg):  # the ranks split the regeneration and gather the replies
+        shard = Shard(rank, world, None, dst=None)
+    samples = prepare(cfg, target, tok, device=device, shard=shard).samples
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
     order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
