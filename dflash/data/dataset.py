@@ -48,7 +48,11 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
 
     Assistant spans are found by character offsets in the rendered text, so any template that
     puts the reply verbatim (or stripped) into its output works; the token right after a reply
-    counts too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ...).
+    counts too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ...). Everything else
+    (system and user turns, the template's headers such as ``<|im_start|>assistant\n``, an
+    empty think block Qwen3's template inserts) carries no loss. A reply with a reasoning block
+    (``<think>...</think>answer``) is matched by its answer, plus its reasoning where the template
+    renders it (Qwen3 drops it from turns before the last user turn).
     """
     last = conv[-1]
     if last["role"] == "assistant" and "token_ids" in last:
@@ -62,6 +66,20 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     cursor, tok_i = 0, 0
     for k, m in enumerate(conv):
+        if m["role"] == "assistant":
+            found = _find_reply(tokenizer, conv, k, text, cursor)
+            if found is None:
+                continue  # a template that rewrites content; such a turn simply gets no loss
+            start, end = found
+            cursor = end
+            while tok_i < len(ids) and offsets[tok_i][1] <= start:
+                tok_i += 1
+            while tok_i < len(ids) and offsets[tok_i][0] < end:
+                mask[tok_i] = 1
+                tok_i += 1
+            if tok_i < len(ids) and ids[tok_i] in special:  # the end-of-turn token the model must emit
+                mask[tok_i] = 1
+            continue
         # Search each turn after the rendered text of the turns before it (when the template is
         # prefix-consistent), so a reply quoted in an earlier turn or the system prompt never matches.
         prior = tokenizer.apply_chat_template(conv[:k], tokenize=False) if k else ""
@@ -69,19 +87,46 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
             cursor = max(cursor, len(prior))
         content = m["content"].strip()
         start = text.find(content, cursor) if content else -1
-        if start < 0:
-            continue  # a template that rewrites content; such a turn simply gets no loss
-        end = cursor = start + len(content)
-        if m["role"] != "assistant":
-            continue
-        while tok_i < len(ids) and offsets[tok_i][1] <= start:
-            tok_i += 1
-        while tok_i < len(ids) and offsets[tok_i][0] < end:
-            mask[tok_i] = 1
-            tok_i += 1
-        if tok_i < len(ids) and ids[tok_i] in special:  # the end-of-turn token the model must emit
-            mask[tok_i] = 1
+        if start >= 0:
+            cursor = start + len(content)
     return _truncate(Sample(ids, mask), max_len)
+
+
+def _find_reply(tokenizer, conv, k: int, text: str, cursor: int) -> tuple[int, int] | None:
+    """Character span ``[start, end)`` of assistant turn ``k``'s reply in the rendered ``text``.
+
+    The reply is searched no earlier than where the template's generation prompt for it ends
+    (the turns before it rendered with ``add_generation_prompt``), so a short reply ("a",
+    "assistant", "id") never matches inside the header or an end-of-turn token's text. Where the
+    template renders earlier turns differently once a reply follows (Qwen3 with
+    ``enable_thinking: false`` puts an empty think block into the generation prompt only), the
+    search starts where the two renderings part, less the reply's length: the reply may begin
+    with what the generation prompt has there.
+    """
+    content = conv[k]["content"]
+    answer, reasoning = content.strip(), ""
+    if "</think>" in content:  # Qwen3-style reasoning: templates render or drop it apart from the answer
+        head, _, tail = content.rpartition("</think>")
+        answer, reasoning = tail.strip(), head.split("<think>")[-1].strip()
+    if not answer:
+        return None
+    gen = tokenizer.apply_chat_template(conv[:k], tokenize=False, add_generation_prompt=True)
+    if text.startswith(gen):
+        lo = len(gen)
+    else:
+        same = next((i for i, (a, b) in enumerate(zip(gen, text)) if a != b), min(len(gen), len(text)))
+        lo = same - len(answer)
+    lo = max(cursor, lo)
+    start = text.find(answer, lo)
+    if start < 0:
+        return None
+    end = start + len(answer)
+    if reasoning:  # rendered before the answer: the reasoning (and its <think> tag) carries loss too
+        r = text.rfind(reasoning, lo, start)
+        if r >= 0:
+            t = text.rfind("<think>", lo, r)
+            start = t if t >= 0 else r
+    return start, end
 
 
 def _truncate(s: Sample, max_len: int) -> Sample:
