@@ -54,11 +54,16 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
     (``<think>...</think>answer``) is matched by its answer, plus its reasoning where the template
     renders it (Qwen3 drops it from turns before the last user turn).
     """
+    return _truncate(_tokenize_whole(tokenizer, conv), max_len)
+
+
+def _tokenize_whole(tokenizer, conv) -> Sample:
+    """:func:`tokenize_conversation` before the cut to ``max_len``."""
     last = conv[-1]
     if last["role"] == "assistant" and "token_ids" in last:
         ids = _prompt_ids(tokenizer, conv[:-1])
         gen = list(last["token_ids"])
-        return _truncate(Sample(ids + gen, [0] * len(ids) + [1] * len(gen)), max_len)
+        return Sample(ids + gen, [0] * len(ids) + [1] * len(gen))
     text = tokenizer.apply_chat_template(conv, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
@@ -89,7 +94,7 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
         start = text.find(content, cursor) if content else -1
         if start >= 0:
             cursor = start + len(content)
-    return _truncate(Sample(ids, mask), max_len)
+    return Sample(ids, mask)
 
 
 def _find_reply(tokenizer, conv, k: int, text: str, cursor: int) -> tuple[int, int] | None:
@@ -133,10 +138,40 @@ def _truncate(s: Sample, max_len: int) -> Sample:
     return Sample(s.input_ids[:max_len], s.loss_mask[:max_len])
 
 
-def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int) -> list[Sample]:
-    """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens."""
-    samples = (tokenize_conversation(tokenizer, c, max_len) for c in convs)
-    return [s for s in samples if sum(s.loss_mask) >= min_loss_tokens]
+def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, counts: dict | None = None) -> list[Sample]:
+    """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens.
+
+    A sample longer than ``max_len`` is cut to it, not dropped: its first ``max_len`` tokens
+    still hold whole replies to learn from (the cut may then leave it too few loss tokens, and
+    only then is it dropped). ``counts``, when given, gets ``over_length`` (cut) and
+    ``too_few_loss_tokens`` (dropped), for :func:`data_report`.
+    """
+    out, over, few = [], 0, 0
+    for c in convs:
+        whole = _tokenize_whole(tokenizer, c)
+        over += len(whole.input_ids) > max_len
+        s = _truncate(whole, max_len)
+        if sum(s.loss_mask) >= min_loss_tokens:
+            out.append(s)
+        else:
+            few += 1
+    if counts is not None:
+        counts.update(over_length=over, too_few_loss_tokens=few)
+    return out
+
+
+def data_report(counts: dict, *, max_len: int, samples: int) -> str:
+    """The one line a run prints about its data: records read, dropped by reason (reading:
+    conversations.DROP_REASONS; tokenizing: too few loss tokens), cut for length."""
+    from .conversations import DROP_REASONS
+
+    dropped = [f"{r} {counts[r]}" for r in (*DROP_REASONS, "too_few_loss_tokens") if counts.get(r)]
+    read = f"{counts['records_read']} records read, " if "records_read" in counts else ""
+    if "conversations" in counts:
+        short = f" (asked for {counts['asked']})" if counts["conversations"] < counts.get("asked", 0) else ""
+        read += f"{counts['conversations']} conversations{short}, "
+    return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
+            f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")
 
 
 def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0) -> tuple[list, list]:

@@ -35,9 +35,9 @@ def should_regenerate(cfg: Config) -> bool:
     return cfg.data.regenerate == "on"
 
 
-def split(cfg: Config):
+def split(cfg: Config, counts: dict | None = None):
     convs = data_mod.load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations,
-                                        seed=cfg.train.seed)
+                                        seed=cfg.train.seed, counts=counts)
     return data_mod.split_heldout(convs, eval_fraction=cfg.data.eval_fraction, seed=cfg.train.seed)
 
 
@@ -84,14 +84,16 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None) -> Pre
     target whose selected layers can be captured) asks regeneration to keep their features."""
     from ..model.layer_capture import can_capture
 
-    train_convs, eval_convs = split(cfg)
+    counts: dict = {}  # records dropped by reason, samples cut: reported once, below
+    train_convs, eval_convs = split(cfg, counts)
     regen = should_regenerate(cfg)
     feats = None
     if regen:
         keep = layer_ids if cfg.train.feature_cache and layer_ids and can_capture(target, layer_ids) else None
         train_convs, feats = _regen_cached(cfg, target, tokenizer, train_convs, device, keep)
     samples = data_mod.build_samples(tokenizer, train_convs, max_len=cfg.data.max_len,
-                                     min_loss_tokens=2 * cfg.model.block_size)
+                                     min_loss_tokens=2 * cfg.model.block_size, counts=counts)
+    print(data_mod.data_report(counts, max_len=cfg.data.max_len, samples=len(samples)), file=sys.stderr)
     if not samples:
         raise data_mod.DatasetError(
             f"no training samples left after filtering (need >= {2 * cfg.model.block_size} response tokens "
