@@ -229,6 +229,7 @@ def test_template_kwargs_from_the_command_line():
     ("data.chat_template={bad}", "not a valid Jinja template"),
     ("data.chat_template={latin1}", "not UTF-8"),
     ("data.chat_template={empty}", "the file is empty"),
+    ("data.chat_template={nofilter}", "No filter named 'shout'"),
     ("data.chat_template={tmp}", "is a directory"),
     ("data.chat_template_kwargs=[1, 2]", "not KEY=VALUE"),
     ("data.chat_template_kwargs={{1: true}}", "is not a name"),
@@ -236,13 +237,23 @@ def test_template_kwargs_from_the_command_line():
 ])
 def test_bad_templates_and_kwargs_are_one_line(tmp_path, setting, needle):
     files = {"missing": tmp_path / "nope.jinja", "bad": tmp_path / "bad.jinja", "latin1": tmp_path / "l1.jinja",
-             "empty": tmp_path / "empty.jinja", "tmp": tmp_path}
+             "empty": tmp_path / "empty.jinja", "nofilter": tmp_path / "f.jinja", "tmp": tmp_path}
+    files["nofilter"].write_text("{{ messages[0].content | shout }}")
     files["bad"].write_text("{% for m in messages %}{{ m.content }}")  # no endfor
     files["latin1"].write_bytes("{{ 'caf\u00e9' }}".encode("latin-1"))
     files["empty"].write_text("  \n")
     with pytest.raises(ConfigError) as e:
         load_config(None, [setting.format(**files)])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_template_that_fails_to_render_is_one_line_when_the_tokenizer_loads(tmp_path, smollm2):
+    path = tmp_path / "chat.jinja"  # parses, but refuses every conversation when rendered
+    path.write_text("{{ raise_exception('System role not supported') }}")
+    with pytest.raises(CT.ChatTemplateError) as e:
+        CT.configure(T.load_tokenizer("smollm2"), str(path))
+    assert "rendering a user/assistant exchange failed" in str(e.value) and "System role" in str(e.value)
+    assert "\n" not in str(e.value)
 
 
 def test_a_kwargs_mapping_in_a_config_file_must_be_a_mapping(tmp_path):

@@ -63,8 +63,8 @@ def read_template(path: str) -> str:
     if not text.strip():
         raise ChatTemplateError(f"{where}: the file is empty (expected a Jinja chat template)")
     from jinja2 import TemplateSyntaxError
-    try:
-        _environment().parse(text)
+    try:  # compiled, not only parsed: an unknown filter or test is caught here too
+        _environment().from_string(text)
     except TemplateSyntaxError as e:
         raise ChatTemplateError(f"{where}: not a valid Jinja template ({e.message} at line {e.lineno})") from None
     return text
