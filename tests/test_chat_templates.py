@@ -336,5 +336,6 @@ def test_training_preparation_reports_its_data_once_and_uses_the_template(tmp_pa
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("data: ")]
     assert len(lines) == 1 and f"{len(prep.samples)} training samples" in lines[0], lines
     assert "over_length" in lines[0] and "(cut to data.max_len=128)" in lines[0]
+    assert f"24 conversations, {len(prep.eval_convs)} held out for eval, " in lines[0]
     assert all(tok.decode(s.input_ids[:1]) == "<|im_start|>" and tok.decode(s.input_ids).split(":")[0] in
                ("<|im_start|>SYSTEM", "<|im_start|>USER") for s in prep.samples)

@@ -195,7 +195,8 @@ def load_conversations(path=None, *, limit: int, seed: int = 0, counts: dict | N
     Fewer than ``limit`` come back only when the files hold fewer.
 
     ``counts``, when given, gets ``records_read`` and the drop count of each reason in
-    DROP_REASONS (over the prefix parsed; cached beside the subset), ``conversations`` and
+    DROP_REASONS (over the records looked at, in shuffled order, until the subset was full;
+    cached beside the subset), ``conversations`` and
     ``asked``, for the caller's one report of the data set; the shortage warning then leaves
     the drops out.
     """

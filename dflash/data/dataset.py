@@ -169,7 +169,8 @@ def data_report(counts: dict, *, max_len: int, samples: int) -> str:
     read = f"{counts['records_read']} records read, " if "records_read" in counts else ""
     if "conversations" in counts:
         short = f" (asked for {counts['asked']})" if counts["conversations"] < counts.get("asked", 0) else ""
-        read += f"{counts['conversations']} conversations{short}, "
+        held = f", {counts['held_out']} held out for eval" if counts.get("held_out") else ""
+        read += f"{counts['conversations']} conversations{short}{held}, "
     return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
             f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")
 

@@ -86,6 +86,7 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None) -> Pre
 
     counts: dict = {}  # records dropped by reason, samples cut: reported once, below
     train_convs, eval_convs = split(cfg, counts)
+    counts["held_out"] = len(eval_convs)
     regen = should_regenerate(cfg)
     feats = None
     if regen:
