@@ -44,6 +44,9 @@ class DataConfig:
     regen_batch_size: int = 0            # prompts per generate() call, sorted by length; 0: auto (64 on CUDA, 16 on CPU)
     eval_fraction: float = 0.05
     features: str = ""                   # a dir from `dflash capture`: train on its features, no target forward
+    chat_template: str = ""              # a Jinja file that replaces the target tokenizer's chat template
+    chat_template_kwargs: dict[str, typing.Any] = field(default_factory=dict)  # template variables, e.g.
+                                         # {enable_thinking: false}; both apply wherever the template does
 
 
 @dataclass
@@ -135,14 +138,20 @@ def _coerce(value, typ, key: str):
         return [_coerce(v, inner, key) for v in value]
     if origin is dict:
         kt, vt = typing.get_args(typ)
-        if isinstance(value, str):
+        if isinstance(value, str) and value.lstrip().startswith("{"):  # a YAML/JSON mapping: {a: 1, b: x}
+            try:
+                value = yaml.safe_load(value)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{key}={value!r}: not a valid mapping ({str(e).splitlines()[0]})") from None
+        elif isinstance(value, str):
             pairs = [p for p in value.split(",") if p.strip()]
             value = {}
             for p in pairs:
                 if "=" not in p:
                     raise ConfigError(f"{key}: {p!r} is not KEY=VALUE")
                 k, v = p.split("=", 1)
-                value[k.strip()] = v
+                # a value of any type (template variables): read as YAML, so false is a bool
+                value[k.strip()] = yaml.safe_load(v) if vt is typing.Any and v.strip() else v
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping")
         return {_coerce(k, kt, key): _coerce(v, vt, key) for k, v in value.items()}
@@ -337,6 +346,7 @@ def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
     from . import inputs
+    from .data import chat_template
 
     m, d, p = cfg.model, cfg.data, cfg.pipeline
     _check_ranges(cfg)
@@ -393,6 +403,7 @@ def validate(cfg: Config) -> None:
         inputs.check_target_spec(m.target)
         if d.path:
             inputs.check_dataset_path(d.path)
+        chat_template.check(d.chat_template, d.chat_template_kwargs)
         layers = inputs.target_num_layers(m.target)
     except (inputs.TargetSpecError, inputs.DatasetError) as e:
         raise ConfigError(str(e)) from None

@@ -24,6 +24,10 @@ def add_command(sub) -> None:
     i = dsub.add_parser("inspect", help="records used and dropped (by reason), token lengths, loss share, examples")
     i.add_argument("path", metavar="PATH", help="what data.path takes: a file, a glob, a directory, a comma list")
     i.add_argument("--target", default="tiny-qwen3", help="whose tokenizer and chat template (default tiny-qwen3)")
+    i.add_argument("--chat-template", default="", metavar="FILE",
+                   help="data.chat_template: a Jinja file that replaces the target's chat template")
+    i.add_argument("--chat-template-kwargs", default="", metavar="JSON",
+                   help='data.chat_template_kwargs: template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
     i.add_argument("--max-len", type=int, default=256, help="data.max_len: longer samples count as over_length")
     i.add_argument("--records", type=int, default=10_000, help="read at most this many records (default 10,000)")
     i.add_argument("--examples", type=int, default=3, help="rendered examples (default 3)")
@@ -31,24 +35,38 @@ def add_command(sub) -> None:
 
 
 def run(a) -> int:
+    from .data import chat_template
     from .data import conversations as C
     from .inputs import DatasetError, TargetSpecError, check_dataset_path, check_target_spec, data_files
 
     for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
         if v < lo:
             raise ConfigError(f"{name}={v}: expected an integer >= {lo}")
+    kwargs = _template_kwargs(a.chat_template_kwargs)
     try:  # before the tokenizer (and torch) loads
+        chat_template.check(a.chat_template, kwargs)
         check_dataset_path(a.path)
         check_target_spec(a.target, probe_hub=True)
         records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
     except (DatasetError, TargetSpecError) as e:
         raise ConfigError(str(e)) from None
-    report = inspect(records, a.target, max_len=a.max_len, examples=a.examples)
+    report = inspect(records, a.target, max_len=a.max_len, examples=a.examples,
+                     chat_template=a.chat_template, chat_template_kwargs=kwargs)
     report["path"] = a.path
     print(format_report(report))
     if a.json:
         print(json.dumps(report))
     return 0
+
+
+def _template_kwargs(text: str) -> dict:
+    if not text.strip():
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"--chat-template-kwargs={text!r}: not JSON ({e}); expected an object such as "
+                          f"'{{\"enable_thinking\": false}}'") from None
 
 
 def _take(it, n):
@@ -58,12 +76,14 @@ def _take(it, n):
         yield r
 
 
-def inspect(records: list, target: str, *, max_len: int, examples: int) -> dict:
+def inspect(records: list, target: str, *, max_len: int, examples: int, chat_template: str = "",
+            chat_template_kwargs: dict | None = None) -> dict:
+    from .data import chat_template as T
     from .data import conversations as C
     from .data.dataset import tokenize_conversation
     from .model.target import load_tokenizer
 
-    tok = load_tokenizer(target)
+    tok = T.configure(load_tokenizer(target), chat_template, chat_template_kwargs)
     dropped = {r: 0 for r in (*C.DROP_REASONS, "over_length")}
     lengths, loss_tokens, shown = [], 0, []
     for rec in records:
@@ -85,7 +105,8 @@ def inspect(records: list, target: str, *, max_len: int, examples: int) -> dict:
         hist[label] = sum(1 for n in lengths if n >= lo and (hi is None or n < hi))
         lo = hi or lo
     total = sum(lengths)
-    return {"target": target, "records_read": len(records), "used": used, "dropped": dropped,
+    return {"target": target, "chat_template": chat_template or None, "chat_template_kwargs": chat_template_kwargs or {},
+            "records_read": len(records), "used": used, "dropped": dropped,
             "max_len": max_len, "token_length_histogram": hist,
             "tokens": total, "loss_tokens": loss_tokens, "loss_share": round(loss_tokens / total, 4) if total else 0.0,
             "examples": shown}
@@ -106,7 +127,12 @@ def render(tok, ids: list[int], mask: list[int]) -> str:
 
 def format_report(r: dict) -> str:
     drops = ", ".join(f"{k} {v}" for k, v in r["dropped"].items() if v) or "none"
-    lines = [f"data set {r['path']} (tokenizer and chat template of {r['target']})",
+    head = f"tokenizer and chat template of {r['target']}"
+    if r.get("chat_template"):
+        head = f"tokenizer of {r['target']}, chat template {r['chat_template']}"
+    if r.get("chat_template_kwargs"):
+        head += f", template variables {json.dumps(r['chat_template_kwargs'])}"
+    lines = [f"data set {r['path']} ({head})",
              f"records read {r['records_read']}, used {r['used']}; dropped: {drops}",
              f"tokens {r['tokens']:,}, of which carry loss {r['loss_tokens']:,} ({100 * r['loss_share']:.1f}%)",
              "token lengths after the chat template:"]

@@ -61,6 +61,7 @@ def run(a) -> int:
     import torch
 
     from .config import resolve_dtype
+    from .data import chat_template
     from .data import dataset as data_mod
     from .prep.prepare import split
     from .model import drafter_dirs
@@ -72,6 +73,7 @@ def run(a) -> int:
     dev = dev if dev.startswith("cuda") and torch.cuda.is_available() else "cpu"
     target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
                               dtype=resolve_dtype(cfg, dev))
+    chat_template.configure_from(tok, cfg.data)  # the run's data.chat_template(_kwargs): its prompts
     drafters = []
     for d in dirs:  # every one is checked against the target before any is evaluated
         drafter_dirs.check_fits(d, target, f"--checkpoint {str(d.path)!r}")

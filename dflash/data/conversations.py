@@ -184,7 +184,7 @@ def _subset_cache_path(paths: list[Path], limit: int, seed: int) -> Path:
     return cache_dir() / "conversations" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-n{limit}-s{seed}.json"
 
 
-def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dict]]:
+def load_conversations(path=None, *, limit: int, seed: int = 0, counts: dict | None = None) -> list[list[dict]]:
     """``limit`` valid conversations, deterministic for (files, limit, seed).
 
     ``path``: what `data.path` takes (a file, a glob, a directory, several joined with
@@ -193,6 +193,12 @@ def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dic
     with ``seed`` and keeps the first ``limit`` valid ones: memory follows ``limit``, not the
     files' size. The subset is cached as a small json, so repeated runs skip the parse.
     Fewer than ``limit`` come back only when the files hold fewer.
+
+    ``counts``, when given, gets ``records_read`` and the drop count of each reason in
+    DROP_REASONS (over the records looked at, in shuffled order, until the subset was full;
+    cached beside the subset), ``conversations`` and
+    ``asked``, for the caller's one report of the data set; the shortage warning then leaves
+    the drops out.
     """
     if limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
@@ -200,34 +206,53 @@ def load_conversations(path=None, *, limit: int, seed: int = 0) -> list[list[dic
     for p in paths:
         check_dataset_path(p)
     cached = _subset_cache_path(paths, limit, seed)
+    drops_file = cached.with_name(cached.stem + ".drops.json")
     if cached.is_file():
-        return json.loads(cached.read_text(encoding="utf-8"))
-    convs = _take(paths, limit, seed)
+        convs = json.loads(cached.read_text(encoding="utf-8"))
+        if counts is not None:
+            if drops_file.is_file():  # a subset cached before drops were has none to report
+                counts.update(json.loads(drops_file.read_text(encoding="utf-8")))
+            counts.update(conversations=len(convs), asked=limit)
+        return convs
+    found: dict = {}
+    convs = _take(paths, limit, seed, found, quiet_drops=counts is not None)
+    if counts is not None:
+        counts.update(found, conversations=len(convs), asked=limit)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_name(f".{cached.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(convs), encoding="utf-8")
-    os.replace(tmp, cached)  # atomic: readers never see half a file
+    for target, body in ((drops_file, found), (cached, convs)):  # the subset last: it is what readers look for
+        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(body), encoding="utf-8")
+        os.replace(tmp, target)  # atomic: readers never see half a file
     return convs
 
 
-def _take(paths: list[Path], limit: int, seed: int) -> list[list[dict]]:
+def _take(paths: list[Path], limit: int, seed: int, found: dict, quiet_drops: bool = False) -> list[list[dict]]:
     path = paths[0] if len(paths) == 1 else ",".join(map(str, paths))  # for the messages
     records, stream, prefix = [], (r for p in paths for r in _iter_records(p)), 4 * limit + 1000
     while True:
         records.extend(r for _, r in zip(range(prefix - len(records)), stream))
         order = list(range(len(records)))
         random.Random(seed).shuffle(order)
-        convs = [c for c in map(_normalize, (records[i] for i in order)) if c is not None][:limit]
+        classified, convs = [], []
+        for i in order:  # in the shuffled order, up to the limit-th usable one: what the subset looked at
+            if len(convs) >= limit:
+                break
+            classified.append(classify(records[i]))
+            if classified[-1][0] is not None:
+                convs.append(classified[-1][0])
         exhausted = len(records) < prefix
         if len(convs) >= limit or exhausted:
             break
         prefix *= 2
+    found["records_read"] = len(classified)  # the records the subset was picked from, used or dropped
+    for reason in DROP_REASONS:
+        found[reason] = sum(1 for _, r in classified if r == reason)
     if not convs and limit:
         raise DatasetError(f"dataset '{path}': no usable conversation in {len(records)} records "
                            f"({_dropped(records)})")
     if len(convs) < limit:
-        log.warning("dataset %s: only %d usable conversations (asked for %d; %s)", path, len(convs), limit,
-                    _dropped(records))
+        log.warning("dataset %s: only %d usable conversations (asked for %d%s)", path, len(convs), limit,
+                    "" if quiet_drops else f"; {_dropped(records)}")
     return convs
 
 

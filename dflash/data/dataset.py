@@ -48,13 +48,22 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
 
     Assistant spans are found by character offsets in the rendered text, so any template that
     puts the reply verbatim (or stripped) into its output works; the token right after a reply
-    counts too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ...).
+    counts too when it is a special token (``<|im_end|>``, ``<|eot_id|>``, ...). Everything else
+    (system and user turns, the template's headers such as ``<|im_start|>assistant\n``, an
+    empty think block Qwen3's template inserts) carries no loss. A reply with a reasoning block
+    (``<think>...</think>answer``) is matched by its answer, plus its reasoning where the template
+    renders it (Qwen3 drops it from turns before the last user turn).
     """
+    return _truncate(_tokenize_whole(tokenizer, conv), max_len)
+
+
+def _tokenize_whole(tokenizer, conv) -> Sample:
+    """:func:`tokenize_conversation` before the cut to ``max_len``."""
     last = conv[-1]
     if last["role"] == "assistant" and "token_ids" in last:
         ids = _prompt_ids(tokenizer, conv[:-1])
         gen = list(last["token_ids"])
-        return _truncate(Sample(ids + gen, [0] * len(ids) + [1] * len(gen)), max_len)
+        return Sample(ids + gen, [0] * len(ids) + [1] * len(gen))
     text = tokenizer.apply_chat_template(conv, tokenize=False)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
@@ -62,6 +71,20 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     cursor, tok_i = 0, 0
     for k, m in enumerate(conv):
+        if m["role"] == "assistant":
+            found = _find_reply(tokenizer, conv, k, text, cursor)
+            if found is None:
+                continue  # a template that rewrites content; such a turn simply gets no loss
+            start, end = found
+            cursor = end
+            while tok_i < len(ids) and offsets[tok_i][1] <= start:
+                tok_i += 1
+            while tok_i < len(ids) and offsets[tok_i][0] < end:
+                mask[tok_i] = 1
+                tok_i += 1
+            if tok_i < len(ids) and ids[tok_i] in special:  # the end-of-turn token the model must emit
+                mask[tok_i] = 1
+            continue
         # Search each turn after the rendered text of the turns before it (when the template is
         # prefix-consistent), so a reply quoted in an earlier turn or the system prompt never matches.
         prior = tokenizer.apply_chat_template(conv[:k], tokenize=False) if k else ""
@@ -69,29 +92,87 @@ def tokenize_conversation(tokenizer, conv, max_len: int) -> Sample:
             cursor = max(cursor, len(prior))
         content = m["content"].strip()
         start = text.find(content, cursor) if content else -1
-        if start < 0:
-            continue  # a template that rewrites content; such a turn simply gets no loss
-        end = cursor = start + len(content)
-        if m["role"] != "assistant":
-            continue
-        while tok_i < len(ids) and offsets[tok_i][1] <= start:
-            tok_i += 1
-        while tok_i < len(ids) and offsets[tok_i][0] < end:
-            mask[tok_i] = 1
-            tok_i += 1
-        if tok_i < len(ids) and ids[tok_i] in special:  # the end-of-turn token the model must emit
-            mask[tok_i] = 1
-    return _truncate(Sample(ids, mask), max_len)
+        if start >= 0:
+            cursor = start + len(content)
+    return Sample(ids, mask)
+
+
+def _find_reply(tokenizer, conv, k: int, text: str, cursor: int) -> tuple[int, int] | None:
+    """Character span ``[start, end)`` of assistant turn ``k``'s reply in the rendered ``text``.
+
+    The reply is searched no earlier than where the template's generation prompt for it ends
+    (the turns before it rendered with ``add_generation_prompt``), so a short reply ("a",
+    "assistant", "id") never matches inside the header or an end-of-turn token's text. Where the
+    template renders earlier turns differently once a reply follows (Qwen3 with
+    ``enable_thinking: false`` puts an empty think block into the generation prompt only), the
+    search starts where the two renderings part, less the reply's length: the reply may begin
+    with what the generation prompt has there.
+    """
+    content = conv[k]["content"]
+    answer, reasoning = content.strip(), ""
+    if "</think>" in content:  # Qwen3-style reasoning: templates render or drop it apart from the answer
+        head, _, tail = content.rpartition("</think>")
+        answer, reasoning = tail.strip(), head.split("<think>")[-1].strip()
+    if not answer:
+        return None
+    gen = tokenizer.apply_chat_template(conv[:k], tokenize=False, add_generation_prompt=True)
+    if text.startswith(gen):
+        lo = len(gen)
+    else:
+        same = next((i for i, (a, b) in enumerate(zip(gen, text)) if a != b), min(len(gen), len(text)))
+        lo = same - len(answer)
+    lo = max(cursor, lo)
+    start = text.find(answer, lo)
+    if start < 0:
+        return None
+    end = start + len(answer)
+    if reasoning:  # rendered before the answer: the reasoning (and its <think> tag) carries loss too
+        r = text.rfind(reasoning, lo, start)
+        if r >= 0:
+            t = text.rfind("<think>", lo, r)
+            start = t if t >= 0 else r
+    return start, end
 
 
 def _truncate(s: Sample, max_len: int) -> Sample:
     return Sample(s.input_ids[:max_len], s.loss_mask[:max_len])
 
 
-def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int) -> list[Sample]:
-    """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens."""
-    samples = (tokenize_conversation(tokenizer, c, max_len) for c in convs)
-    return [s for s in samples if sum(s.loss_mask) >= min_loss_tokens]
+def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, counts: dict | None = None) -> list[Sample]:
+    """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens.
+
+    A sample longer than ``max_len`` is cut to it, not dropped: its first ``max_len`` tokens
+    still hold whole replies to learn from (the cut may then leave it too few loss tokens, and
+    only then is it dropped). ``counts``, when given, gets ``over_length`` (cut) and
+    ``too_few_loss_tokens`` (dropped), for :func:`data_report`.
+    """
+    out, over, few = [], 0, 0
+    for c in convs:
+        whole = _tokenize_whole(tokenizer, c)
+        over += len(whole.input_ids) > max_len
+        s = _truncate(whole, max_len)
+        if sum(s.loss_mask) >= min_loss_tokens:
+            out.append(s)
+        else:
+            few += 1
+    if counts is not None:
+        counts.update(over_length=over, too_few_loss_tokens=few)
+    return out
+
+
+def data_report(counts: dict, *, max_len: int, samples: int) -> str:
+    """The one line a run prints about its data: records read, dropped by reason (reading:
+    conversations.DROP_REASONS; tokenizing: too few loss tokens), cut for length."""
+    from .conversations import DROP_REASONS
+
+    dropped = [f"{r} {counts[r]}" for r in (*DROP_REASONS, "too_few_loss_tokens") if counts.get(r)]
+    read = f"{counts['records_read']} records read, " if "records_read" in counts else ""
+    if "conversations" in counts:
+        short = f" (asked for {counts['asked']})" if counts["conversations"] < counts.get("asked", 0) else ""
+        held = f", {counts['held_out']} held out for eval" if counts.get("held_out") else ""
+        read += f"{counts['conversations']} conversations{short}{held}, "
+    return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
+            f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")
 
 
 def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0) -> tuple[list, list]:

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, resolve_dtype
+from ..data import chat_template
 from ..data import dataset as data_mod
 from ..model import target as target_mod
 from ..run.placement import local_device
@@ -44,6 +45,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
     target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    chat_template.configure_from(tok, cfg.data)  # the samples render as training would render them
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     shard = SOLO

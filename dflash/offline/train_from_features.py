@@ -9,6 +9,7 @@ import sys
 import torch
 
 from ..config import Config
+from ..data import chat_template
 from ..model import target as target_mod
 from .feature_index import TARGET_DIR, read_index
 from .feature_shards import FeatureStore
@@ -28,6 +29,7 @@ def open_capture(cfg: Config, *, device, dtype):
     target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed)
     print(f"target {cfg.model.target}: {target.note}", file=sys.stderr)
     tok = target_mod.load_tokenizer(cfg.model.target)
+    chat_template.configure_from(tok, cfg.data)  # the mask-token probe renders with it, as online
     return target, tok, store, getattr(torch, index["key"]["dtype"])
 
 

@@ -9,6 +9,7 @@ killed one resumes; under torchrun the target ranks share the work (regen_shard.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 from ..config import Config
@@ -34,9 +35,9 @@ def should_regenerate(cfg: Config) -> bool:
     return cfg.data.regenerate == "on"
 
 
-def split(cfg: Config):
+def split(cfg: Config, counts: dict | None = None):
     convs = data_mod.load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations,
-                                        seed=cfg.train.seed)
+                                        seed=cfg.train.seed, counts=counts)
     return data_mod.split_heldout(convs, eval_fraction=cfg.data.eval_fraction, seed=cfg.train.seed)
 
 
@@ -67,18 +68,22 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard:
     shard's gather destination."""
     from ..model.layer_capture import can_capture
 
-    train_convs, eval_convs = split_convs if split_convs is not None else split(cfg)
+    data_counts: dict = {}  # records dropped by reason, samples cut: reported once, below
+    train_convs, eval_convs = split_convs if split_convs is not None else split(cfg, data_counts)
+    data_counts["held_out"] = len(eval_convs)
     regen = should_regenerate(cfg)
-    feats, counts = None, {}
+    feats, counts = None, {}  # counts: the regeneration's
     if regen:
         keep = layer_ids if cfg.train.feature_cache and layer_ids and can_capture(target, layer_ids) else None
         train_convs, feats = _regen_cached(cfg, target, tokenizer, train_convs, device, keep, shard, counts)
         if train_convs is None:
             return None
     samples = data_mod.build_samples(tokenizer, train_convs, max_len=cfg.data.max_len,
-                                     min_loss_tokens=2 * cfg.model.block_size)
-    if not samples:
+                                     min_loss_tokens=2 * cfg.model.block_size, counts=data_counts)
+    report = data_mod.data_report(data_counts, max_len=cfg.data.max_len, samples=len(samples))
+    if not samples:  # bad input is one line: the counts go into it
         raise data_mod.DatasetError(
             f"no training samples left after filtering (need >= {2 * cfg.model.block_size} response tokens "
-            f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len")
+            f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len ({report})")
+    print(report, file=sys.stderr)
     return Prepared(samples=samples, eval_convs=eval_convs, regenerated=regen, features=feats, counts=counts)

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from ..config import Config, resolve_dtype
+from ..data import chat_template
 from ..model import checkpoint as ckpt
 from ..model import target as target_mod
 from ..model.drafter_build import build_drafter, drafter_config
@@ -44,6 +45,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
     else:
         target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
                                              seed=cfg.model.target_seed)
+        chat_template.configure_from(tok, cfg.data)  # data.chat_template(_kwargs): every render from here on
         from ..model.warmup import warm_up
         warmup_s = None
         if place.has_target:  # CUDA only: Triton compile/autotune and first-call costs, before anything is timed
