@@ -100,6 +100,7 @@ def _torchrun(*args):
     return p
 
 
+@pytest.mark.slow
 def test_two_ranks_capture_what_one_does_and_two_ranks_train_from_it(tmp_path, feats):
     from dflash.data.dataset import batches
     from dflash.offline.feature_index import read_index
