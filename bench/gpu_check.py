@@ -236,12 +236,13 @@ class _Memo:
                 self.targets[key] = self._load(spec, **kw)
             return self.targets[key]
 
-        def prep(cfg, target, tok, device="cpu", layer_ids=None):
+        def prep(cfg, target, tok, device="cpu", layer_ids=None, **kw):
             # the kept features depend on the layers and on train.feature_cache as well
+            # (one process here: the regeneration shard, **kw, is always the whole)
             key = (cfg.model.target, json.dumps(cfg.to_dict()["data"], sort_keys=True),
                    tuple(layer_ids or ()), cfg.train.feature_cache)
             if key not in self.prepared:
-                self.prepared[key] = self._prep(cfg, target, tok, device=device, layer_ids=layer_ids)
+                self.prepared[key] = self._prep(cfg, target, tok, device=device, layer_ids=layer_ids, **kw)
             return self.prepared[key]
 
         T.load_target, tr.prepare = load, prep
