@@ -37,3 +37,25 @@ def load_bench(name: str):
 
 def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+_BEFORE_TORCH = """
+import json, sys
+from dflash.cli import main
+rc = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules)
+print(json.dumps({"rc": rc, "torch": "torch" in sys.modules, "heavy": heavy}))
+"""
+
+
+def cli_before_torch(*args, env=None, drop=(), heavy: bool = False, timeout=180):
+    """Run the command line in a fresh interpreter: ``({"rc", "torch"}, stderr lines)``, with
+    ``heavy`` ``{"rc", "heavy"}`` (torch, transformers, safetensors: whichever got imported).
+    Bad input must be one line and exit 2 before any of them loads."""
+    e = {k: v for k, v in os.environ.items() if k not in drop}
+    e.update(env or {})
+    p = subprocess.run([sys.executable, "-c", _BEFORE_TORCH, *map(str, args)], cwd=ROOT, capture_output=True,
+                       text=True, timeout=timeout, env=e)
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    out = {"rc": out["rc"], "heavy": out["heavy"]} if heavy else {"rc": out["rc"], "torch": out["torch"]}
+    return out, [ln for ln in p.stderr.splitlines() if ln.strip()]

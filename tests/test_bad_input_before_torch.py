@@ -3,32 +3,13 @@ is written: data sets (empty, malformed, not UTF-8, a directory), targets (empty
 config.json, a hub id that does not exist or cannot be reached), `--out`, torchrun's
 environment."""
 import json
-import subprocess
-import sys
 
 import pytest
 
-from helpers import ROOT, TINY
-
-_NO_TORCH = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
-"""
-
-
-def _probe(*args, env=None, drop=()):
-    import os
-    e = {k: v for k, v in os.environ.items() if k not in drop}
-    e.update(env or {})
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180, env=e)
-    return json.loads(p.stdout.strip().splitlines()[-1]), [ln for ln in p.stderr.splitlines() if ln.strip()]
-
+from helpers import TINY, cli_before_torch
 
 def _train(tmp_path, *args, env=None):
-    out, lines = _probe("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args, env=env)
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args, env=env)
     assert not (tmp_path / "run").exists(), "nothing may be written for bad input"
     return out, lines
 
@@ -93,7 +74,7 @@ def test_an_unreachable_hub_is_one_line_in_seconds(tmp_path):
     ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5: expected < WORLD_SIZE=2"),
 ])
 def test_half_a_torchrun_environment_is_one_line(tmp_path, env, needle):
-    out, lines = _probe("train", "--out", tmp_path / "run", *TINY, env=env, drop=("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, env=env, drop=("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 
@@ -110,6 +91,6 @@ def test_out_is_checked_before_torch(tmp_path, where, needle):
     users.mkdir()
     (users / "thesis.tex").write_text("years of work")
     out = {"root": "/", "file": f, "under_file": f / "run", "users_dir": users}[where]
-    res, lines = _probe("train", "--out", out, "--target", "tiny-qwen3", *TINY, "--overwrite")
+    res, lines = cli_before_torch("train", "--out", out, "--target", "tiny-qwen3", *TINY, "--overwrite")
     assert res == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
     assert (users / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in users.iterdir()) == ["thesis.tex"]

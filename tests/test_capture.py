@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, TINY, last_json, run_dflash
+from helpers import ROOT, TINY, cli_before_torch, last_json, run_dflash
 
 NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
@@ -143,20 +143,6 @@ def test_only_the_embedding_and_lm_head_are_read(tmp_path, tied):
     assert "embedding and lm_head only" in head.note
 
 
-_NO_TORCH = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
-"""
-
-
-def _probe(*args):
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180)
-    return json.loads(p.stdout.strip().splitlines()[-1]), [ln for ln in p.stderr.splitlines() if ln.strip()]
-
-
 @pytest.mark.parametrize("case,needle", [
     ("not_a_capture", "no index.json"),
     ("unfinished", "the capture did not finish"),
@@ -184,7 +170,7 @@ def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, n
             next(src.glob("shard-*.safetensors")).unlink()
     extra = {"other_target": ["--target", "tiny-llama"], "other_layers": ["--set", "model.target_layer_ids=0"],
              "eval": ["--eval"], "layout": ["--layout", "target:1,drafter:1"]}.get(case, [])
-    out, lines = _probe("train", "--features", src, "--out", tmp_path / "run", *COMMON, *extra)
+    out, lines = cli_before_torch("train", "--features", src, "--out", tmp_path / "run", *COMMON, *extra)
     assert out == {"rc": 2, "torch": False}, lines
     assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run").exists()

@@ -13,21 +13,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, run_dflash
-
-_NO_TORCH = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
-"""
-
-
-def _probe(*args):
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=180)
-    return json.loads(p.stdout.strip().splitlines()[-1]), [ln for ln in p.stderr.splitlines() if ln.strip()]
-
+from helpers import TINY, cli_before_torch, run_dflash
 
 def _safetensors(path, *, cut: int = 0):
     header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
@@ -60,14 +46,14 @@ def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1,
 ])
 def test_resume_refuses_a_checkpoint_trained_for_something_else(tmp_path, args, needle):
     _fake_run(tmp_path / "run")
-    out, lines = _probe("train", "--out", tmp_path / "run", "--resume", *TINY, *args)
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", *TINY, *args)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 
 def test_resume_needs_a_whole_checkpoint(tmp_path):
     ck = _fake_run(tmp_path / "run")
     _safetensors(ck / "model.safetensors", cut=3)
-    out, lines = _probe("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama", *TINY)
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama", *TINY)
     assert out == {"rc": 2, "torch": False} and "truncated" in lines[0], lines
 
 
@@ -91,7 +77,7 @@ def test_eval_of_a_broken_checkpoint_is_one_line_before_torch(tmp_path, damage, 
     else:
         ck = tmp_path / "afile"
         ck.write_text("x")
-    out, lines = _probe("eval", "--checkpoint", ck)
+    out, lines = cli_before_torch("eval", "--checkpoint", ck)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 

@@ -1,27 +1,15 @@
 """`dflash export`, `eval --temperature`, `train --init-from`: the command-line paths and
 their bad-input lines (one line, exit 2, before torch where the input alone tells)."""
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, TINY, run_dflash
-
-_NO_TORCH_PROBE = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules)
-print(json.dumps({"rc": rc, "heavy": heavy}))
-"""
-
+from helpers import TINY, cli_before_torch, run_dflash
 
 def _probe(*args):
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, *map(str, args)], cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+    out, lines = cli_before_torch(*args, heavy=True, timeout=120)
+    return out, "\n".join(lines)
 
 
 def _write_served(path, *, block_size=4, layers=2):
