@@ -210,17 +210,11 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
     """Build and validate the config. flags are dotted keys from dedicated CLI options."""
     cfg = Config()
     if path:
-        p = Path(path)
-        if p.is_dir():
-            raise ConfigError(f"config file {path!r}: is a directory (expected a YAML file)")
-        if not p.is_file():
-            raise ConfigError(f"config file {path!r}: no such file")
+        from .inputs import read_text_file
+
+        text = read_text_file(path, f"config file {path!r}", "a YAML file", ConfigError)
         try:
-            data = yaml.safe_load(p.read_bytes().decode("utf-8")) or {}
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config file {path!r}: not UTF-8 text (byte {e.start})") from None
-        except OSError as e:
-            raise ConfigError(f"config file {path!r}: unreadable ({e.strerror or e})") from None
+            data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
         if not isinstance(data, dict):

@@ -84,6 +84,22 @@ def _probe_hub(spec: str) -> None:
                               f"({type(e).__name__}); download it first or pass a local model dir") from None
 
 
+def read_text_file(path: str, where: str, expected: str, error: type[Exception]) -> str:
+    """A user-named UTF-8 text file (a config, a chat template), or ``error`` with one line
+    ``"<where>: <why> (expected <expected>)"``: a directory, missing, not UTF-8, unreadable."""
+    p = Path(path)
+    if p.is_dir():
+        raise error(f"{where}: is a directory (expected {expected})")
+    if not p.is_file():
+        raise error(f"{where}: no such file (expected {expected})")
+    try:
+        return p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{where}: not UTF-8 text (byte {e.start}; expected {expected})") from None
+    except OSError as e:
+        raise error(f"{where}: unreadable ({e.strerror or e})") from None
+
+
 def read_json_object(path: Path, label: str, error: type[Exception]) -> dict:
     """A JSON object from ``path``, or ``error("<label>: <file> is not ...")``: one line for a
     file that is missing, not UTF-8, not JSON, or not an object."""

@@ -59,3 +59,12 @@ def cli_before_torch(*args, env=None, drop=(), heavy: bool = False, timeout=180)
     out = json.loads(p.stdout.strip().splitlines()[-1])
     out = {"rc": out["rc"], "heavy": out["heavy"]} if heavy else {"rc": out["rc"], "torch": out["torch"]}
     return out, [ln for ln in p.stderr.splitlines() if ln.strip()]
+
+
+def free_port() -> int:
+    """A loopback port nobody holds right now (torchrun's rendezvous, a stand-in receiver)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -5,7 +5,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -16,17 +15,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, TINY
+from helpers import ROOT, TINY, free_port
 
 NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
 PROMETHEUS = shutil.which("prometheus")
-
-
-def _free_port():
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def _get(url, timeout=2.0):
@@ -38,7 +31,7 @@ class Prometheus:
     """Debian's prometheus on a free loopback port, temp storage, scraping `target` every 1 s."""
 
     def __init__(self, tmp: Path, target: str):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cfg = tmp / "prometheus.yml"
         cfg.write_text(yaml.safe_dump({
@@ -88,7 +81,7 @@ def scraped_run(tmp_path_factory):
     """One short training run with OTEL_METRICS_EXPORTER=prometheus, scraped by a real
     Prometheus (when installed) and by this test itself (for the metric names)."""
     tmp = tmp_path_factory.mktemp("prom")
-    port = _free_port()
+    port = free_port()
     prom = Prometheus(tmp, f"127.0.0.1:{port}") if PROMETHEUS else None
     run = tmp / "run"
     env = dict(os.environ) | NO_OTEL_ENV | {

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from helpers import ROOT, TINY, cli_before_torch, last_json, run_dflash
+from helpers import ROOT, TINY, cli_before_torch, free_port, last_json, run_dflash
 
 NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
@@ -85,16 +84,10 @@ def test_a_features_run_emits_every_stage_and_the_stalls_report_answers(offline)
     assert summary["steps"] == STEPS
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _torchrun(*args):
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)} | NO_OTEL_ENV
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), "-m", "dflash", *map(str, args)]
+           str(free_port()), "-m", "dflash", *map(str, args)]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]
     return p

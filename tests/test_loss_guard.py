@@ -14,7 +14,6 @@ import json
 import math
 import os
 import platform
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import ROOT, TINY, run_dflash
+from helpers import ROOT, TINY, free_port, run_dflash
 
 DATA = Path(__file__).parent / "data" / "loss_histories.json"
 RECORD = os.environ.get("DFLASH_RECORD_LOSS_GUARD") == "1"
@@ -43,16 +42,10 @@ def _history(run: Path) -> list:
     return [[h[0], h[1]] for h in state["history"]]  # step, loss (exact)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _layout(run: Path) -> None:
     env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--master_port",
-           str(_free_port()), "-m", "dflash", "train", "--out", str(run), *map(str, COMMON),
+           str(free_port()), "-m", "dflash", "train", "--out", str(run), *map(str, COMMON),
            "--layout", "target:2,drafter:1"]
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import ROOT, TINY, run_dflash
+from helpers import ROOT, TINY, free_port, run_dflash
 from otlp_receivers import OtlpGrpcReceiver
 from otel import read_spans
 
@@ -20,13 +20,6 @@ NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 
 def _env(endpoint):
     return NO_OTEL_ENV | {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint, "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}
-
-
-def _free_port():
-    import socket
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        return sk.getsockname()[1]
 
 
 def _by_batch(spans):
@@ -114,7 +107,7 @@ def test_two_rank_torchrun_trains_and_both_ranks_report(tmp_path):
     with OtlpGrpcReceiver() as rx:
         env = dict(os.environ) | _env(rx.endpoint) | {"OMP_NUM_THREADS": "1"}
         p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                            "--master_port", str(_free_port()), "-m", "dflash", "train", "--out", str(tmp_path / "run"),
+                            "--master_port", str(free_port()), "-m", "dflash", "train", "--out", str(tmp_path / "run"),
                             "--target", "tiny-llama", "--steps", "3", *TINY],
                            cwd=ROOT, env={k: str(v) for k, v in env.items()}, capture_output=True, text=True,
                            timeout=600)
@@ -166,7 +159,7 @@ def test_two_rank_ctrl_c_stops_all_ranks_at_the_same_step(tmp_path):
     run = tmp_path / "run"
     env = {k: str(v) for k, v in (dict(os.environ) | NO_OTEL_ENV | {"OMP_NUM_THREADS": "1"}).items()}
     p = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(_free_port()), "-m", "dflash", "train", "--out", str(run),
+                          "--master_port", str(free_port()), "-m", "dflash", "train", "--out", str(run),
                           "--target", "tiny-llama", "--steps", "300", *TINY, "--inject-delay", "backward=0.2"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240

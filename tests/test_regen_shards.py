@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, free_port
 
 CHILD = [sys.executable, str(ROOT / "tests" / "regen_child.py")]
 
@@ -85,12 +85,6 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(tmp_path):
     assert again["replies"] == whole["replies"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_ranks_regenerate_disjoint_shards_and_gather_everything(tmp_path):
     # each rank its own cache, as on nodes with no shared file system; rank 1 already holds a
@@ -99,7 +93,7 @@ def test_two_ranks_regenerate_disjoint_shards_and_gather_everything(tmp_path):
     pre_keys = set(_keys_on_disk(tmp_path / "c2" / "rank1"))
     out = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(_free_port()), str(ROOT / "tests" / "regen_child.py"), str(out), "--batch", 2]
+           str(free_port()), str(ROOT / "tests" / "regen_child.py"), str(out), "--batch", 2]
     p = subprocess.run(list(map(str, cmd)), cwd=ROOT, env=_env(tmp_path / "c2", DFLASH_CACHE_PER_RANK=1),
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-4000:]

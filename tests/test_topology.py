@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,19 +13,13 @@ from pathlib import Path
 import pytest
 
 from otel import read_spans
-from tests.helpers import ROOT, TINY
+from tests.helpers import ROOT, TINY, free_port
 from tests.otlp_receivers import OtlpGrpcReceiver
 
 STAGES = {"data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
           "drafter_forward", "backward", "optimizer_step"}
 NO_OTEL = {"OTEL_TRACES_EXPORTER": "", "OTEL_METRICS_EXPORTER": "", "OTEL_EXPORTER_OTLP_ENDPOINT": ""}
 FAST = ["--set", "train.lr=3e-3", "--set", "train.warmup_ratio=0"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env(extra=None) -> dict:
@@ -40,7 +33,7 @@ def _torchrun(nproc, *args, nnodes=None, node_rank=None, endpoint=None):
         cmd += ["--nnodes", str(nnodes), "--node_rank", str(node_rank), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", endpoint]
     else:
-        cmd += ["--master_port", str(_free_port())]
+        cmd += ["--master_port", str(free_port())]
     return cmd + ["-m", "dflash", "train", *map(str, args)]
 
 
@@ -116,7 +109,7 @@ def test_layout_resume_reproduces_the_loss_history(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_on_one_machine_join_the_same_batch_traces(tmp_path):
     run = tmp_path / "run"
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     env = _env(NO_OTEL)
     args = ["--out", run, "--target", "tiny-llama", "--steps", 4, "--layout", "target:1,drafter:1", *TINY]
     procs = [subprocess.Popen(_torchrun(1, *args, nnodes=2, node_rank=n, endpoint=endpoint), cwd=ROOT, env=env,

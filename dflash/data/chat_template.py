@@ -11,7 +11,6 @@ rendered prompt ids, sees a changed template as changed prompts.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..inputs import DatasetError
 
@@ -48,18 +47,10 @@ def _environment():
 
 def read_template(path: str) -> str:
     """The template text of ``path``; one line naming the value when it cannot be one."""
+    from ..inputs import read_text_file
+
     where = f"data.chat_template={path!r}"
-    p = Path(path)
-    if p.is_dir():
-        raise ChatTemplateError(f"{where}: is a directory (expected a Jinja chat template file)")
-    if not p.is_file():
-        raise ChatTemplateError(f"{where}: no such file (expected a Jinja chat template file)")
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ChatTemplateError(f"{where}: not UTF-8 text (byte {e.start}; expected a Jinja chat template)") from None
-    except OSError as e:
-        raise ChatTemplateError(f"{where}: unreadable ({e.strerror or e})") from None
+    text = read_text_file(path, where, "a Jinja chat template file", ChatTemplateError)
     if not text.strip():
         raise ChatTemplateError(f"{where}: the file is empty (expected a Jinja chat template)")
     from jinja2 import TemplateSyntaxError

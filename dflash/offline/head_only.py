@@ -47,13 +47,6 @@ class HeadOnlyTarget(torch.nn.Module):
         return self.embed.weight.dtype
 
 
-class FeatureSide:
-    """A target worker's stand-in under --features: where its rows go, and their shape."""
-
-    def __init__(self, config, device, dtype):
-        self.config, self.device, self.dtype = config, torch.device(device), dtype
-
-
 def load_head_only(spec: str, config, *, device="cpu", dtype=torch.float32, seed: int = 0) -> HeadOnlyTarget:
     if spec in target_mod.TINY_TARGETS:
         model, _ = target_mod.load_target(spec, device=device, dtype=dtype, seed=seed)
@@ -62,9 +55,10 @@ def load_head_only(spec: str, config, *, device="cpu", dtype=torch.float32, seed
     src = target_mod._smollm2_model_dir() if spec == target_mod.SMOLLM2 else _local_dir(spec)
     embed_name, head_name, tied = _module_names(config)
     files = _files_holding(src, [embed_name, head_name], repo=None if Path(spec).is_dir() else spec)
+    from safetensors import safe_open
+
     weights = {}
     for name, f in files.items():
-        from safetensors import safe_open
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             weights[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
     if embed_name not in weights or (head_name not in weights and not tied):

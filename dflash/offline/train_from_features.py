@@ -13,7 +13,14 @@ from ..data import chat_template
 from ..model import target as target_mod
 from .feature_index import TARGET_DIR, read_index
 from .feature_shards import FeatureStore
-from .head_only import FeatureSide, load_head_only
+from .head_only import load_head_only
+
+
+class FeatureSide:
+    """A target worker's stand-in under --features: where its rows go, and their shape."""
+
+    def __init__(self, config, device, dtype):
+        self.config, self.device, self.dtype = config, torch.device(device), dtype
 
 
 def open_capture(cfg: Config, *, device, dtype):
