@@ -84,6 +84,14 @@ def _probe_hub(spec: str) -> None:
                               f"({type(e).__name__}); download it first or pass a local model dir") from None
 
 
+def arch_hash(config) -> str:
+    """A target's architecture as one hash of its HF config (what a cache of its replies or
+    features is keyed by, besides the weights' seed or path)."""
+    import hashlib
+
+    return hashlib.sha256(config.to_json_string().encode()).hexdigest()
+
+
 def read_text_file(path: str, where: str, expected: str, error: type[Exception]) -> str:
     """A user-named UTF-8 text file (a config, a chat template), or ``error`` with one line
     ``"<where>: <why> (expected <expected>)"``: a directory, missing, not UTF-8, unreadable."""

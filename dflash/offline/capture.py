@@ -11,7 +11,6 @@ on a file system every rank writes to).
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import torch
 from ..config import Config, resolve_dtype
 from ..data import chat_template
 from ..data import dataset as data_mod
+from ..inputs import arch_hash
 from ..model import target as target_mod
 from ..run.placement import local_device
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION
@@ -74,7 +74,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     if rank != 0:
         return {}
     key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
-           "arch": hashlib.sha256(target.config.to_json_string().encode()).hexdigest()[:16],
+           "arch": arch_hash(target.config)[:16],
            "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
     all_shards = [s for part in every for s in part]
     total_tokens = sum(s["tokens"] for s in all_shards)

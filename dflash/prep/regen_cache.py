@@ -25,6 +25,8 @@ import socket
 import sys
 from pathlib import Path
 
+from ..inputs import arch_hash
+
 FORMAT = 2  # 1: one JSON file per (data set, settings), written only at the end
 _TMP = ".tmp-"
 
@@ -44,7 +46,7 @@ class RegenCache:
 
     @classmethod
     def for_target(cls, root: Path, cfg, target, layer_ids=None) -> "RegenCache":
-        arch = hashlib.sha256(target.config.to_json_string().encode()).hexdigest()
+        arch = arch_hash(target.config)
         # regen_max_prompt_len is not here: the cut is part of the prompt ids, hence of each record's key
         key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch,
                           "dtype": str(getattr(target, "dtype", None)), "new": cfg.data.regen_max_new_tokens,
