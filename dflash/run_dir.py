@@ -8,6 +8,9 @@ All of it is checked before torch loads, and nothing is written for input that f
 
 Under torchrun, global rank 0 claims the dir; the other ranks only check it (they write
 nothing before rank 0 has joined the process group, which needs the claim to succeed).
+Whether the dir holds an *earlier* run is rank 0's call alone: the other ranks start at the
+same moment and may look after rank 0 has marked the dir for this very run, so to them a
+marked dir is no evidence of an earlier one.
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ def _first_existing(p: Path) -> Path:
     return p
 
 
-def check(out: str, *, resume: bool, overwrite: bool) -> Path:
-    """Every check that writes nothing; returns the run dir as a Path."""
+def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = True) -> Path:
+    """Every check that writes nothing; returns the run dir as a Path.
+    `judge_earlier_run=False` (ranks other than 0) skips the one check that rank 0's own
+    claim can race: a marked dir without --resume or --overwrite."""
     p = Path(out).expanduser()
     if str(out).strip() == "":
         raise ConfigError("--out '': expected a directory for the run")
@@ -58,7 +63,7 @@ def check(out: str, *, resume: bool, overwrite: bool) -> Path:
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(f"--out {out}: not empty and not a dflash run dir (holds {shown}); "
                           "choose a new or empty directory")
-    if not (resume or overwrite):
+    if judge_earlier_run and not (resume or overwrite):
         raise ConfigError(f"--out {out}: holds an earlier run; pass --resume to continue it or --overwrite to "
                           "replace it")
     for name in ("checkpoint", "checkpoint.old"):
@@ -87,7 +92,7 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
     """Check, then create and lock the run dir (global rank 0 only; other ranks check).
     A dir another run holds is reported as that, whatever else is wrong with it."""
     if os.environ.get("RANK", "0") not in ("", "0"):
-        return check(out, resume=resume, overwrite=overwrite)
+        return check(out, resume=resume, overwrite=overwrite, judge_earlier_run=False)
     p = Path(out).expanduser()
     fd = _lock(out, p) if (p / LOCK).is_file() else None
     try:

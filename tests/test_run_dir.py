@@ -44,6 +44,21 @@ def test_a_used_run_dir_needs_resume_or_overwrite(tmp_path):
     run_dir.check(str(tmp_path), resume=False, overwrite=True)
 
 
+def test_other_ranks_never_take_rank_0s_fresh_claim_for_an_earlier_run(tmp_path, monkeypatch):
+    # torchrun starts every rank at once: rank 1 may look after rank 0 has marked the dir and
+    # written its config; whether an earlier run is there is rank 0's call alone
+    out = tmp_path / "run"
+    monkeypatch.setenv("RANK", "0")
+    run_dir.claim(str(out), resume=False, overwrite=False)
+    (out / "config.yaml").write_text("rank 0 got here first\n")
+    monkeypatch.setenv("RANK", "1")
+    assert run_dir.claim(str(out), resume=False, overwrite=False) == out
+    (tmp_path / "theirs").mkdir()
+    (tmp_path / "theirs" / "thesis.tex").write_text("years of work")
+    with pytest.raises(ConfigError, match="not empty and not a dflash run dir"):
+        run_dir.claim(str(tmp_path / "theirs"), resume=False, overwrite=False)
+
+
 def test_files_paths_under_files_and_unwritable_places(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
