@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -21,14 +20,11 @@ import torch
 from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401
 from .batch import Batch
 from .conversations import load_conversations, sharegpt_path  # noqa: F401
+from .sample import Sample  # loss mask: 1 on assistant tokens, including each turn's end-of-turn token
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Sample:
-    input_ids: list[int]
-    loss_mask: list[int]  # 1 on assistant tokens, including each turn's end-of-turn token
 
 
 # ----------------------------------------------------------------------------- tokenization
@@ -135,7 +131,7 @@ def _find_reply(tokenizer, conv, k: int, text: str, cursor: int) -> tuple[int, i
 
 
 def _truncate(s: Sample, max_len: int) -> Sample:
-    return Sample(s.input_ids[:max_len], s.loss_mask[:max_len])
+    return s.cut(max_len)
 
 
 def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, counts: dict | None = None) -> list[Sample]:
@@ -149,9 +145,9 @@ def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, count
     out, over, few = [], 0, 0
     for c in convs:
         whole = _tokenize_whole(tokenizer, c)
-        over += len(whole.input_ids) > max_len
+        over += len(whole) > max_len
         s = _truncate(whole, max_len)
-        if sum(s.loss_mask) >= min_loss_tokens:
+        if s.loss_tokens >= min_loss_tokens:
             out.append(s)
         else:
             few += 1
@@ -261,7 +257,7 @@ def _epoch_batches(samples, bs: int, seed: int, epoch: int, bucket: bool) -> lis
     if bucket:
         pool = 50 * bs
         order = [i for p in range(0, len(order), pool)
-                 for i in sorted(order[p:p + pool], key=lambda i: len(samples[i].input_ids))]
+                 for i in sorted(order[p:p + pool], key=lambda i: len(samples[i]))]
     groups = [order[b:b + bs] for b in range(0, len(order), bs)]
     if bucket:
         rng.shuffle(groups)
@@ -270,14 +266,14 @@ def _epoch_batches(samples, bs: int, seed: int, epoch: int, bucket: bool) -> lis
 
 def collate(group: list[Sample], pad_id: int, index: int) -> Batch:
     """The one place a batch is built: its id, padded tensors and (host) lengths."""
-    width = max(len(s.input_ids) for s in group)
+    width = max(len(s) for s in group)
     ids = torch.full((len(group), width), pad_id, dtype=torch.long)
     am = torch.zeros((len(group), width), dtype=torch.long)
     lm = torch.zeros((len(group), width), dtype=torch.long)
     for r, s in enumerate(group):
-        n = len(s.input_ids)
-        ids[r, :n] = torch.tensor(s.input_ids)
+        n = len(s)
+        ids[r, :n] = torch.from_numpy(s.ids)  # int32 -> int64 in the copy
         am[r, :n] = 1
-        lm[r, :n] = torch.tensor(s.loss_mask)
+        lm[r, :n] = torch.from_numpy(s.mask)
     return Batch(index=index, input_ids=ids, attention_mask=am, loss_mask=lm,
-                 lengths=[len(s.input_ids) for s in group])
+                 lengths=[len(s) for s in group])

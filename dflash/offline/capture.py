@@ -54,7 +54,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     samples = prepare(cfg, target, tok, device=device, shard=shard).samples
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
-    order = sorted(range(len(samples)), key=lambda i: len(samples[i].input_ids))
+    order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
     mine = order[rank::world]
     bs = max(1, cfg.train.batch_size)
     writer = ShardWriter(out, rank, shard_bytes)

@@ -32,8 +32,8 @@ def data_fingerprint(samples) -> str:
     """What the features were captured for: every sample's ids and loss mask, in order."""
     h = hashlib.sha256()
     for s in samples:
-        h.update(torch.tensor(s.input_ids, dtype=torch.long).numpy().tobytes())
-        h.update(bytes(s.loss_mask))
+        h.update(s.ids.astype("<i8").tobytes())  # as int64, the bytes it always hashed
+        h.update(s.mask.tobytes())
         h.update(b"|")
     return h.hexdigest()
 
@@ -52,12 +52,12 @@ class ShardWriter:
 
     def add(self, position: int, sample: Sample, feats: torch.Tensor) -> None:
         """``feats``: [len, F] on the host, the sample's rows of a forward."""
-        n = len(sample.input_ids)
+        n = len(sample)
         if feats.shape[0] != n:
             raise ValueError(f"sample {position}: {feats.shape[0]} feature rows for {n} tokens")
         self._feats.append(feats.contiguous())
-        self._ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
-        self._mask.append(torch.tensor(sample.loss_mask, dtype=torch.uint8))
+        self._ids.append(torch.from_numpy(sample.ids.copy()))  # int32
+        self._mask.append(torch.from_numpy(sample.mask.copy()))  # uint8
         self._pos.append(position)
         self._bytes += feats.numel() * feats.element_size()
         if self._bytes >= self.shard_bytes:
@@ -106,13 +106,14 @@ class FeatureStore:
         by_pos: dict = {}
         for k in range(len(self._files)):
             f = self._shard(k)
-            ids, mask = f.get_tensor("input_ids").tolist(), f.get_tensor("loss_mask").tolist()
+            # each sample is a view of its shard's arrays: 5 bytes a token, no list per sample
+            ids, mask = f.get_tensor("input_ids").numpy(), f.get_tensor("loss_mask").numpy()
             offsets, pos = f.get_tensor("offsets").tolist(), f.get_tensor("sample").tolist()
             for j, p in enumerate(pos):
                 a, b = offsets[j], offsets[j + 1]
                 s = Sample(ids[a:b], mask[a:b])
                 by_pos[p] = s
-                self._where.setdefault(sequence_key(s.input_ids), (k, a, b - a))
+                self._where.setdefault(sequence_key(s.ids), (k, a, b - a))
         if sorted(by_pos) != list(range(len(by_pos))) or len(by_pos) != self.index["samples"]:
             raise ValueError(f"features {self.path}: shards hold {len(by_pos)} samples, the index says "
                              f"{self.index['samples']}; capture again")

@@ -49,7 +49,7 @@ def training_samples(cfg: Config, store: FeatureStore) -> list:
         print(f"features: captured for >= {had} loss tokens per sample; this run (block size "
               f"{cfg.model.block_size}) would also take samples with {need}..{had - 1}: capture again to have them",
               file=sys.stderr)
-    samples = [s for s in store.samples() if sum(s.loss_mask) >= need]
+    samples = [s for s in store.samples() if s.loss_tokens >= need]
     if not samples:
         raise ValueError(f"features {store.path}: no sample has >= {need} loss tokens (2 x model.block_size)")
     return samples
