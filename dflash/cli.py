@@ -216,6 +216,11 @@ def _what_next(a) -> str:
     import shlex
     from pathlib import Path
 
+    if a.cmd == "capture" and getattr(a, "phase", "") == "capture":
+        from .offline.feature_index import SHARD_GLOB
+        if any(Path(a.out).expanduser().glob(SHARD_GLOB)):  # whole shards of this capture are kept
+            again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
+            return f"the shards on disk are kept; continue with: dflash {shlex.join(again + ['--resume'])}"
     if a.cmd != "train":
         return f"run it again: {_command_line(a)}"
     out = getattr(a, "resolved_out", None)

@@ -4,6 +4,7 @@
 - the loss history of a run from features equals the online run's (same config);
 - the run from features emits the same stage spans, and `dflash stalls` answers;
 - two ranks capture what one does, and two ranks train from it;
+- a stopped capture resumes: its whole shards are kept, only the rest is captured;
 - only the target's embedding and lm_head are read (tied and untied);
 - bad requests are one line, exit 2, before torch loads.
 """
@@ -113,6 +114,69 @@ def test_two_ranks_capture_what_one_does_and_two_ranks_train_from_it(tmp_path, f
     run = tmp_path / "run2"
     _torchrun("train", "--features", two, "--out", run, "--no-telemetry", *COMMON)
     assert len(_history(run)) == STEPS
+
+
+def _digests(d):
+    """The capture's files (not the lock, nor a killed rank's temp files) by content."""
+    import hashlib
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(d.iterdir())
+            if f.is_file() and not f.name.startswith(".")}
+
+
+def test_a_stopped_capture_resumes_with_nothing_captured_twice(tmp_path, feats):
+    from dflash.data.dataset import batches
+    from dflash.offline.feature_index import read_index
+    from dflash.offline.feature_shards import FeatureStore, shards_on_disk
+
+    part = tmp_path / "feats"
+    cmd = ["capture", "--target", "tiny-qwen3", "--out", part, "--shard-mb", "1", *TINY]
+    run_dflash(*cmd)
+    shards = sorted(part.glob("shard-*.safetensors"))
+    assert len(shards) >= 4
+    # what a kill leaves: the first shards whole, a temp file half written, no index
+    (part / "index.json").unlink()
+    for f in shards[len(shards) // 2:]:
+        f.unlink()
+    (part / f".{shards[-1].name}.tmp4242").write_bytes(b"half a shard")
+    kept = {f.name: f for f in shards[:len(shards) // 2]}
+    on_disk = sum(s["samples"] for s in shards_on_disk(part))
+    before = _digests(part)
+
+    other = run_dflash(*cmd, "--resume", "--set", "data.max_len=80", check=False)  # other samples: refused
+    lines = [ln for ln in other.stderr.splitlines() if "error" in ln]
+    assert other.returncode == 2 and len(lines) == 1 and "shard(s) of another capture" in lines[0], other.stderr
+    assert _digests(part) == before
+
+    p = run_dflash(*cmd, "--resume")
+    idx, whole = read_index(str(part)), read_index(str(feats))
+    assert f"{on_disk} of {whole['samples']} samples are on disk in {len(kept)} shard(s); capturing the other " \
+           f"{whole['samples'] - on_disk}" in p.stderr
+    after = _digests(part)
+    assert all(after[n] == before[n] for n in kept)  # kept as they were, not written again
+    assert not list(part.glob(".shard-*"))  # the temp file is gone
+    assert idx["samples"] == whole["samples"] and idx["tokens"] == whole["tokens"] and idx["key"] == whole["key"]
+    assert idx["resumed_with"] == on_disk
+    a, b = FeatureStore(str(feats), whole), FeatureStore(str(part), idx)
+    samples = a.samples()
+    assert b.samples() == samples
+    b1 = a.attach(next(batches(samples, batch_size=len(samples), seed=0, pad_id=0, bucket=False)))
+    b2 = b.attach(next(batches(samples, batch_size=len(samples), seed=0, pad_id=0, bucket=False)))
+    torch.testing.assert_close(b1.features, b2.features, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("both", "--resume with --overwrite: choose one"),
+    ("finished", "holds a finished capture"),
+    ("nothing", "no shards in"),
+])
+def test_bad_resume_requests_are_one_line_before_torch(tmp_path, feats, case, needle):
+    out = {"both": tmp_path / "x", "finished": feats, "nothing": tmp_path / "empty"}[case]
+    flags = ["--resume", "--overwrite"] if case == "both" else ["--resume"]
+    before = _digests(feats)
+    res, lines = cli_before_torch("capture", "--target", "tiny-qwen3", "--out", out, *flags, *TINY)
+    assert res == {"rc": 2, "torch": False}, lines
+    assert len(lines) == 1 and needle in lines[0], lines
+    assert _digests(feats) == before and not (tmp_path / "empty").exists()
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -8,6 +8,11 @@ capture sees exactly the batches an online run would. Samples are forwarded in b
 sorted by length (little padding). Under torchrun every rank captures every world-th of
 them into its own shards; rank 0 writes the index once all ranks are done (FEATS must be
 on a file system every rank writes to).
+
+A stopped capture resumes (`--resume`): the whole shards on disk that belong to this very
+capture (same target, layers, dtype and prepared data: their capture id) are kept, and only
+the samples none of them holds are captured, split over the ranks of this run (their number
+may differ from the first run's).
 """
 from __future__ import annotations
 
@@ -19,17 +24,17 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, resolve_dtype
+from ..config import Config, ConfigError, resolve_dtype
 from ..data import chat_template
 from ..data import dataset as data_mod
 from ..inputs import arch_hash
 from ..model import target as target_mod
 from ..run.placement import local_device
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION
-from .feature_shards import SHARD_BYTES, ShardWriter, data_fingerprint
+from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk
 
 
-def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
+def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: bool = False) -> dict:
     from ..model.features import target_features
     from ..prep.prepare import prepare, should_regenerate
     from ..prep.regen_shard import SOLO, Shard
@@ -54,10 +59,21 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     samples = prepare(cfg, target, tok, device=device, shard=shard).samples
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
+    key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
+           "arch": arch_hash(target.config)[:16],
+           "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
+    cid = capture_id(key)
+    kept = _kept_shards(out, cid) if resume else []
+    done = {p for s in kept for p in s["positions"]}
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
-    mine = order[rank::world]
+    todo = [i for i in order if i not in done]
+    mine = todo[rank::world]
+    if resume and rank == 0:
+        print(f"resuming the capture in {out}: {len(done)} of {len(samples)} samples are on disk in {len(kept)} "
+              f"shard(s); capturing the other {len(todo)}", file=sys.stderr)
     bs = max(1, cfg.train.batch_size)
-    writer = ShardWriter(out, rank, shard_bytes)
+    first = 1 + max((s["number"] for s in kept if s["rank"] == rank), default=-1)
+    writer = ShardWriter(out, rank, shard_bytes, capture=cid, first=first)
     t1 = time.perf_counter()
     for b in range(0, len(mine), bs):
         idx = mine[b:b + bs]
@@ -73,10 +89,11 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     every = _gather(shards, world)
     if rank != 0:
         return {}
-    key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
-           "arch": arch_hash(target.config)[:16],
-           "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
-    all_shards = [s for part in every for s in part]
+    all_shards = [index_entry(s) for s in kept] + [s for part in every for s in part]
+    held = sum(s["samples"] for s in all_shards)
+    if held != len(samples):  # each sample is in exactly one shard, or the index is not written
+        raise RuntimeError(f"capture: the shards hold {held} samples, {len(samples)} were prepared; "
+                           "run it again with --overwrite")
     total_tokens = sum(s["tokens"] for s in all_shards)
     F = len(layer_ids) * target.config.get_text_config().hidden_size
     disk = sum(s["bytes"] for s in all_shards)
@@ -84,7 +101,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
              "feature_dim": F, "num_target_layers": L, "samples": len(samples), "tokens": total_tokens,
              "bytes": disk, "bytes_per_token": round(disk / max(total_tokens, 1), 1),
              "feature_bytes_per_token": F * torch.tensor([], dtype=dtype).element_size(),
-             "world_size": world, "shards": all_shards,
+             "world_size": world, "shards": all_shards, "resumed_with": len(done),
              "data": {k: getattr(cfg.data, k) for k in ("path", "num_conversations", "max_len", "regenerate",
                                                         "regen_max_new_tokens", "regen_max_prompt_len")}
                      | {"train_seed": cfg.train.seed, "min_loss_tokens": 2 * cfg.model.block_size},
@@ -94,6 +111,17 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES) -> dict:
     tmp.write_text(json.dumps(index, indent=1) + "\n")
     os.replace(tmp, out / INDEX)  # last: a dir with an index is a finished capture
     return index
+
+
+def _kept_shards(out: Path, cid: str) -> list[dict]:
+    """A resumed capture's whole shards; one line (exit 2) when any belongs to another capture."""
+    kept = shards_on_disk(out)
+    other = [s["file"] for s in kept if s["capture"] != cid]
+    if other:
+        raise ConfigError(f"--resume: {out} holds {len(other)} shard(s) of another capture ({other[0]}, ...): "
+                          "the target, layers, dtype or prepared data differ from this run's; run it with the "
+                          "first run's settings, or with --overwrite to capture again")
+    return kept
 
 
 def _same_on_every_rank(fingerprint: str, world: int) -> None:

@@ -1,6 +1,6 @@
 """The command lines of capture-once-train-many, checked before torch loads:
 
-    dflash capture --target SPEC --out FEATS [--config C] [--set k=v] [--overwrite]
+    dflash capture --target SPEC --out FEATS [--config C] [--set k=v] [--overwrite | --resume]
     dflash train --features FEATS ...   (run settings come from the capture's index)
 """
 from __future__ import annotations
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
+from .feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 
 def add_command(sub) -> None:
@@ -23,6 +24,9 @@ def add_command(sub) -> None:
     c.add_argument("--target-devices", help="the device of this rank's target, e.g. cuda (default cpu)")
     c.add_argument("--shard-mb", type=int, default=512, help="feature MB per shard file (default 512)")
     c.add_argument("--overwrite", action="store_true", help="replace an earlier capture in FEATS")
+    c.add_argument("--resume", action="store_true",
+                   help="continue a stopped capture in FEATS (same settings): its whole shards are kept, only "
+                        "the samples they lack are captured")
 
 
 def run(a) -> int:
@@ -32,19 +36,26 @@ def run(a) -> int:
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
+    if a.resume and a.overwrite:
+        raise ConfigError("--resume with --overwrite: choose one (continue the capture in FEATS, or replace it)")
     cfg = load_config(a.config, a.set, **{"out": a.out, "model.target": a.target, "train.seed": a.seed,
                                           "pipeline.target_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
     check_torchrun_env()
     check_inputs(cfg)
-    out = run_dir.claim(cfg.out, resume=False, overwrite=a.overwrite, by="dflash capture")
-    if os.environ.get("RANK", "0") in ("", "0") and a.overwrite:
-        clear_earlier_capture(out)
+    if a.resume:
+        check_resumable(cfg.out)
+    out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite, by="dflash capture")
+    if os.environ.get("RANK", "0") in ("", "0"):  # before the ranks meet: no rank writes yet
+        if a.overwrite:
+            clear_earlier_capture(out)
+        elif a.resume:
+            _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
     a.phase = "capture"
     from .capture import capture
 
-    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20)
+    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume)
     if index:
         print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
               f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
@@ -52,18 +63,30 @@ def run(a) -> int:
     return 0
 
 
+def check_resumable(out: str) -> None:
+    """--resume: FEATS holds a capture that stopped (shards, no index). One line if not."""
+    p = Path(out).expanduser()
+    if (p / INDEX).is_file():
+        raise ConfigError(f"--resume: {out} holds a finished capture (it has its {INDEX}); train from it with "
+                          f"dflash train --features {out}, or capture again with --overwrite")
+    if not p.is_dir() or not any(p.glob(SHARD_GLOB)):
+        raise ConfigError(f"--resume: no shards in {out} to continue from; run dflash capture without --resume")
+
+
 def clear_earlier_capture(out: Path) -> None:
     """--overwrite: remove an earlier capture's files by name; a user's file stays."""
-    from .feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
-
-    for pattern in (INDEX, SHARD_GLOB, PART_GLOB, f".{SHARD_GLOB}.tmp*", f"{TARGET_DIR}/config.json"):
-        for f in out.glob(pattern):
-            if f.is_file():
-                f.unlink()
+    _remove(out, (INDEX, SHARD_GLOB, PART_GLOB, f".{SHARD_GLOB}.tmp*", f".{INDEX}.tmp*", f"{TARGET_DIR}/config.json"))
     try:
         (out / TARGET_DIR).rmdir()
     except OSError:
         pass
+
+
+def _remove(out: Path, patterns) -> None:
+    for pattern in patterns:
+        for f in out.glob(pattern):
+            if f.is_file():
+                f.unlink()
 
 
 def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:

@@ -3,12 +3,16 @@
 
 Shards are safetensors: no pickle, and a reader maps them instead of loading them, so a
 batch reads only its own rows (`get_slice`) and a capture far larger than memory trains.
-Each shard is written to a temp name and renamed: a killed capture leaves whole shards.
+Each shard is written to a temp name and renamed: a killed capture leaves whole shards,
+each tagged with the id of the capture it belongs to (`capture_id`: target, layers, dtype,
+data), which is what `dflash capture --resume` keeps and builds on (`shards_on_disk`).
 """
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -17,7 +21,7 @@ from safetensors.torch import save_file
 
 from ..data.batch import Batch
 from ..data.dataset import Sample
-from .feature_index import FORMAT, VERSION
+from .feature_index import FORMAT, SHARD_GLOB, VERSION
 
 SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts
 
@@ -38,12 +42,46 @@ def data_fingerprint(samples) -> str:
     return h.hexdigest()
 
 
+def capture_id(key: dict) -> str:
+    """A short id of a capture's key (target, seed, arch, layer ids, dtype, data fingerprint)."""
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+
+
+_SHARD_NAME = re.compile(r"shard-r(\d+)-(\d+)\.safetensors")
+
+
+def shards_on_disk(out: Path) -> list[dict]:
+    """Every whole shard in ``out`` (temp files are not shards), as the index lists them,
+    plus ``rank``, ``number``, ``capture`` (its capture_id, None if written before ids)
+    and ``positions`` (the samples it holds)."""
+    found = []
+    for f in sorted(Path(out).glob(SHARD_GLOB)):
+        m = _SHARD_NAME.fullmatch(f.name)
+        if not m:
+            continue
+        with safe_open(str(f), framework="pt") as s:
+            meta = s.metadata() or {}
+            positions = s.get_tensor("sample").tolist()
+            tokens = int(s.get_tensor("offsets")[-1])
+        found.append({"file": f.name, "samples": len(positions), "tokens": tokens, "bytes": f.stat().st_size,
+                      "rank": int(m[1]), "number": int(m[2]), "capture": meta.get("capture"),
+                      "positions": positions})
+    return found
+
+
+def index_entry(shard: dict) -> dict:
+    """What the index keeps of a shard."""
+    return {k: shard[k] for k in ("file", "samples", "tokens", "bytes")}
+
+
 class ShardWriter:
     """One rank's shards: ``add`` each sample's rows, ``finish`` writes the rest and returns
-    the shard list for the index."""
+    the shard list for the index. ``first``: the number of its first shard (after the
+    shards a resumed capture keeps)."""
 
-    def __init__(self, out: Path, rank: int, shard_bytes: int = SHARD_BYTES):
+    def __init__(self, out: Path, rank: int, shard_bytes: int = SHARD_BYTES, *, capture: str = "", first: int = 0):
         self.out, self.rank, self.shard_bytes = Path(out), rank, shard_bytes
+        self.capture, self.first = capture, first
         self.shards: list[dict] = []
         self._reset()
 
@@ -70,9 +108,9 @@ class ShardWriter:
         tensors = {"features": torch.cat(self._feats), "input_ids": torch.cat(self._ids),
                    "loss_mask": torch.cat(self._mask), "offsets": torch.cumsum(lengths, 0),
                    "sample": torch.tensor(self._pos, dtype=torch.long)}
-        name = f"shard-r{self.rank}-{len(self.shards):05d}.safetensors"
+        name = f"shard-r{self.rank}-{self.first + len(self.shards):05d}.safetensors"
         tmp = self.out / f".{name}.tmp{os.getpid()}"
-        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION)})
+        save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "capture": self.capture})
         os.chmod(tmp, 0o644)  # readable by every rank and user, like any data set
         os.replace(tmp, self.out / name)
         self.shards.append({"file": name, "samples": len(self._pos), "tokens": int(lengths.sum()),
