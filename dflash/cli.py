@@ -217,8 +217,9 @@ def _what_next(a) -> str:
     from pathlib import Path
 
     if a.cmd == "capture" and getattr(a, "phase", "") == "capture":
-        from .offline.feature_index import SHARD_GLOB
-        if any(Path(a.out).expanduser().glob(SHARD_GLOB)):  # whole shards of this capture are kept
+        from .offline.feature_index import INDEX, SHARD_GLOB
+        feats = Path(a.out).expanduser()
+        if any(feats.glob(SHARD_GLOB)) and not (feats / INDEX).is_file():  # its whole shards are kept
             again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
             return f"the shards on disk are kept; continue with: dflash {shlex.join(again + ['--resume'])}"
     if a.cmd != "train":

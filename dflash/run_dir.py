@@ -54,7 +54,8 @@ def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = 
         if resume:
             raise ConfigError(f"--resume: no run in {out!r} (the directory does not exist)")
         return p
-    entries = sorted(e.name for e in p.iterdir() if e.name not in _OURS)
+    # rank 0's marker is written under a temp name first: another rank may see that, too
+    entries = sorted(e.name for e in p.iterdir() if e.name not in _OURS and not e.name.startswith(f"{MARKER}.tmp"))
     if not entries:
         if resume:
             raise ConfigError(f"--resume: no checkpoint in {out!r} (the directory is empty)")

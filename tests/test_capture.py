@@ -123,45 +123,75 @@ def _digests(d):
             if f.is_file() and not f.name.startswith(".")}
 
 
-def test_a_stopped_capture_resumes_with_nothing_captured_twice(tmp_path, feats):
-    from dflash.data.dataset import batches
-    from dflash.offline.feature_index import read_index
-    from dflash.offline.feature_shards import FeatureStore, shards_on_disk
+STOPPED = ["--target", "tiny-qwen3", "--shard-mb", "1", *TINY]
 
-    part = tmp_path / "feats"
-    cmd = ["capture", "--target", "tiny-qwen3", "--out", part, "--shard-mb", "1", *TINY]
-    run_dflash(*cmd)
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """What a killed capture leaves: its first shards whole (of 1 MB), a temp file half
+    written, no index."""
+    part = tmp_path_factory.mktemp("stopped") / "feats"
+    run_dflash("capture", "--out", part, *STOPPED)
     shards = sorted(part.glob("shard-*.safetensors"))
     assert len(shards) >= 4
-    # what a kill leaves: the first shards whole, a temp file half written, no index
     (part / "index.json").unlink()
     for f in shards[len(shards) // 2:]:
         f.unlink()
     (part / f".{shards[-1].name}.tmp4242").write_bytes(b"half a shard")
-    kept = {f.name: f for f in shards[:len(shards) // 2]}
-    on_disk = sum(s["samples"] for s in shards_on_disk(part))
-    before = _digests(part)
+    return part
 
-    other = run_dflash(*cmd, "--resume", "--set", "data.max_len=80", check=False)  # other samples: refused
-    lines = [ln for ln in other.stderr.splitlines() if "error" in ln]
-    assert other.returncode == 2 and len(lines) == 1 and "shard(s) of another capture" in lines[0], other.stderr
-    assert _digests(part) == before
 
-    p = run_dflash(*cmd, "--resume")
+def _resumed_like_a_straight_capture(part, feats, kept: dict):
+    from dflash.data.dataset import batches
+    from dflash.offline.feature_index import read_index
+    from dflash.offline.feature_shards import FeatureStore
+
     idx, whole = read_index(str(part)), read_index(str(feats))
-    assert f"{on_disk} of {whole['samples']} samples are on disk in {len(kept)} shard(s); capturing the other " \
-           f"{whole['samples'] - on_disk}" in p.stderr
     after = _digests(part)
-    assert all(after[n] == before[n] for n in kept)  # kept as they were, not written again
+    assert all(after[n] == d for n, d in kept.items())  # kept as they were, not written again
     assert not list(part.glob(".shard-*"))  # the temp file is gone
     assert idx["samples"] == whole["samples"] and idx["tokens"] == whole["tokens"] and idx["key"] == whole["key"]
-    assert idx["resumed_with"] == on_disk
     a, b = FeatureStore(str(feats), whole), FeatureStore(str(part), idx)
     samples = a.samples()
     assert b.samples() == samples
     b1 = a.attach(next(batches(samples, batch_size=len(samples), seed=0, pad_id=0, bucket=False)))
     b2 = b.attach(next(batches(samples, batch_size=len(samples), seed=0, pad_id=0, bucket=False)))
     torch.testing.assert_close(b1.features, b2.features, rtol=1e-5, atol=1e-5)
+    return idx
+
+
+def test_a_stopped_capture_resumes_with_nothing_captured_twice(tmp_path, feats, stopped):
+    import shutil
+
+    from dflash.offline.feature_shards import shards_on_disk
+
+    part = tmp_path / "feats"
+    shutil.copytree(stopped, part)
+    kept = _digests(part)
+    on_disk = sum(s["samples"] for s in shards_on_disk(part))
+    total = json.loads((feats / "index.json").read_text())["samples"]
+
+    other = run_dflash("capture", "--out", part, *STOPPED, "--resume", "--set", "data.max_len=80", check=False)
+    lines = [ln for ln in other.stderr.splitlines() if "error" in ln]  # other samples: refused
+    assert other.returncode == 2 and len(lines) == 1 and "shard(s) of another capture" in lines[0], other.stderr
+    assert _digests(part) == kept
+
+    p = run_dflash("capture", "--out", part, *STOPPED, "--resume")
+    assert f"{on_disk} of {total} samples are on disk in {len(kept)} shard(s); capturing the other " \
+           f"{total - on_disk}" in p.stderr
+    assert _resumed_like_a_straight_capture(part, feats, kept)["resumed_with"] == on_disk
+
+
+@pytest.mark.slow
+def test_two_ranks_resume_what_one_rank_began(tmp_path, feats, stopped):
+    import shutil
+
+    part = tmp_path / "feats"
+    shutil.copytree(stopped, part)
+    kept = _digests(part)
+    _torchrun("capture", "--out", part, *STOPPED, "--resume")
+    idx = _resumed_like_a_straight_capture(part, feats, kept)
+    assert {s["file"].split("-")[1] for s in idx["shards"]} == {"r0", "r1"}  # the new rank wrote too
 
 
 @pytest.mark.parametrize("case,needle", [

@@ -53,6 +53,11 @@ def test_other_ranks_never_take_rank_0s_fresh_claim_for_an_earlier_run(tmp_path,
     (out / "config.yaml").write_text("rank 0 got here first\n")
     monkeypatch.setenv("RANK", "1")
     assert run_dir.claim(str(out), resume=False, overwrite=False) == out
+    early = tmp_path / "early"  # rank 0 has the lock and is writing its marker under a temp name
+    early.mkdir()
+    (early / run_dir.LOCK).write_text("{}")
+    (early / f"{run_dir.MARKER}.tmp4242").write_text("{}")
+    assert run_dir.claim(str(early), resume=False, overwrite=False) == early
     (tmp_path / "theirs").mkdir()
     (tmp_path / "theirs" / "thesis.tex").write_text("years of work")
     with pytest.raises(ConfigError, match="not empty and not a dflash run dir"):

@@ -19,7 +19,8 @@ class Sample:
     __slots__ = ("ids", "mask")
 
     def __init__(self, input_ids, loss_mask):
-        # int32 holds every vocabulary there is; numpy raises on an id that does not fit
+        # int32 holds every vocabulary there is (numpy raises on a Python int that does not
+        # fit; ids arrive as lists from the tokenizer or as int32 from a capture's shards)
         self.ids = np.asarray(input_ids, dtype=np.int32)
         self.mask = np.asarray(loss_mask, dtype=np.uint8)
         if self.ids.ndim != 1 or self.ids.shape != self.mask.shape:

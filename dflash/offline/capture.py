@@ -63,7 +63,11 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
            "arch": arch_hash(target.config)[:16],
            "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
     cid = capture_id(key)
-    kept = _kept_shards(out, cid) if resume else []
+    # rank 0 alone reads what is on disk, before any rank writes, and every rank gets its
+    # answer: ranks that listed the dir themselves could see each other's new shards
+    kept, why = _broadcast(_kept_shards(out, cid) if resume and rank == 0 else ([], None), world)
+    if why:
+        raise ConfigError(why)
     done = {p for s in kept for p in s["positions"]}
     order = sorted(range(len(samples)), key=lambda i: len(samples[i]))
     todo = [i for i in order if i not in done]
@@ -86,14 +90,14 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     tokens = sum(s["tokens"] for s in shards)
     print(f"rank {rank}: captured {sum(s['samples'] for s in shards)} samples, {tokens} tokens in "
           f"{len(shards)} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):.0f} tokens/s)", file=sys.stderr)
-    every = _gather(shards, world)
+    every = _gather((shards, mine), world)
     if rank != 0:
         return {}
-    all_shards = [index_entry(s) for s in kept] + [s for part in every for s in part]
-    held = sum(s["samples"] for s in all_shards)
-    if held != len(samples):  # each sample is in exactly one shard, or the index is not written
-        raise RuntimeError(f"capture: the shards hold {held} samples, {len(samples)} were prepared; "
-                           "run it again with --overwrite")
+    all_shards = [index_entry(s) for s in kept] + [s for part, _ in every for s in part]
+    held = sorted(done) + sorted(p for _, m in every for p in m)
+    if sorted(held) != list(range(len(samples))):  # each sample in exactly one shard, or no index
+        raise RuntimeError(f"capture: the shards hold {len(held)} samples ({len(set(held))} distinct), "
+                           f"{len(samples)} were prepared; run it again with --overwrite")
     total_tokens = sum(s["tokens"] for s in all_shards)
     F = len(layer_ids) * target.config.get_text_config().hidden_size
     disk = sum(s["bytes"] for s in all_shards)
@@ -113,15 +117,28 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     return index
 
 
-def _kept_shards(out: Path, cid: str) -> list[dict]:
-    """A resumed capture's whole shards; one line (exit 2) when any belongs to another capture."""
+def _kept_shards(out: Path, cid: str) -> tuple[list[dict], str | None]:
+    """A resumed capture's whole shards, or why they cannot be kept (one line, exit 2)."""
     kept = shards_on_disk(out)
-    other = [s["file"] for s in kept if s["capture"] != cid]
+    old = [s["file"] for s in kept if s["capture"] is None]
+    other = [s["file"] for s in kept if s["capture"] not in (None, cid)]
+    if old:
+        return [], (f"--resume: {out} holds {len(old)} shard(s) written by a dflash from before resumable "
+                    f"captures ({old[0]}, ...); capture again with --overwrite")
     if other:
-        raise ConfigError(f"--resume: {out} holds {len(other)} shard(s) of another capture ({other[0]}, ...): "
-                          "the target, layers, dtype or prepared data differ from this run's; run it with the "
-                          "first run's settings, or with --overwrite to capture again")
-    return kept
+        return [], (f"--resume: {out} holds {len(other)} shard(s) of another capture ({other[0]}, ...): the "
+                    "target, layers, dtype or prepared data differ from this run's; run it with the first "
+                    "run's settings, or with --overwrite to capture again")
+    return kept, None
+
+
+def _broadcast(obj, world: int):
+    if world == 1:
+        return obj
+    import torch.distributed as dist
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _same_on_every_rank(fingerprint: str, world: int) -> None:

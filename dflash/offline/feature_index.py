@@ -38,7 +38,8 @@ def read_index(path: str) -> dict:
     f = p / INDEX
     if not f.is_file():
         parts = sorted(x.name for x in p.glob(SHARD_GLOB))
-        why = (f"{len(parts)} shard(s) but no {INDEX}: the capture did not finish; run it again"
+        why = (f"{len(parts)} shard(s) but no {INDEX}: the capture did not finish; continue it with "
+               "dflash capture ... --resume"
                if parts else f"no {INDEX} (expected what dflash capture --out wrote)")
         raise FeaturesError(f"{where}: {why}")
     try:
