@@ -94,7 +94,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     if rank != 0:
         return {}
     all_shards = [index_entry(s) for s in kept] + [s for part, _ in every for s in part]
-    held = sorted(done) + sorted(p for _, m in every for p in m)
+    held = [*done, *(p for _, m in every for p in m)]
     if sorted(held) != list(range(len(samples))):  # each sample in exactly one shard, or no index
         raise RuntimeError(f"capture: the shards hold {len(held)} samples ({len(set(held))} distinct), "
                            f"{len(samples)} were prepared; run it again with --overwrite")
