@@ -22,7 +22,8 @@ STATE_TREE = "training_state.json"             # the structure around them, and 
 LEGACY_STATE = "training_state.pt"             # earlier versions: read with torch's weights_only loader
 TRAINER_STATE = "trainer_state.json"           # step, tokens, loss history (human readable)
 WRITTEN = (CONFIG, WEIGHTS, STATE_TENSORS, STATE_TREE, LEGACY_STATE, TRAINER_STATE)
-EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md")  # what `dflash export` writes into its dir
+EXPORT_MARKER = ".dflash-export"               # says that dflash export wrote the dir (and may replace it)
+EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EXPORT_MARKER)  # what `dflash export` writes into its dir
 
 
 class CheckpointError(ValueError):
@@ -48,10 +49,10 @@ def read_config(path: Path) -> dict:
     return read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
 
 
-def check_safetensors(f: Path) -> None:
+def check_safetensors(f: Path) -> dict:
     """A safetensors file is whole: its header parses and every tensor's bytes are there.
     A truncated copy (an interrupted download or scp) is caught here, not by a traceback
-    from deep inside the loader."""
+    from deep inside the loader. Returns the header ({name: {dtype, shape, data_offsets}})."""
     try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
@@ -73,14 +74,89 @@ def check_safetensors(f: Path) -> None:
     if 8 + n + end > size:
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is truncated "
                               f"({size} bytes, its header needs {8 + n + end})")
+    return header
+
+
+def check_drafter_bounds(path, raw: dict) -> None:
+    """A checkpoint config.json that no drafter can have (100000 layers, zero heads, a
+    trillion-wide MLP): one line before anything is built (model/export_format.BOUNDS)."""
+    from .model.export_format import bounds_error
+
+    err = bounds_error(raw, f"checkpoint {str(path)!r}: config.json")
+    if err:
+        raise CheckpointError(err)
+
+
+_FLOAT_DTYPES = ("F32", "F16", "BF16")
+
+
+def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None:
+    """The first way safetensors headers ({file: header}) do not hold exactly the tensors
+    ``want`` ({our name: shape}) in a float dtype; None when they do. ``rename`` maps a file's
+    name to ours (None: a tensor a reader may ship and we drop, e.g. the target's lm_head)."""
+    seen = {}
+    for fname, header in headers.items():
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            try:
+                ours = rename(k)
+            except ValueError as e:  # the format's own name check (FormatError)
+                return f"{fname}: {e}"
+            if ours is None:
+                continue
+            if ours not in want:
+                return f"{fname}: tensor {k!r} is not part of the drafter its config describes"
+            if not isinstance(v, dict) or v.get("dtype") not in _FLOAT_DTYPES:
+                return f"{fname}: tensor {k!r} has dtype {v.get('dtype') if isinstance(v, dict) else v!r} " \
+                       f"(expected one of {', '.join(_FLOAT_DTYPES)})"
+            shape = tuple(v.get("shape") or ()) if isinstance(v.get("shape"), list) else None
+            if shape != want[ours]:
+                return f"{fname}: tensor {k!r} has shape {v.get('shape')}; its config implies {list(want[ours])}"
+            seen[ours] = k
+    missing = sorted(set(want) - set(seen))
+    if missing:
+        return (f"weights missing for this config: {', '.join(missing[:4])}"
+                + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
+    return None
 
 
 def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:
     """(resolved dir, its config) of a checkpoint whose files are whole; torch-free."""
     p = resolve(path)
     raw = read_config(p)
+    check_drafter_bounds(path, raw)
     check_safetensors(p / WEIGHTS)
     return p, raw
+
+
+# -- what we publish is readable by others -------------------------------------------------
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status; elsewhere the
+    set-and-restore dance, which is only racy against another thread creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def plain_modes(root: Path) -> None:
+    """Give what was written under private temp names (mkdtemp: 0700, safetensors: 0600) the
+    modes a plain write has under the user's umask (0755 / 0644 under 022), so a serving
+    engine or a colleague running as another user can read an export, a checkpoint or a
+    capture. Walks ``root`` (a dir or one file); never follows links."""
+    mask = umask()
+    paths = [root] if root.is_file() else [root, *root.rglob("*")]
+    for q in paths:
+        if q.is_symlink():
+            continue
+        os.chmod(q, (0o777 if q.is_dir() else 0o666) & ~mask)
 
 
 # -- removing only what dflash wrote ---------------------------------------------------------

@@ -8,8 +8,15 @@ import os
 import sys
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with bad flags as one line (no usage block): the rule for every bad input."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash", description="Train and evaluate DFlash drafters.")
+    p = _Parser(prog="dflash", description="Train and evaluate DFlash drafters.")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     t = sub.add_parser("train", help="train a drafter against a frozen target")
@@ -65,6 +72,8 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     x.add_argument("--without-copy-head", action="store_true",
                    help="export a drafter that has a copy head without it (the format cannot carry one)")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier dflash export in --out (never a drafter dflash did not write)")
 
     from .cli_analysis import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
@@ -172,8 +181,9 @@ def _eval(a) -> int:
 def _export(a) -> int:
     from .export import check_request, export_checkpoint
 
-    check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head)  # before torch loads
-    res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head)
+    check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head, overwrite=a.overwrite)  # before torch
+    res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head,
+                            overwrite=a.overwrite)
     print(f"exported {a.checkpoint} -> {res['out']} ({res['dtype']}, {res['bytes'] / 1e6:.2f} MB of weights)")
     if res["without_copy_head"]:
         tau = res["tau_no_copy_estimate"]

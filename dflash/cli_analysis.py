@@ -3,6 +3,7 @@ read telemetry only (no torch import, no model), and bad input is a ConfigError 
 from __future__ import annotations
 
 import json
+import os
 
 
 def _source_args(p, run_required=True):
@@ -49,10 +50,15 @@ def _stalls(a) -> int:
 def _timeline(a) -> int:
     from .config import ConfigError
     from .analysis.stalls import load, parse_window
-    from .analysis.timeline import write_perfetto, write_png
+    from .analysis.timeline import check_output, write_perfetto, write_png
 
     if not a.png and not a.perfetto:
         raise ConfigError("nothing to write: give --png FILE and/or --perfetto FILE")
+    for flag, path, suffix in (("--png", a.png, ".png"), ("--perfetto", a.perfetto, ".json")):
+        if path:  # before reading anything: never onto the run's files, nor anyone else's
+            check_output(path, flag=flag, suffix=suffix, run_dir=a.run_dir)
+    if a.png and a.perfetto and os.path.abspath(a.png) == os.path.abspath(a.perfetto):
+        raise ConfigError(f"--png and --perfetto name the same file {a.png!r}")
     window = parse_window(a.window)
     rid, spans, source = load(a.run_dir, run_id=a.run_id)
     if a.png:

@@ -262,17 +262,19 @@ class Range:
         return self.hi is None or (v < self.hi if self.hi_open else v <= self.hi)
 
 
+MAX_NEW_TOKENS = 1 << 20  # more than any target's context: a larger ask is a typo, not a plan
+
 # Every int and float in the tree has a rule here (a test checks that none is missing).
 # Lists and mappings are checked element by element.
 RANGES: dict[str, Range] = {
     "model.target_seed": Range(0),
-    "model.num_layers": Range(1),
+    "model.num_layers": Range(1, 128, note="drafter layers; published drafters have 1-8"),
     "model.block_size": Range(2, 1024),
     "model.num_target_layers": Range(1),
     "model.target_layer_ids": Range(0, note="decoder layer indices of the target"),
     "data.num_conversations": Range(2),
     "data.max_len": Range(5),
-    "data.regen_max_new_tokens": Range(1),
+    "data.regen_max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "data.regen_max_prompt_len": Range(1),
     "data.regen_batch_size": Range(0, note="0: auto"),
     "data.eval_fraction": Range(0, 1, lo_open=True, hi_open=True),
@@ -291,7 +293,7 @@ RANGES: dict[str, Range] = {
     "train.estimate_samples": Range(1),
     "train.loss_vocab": Range(0, note="0: the whole vocabulary"),
     "eval.prompts": Range(1),
-    "eval.max_new_tokens": Range(1),
+    "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.max_prompt_len": Range(1),
     "eval.temperature": Range(0, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),

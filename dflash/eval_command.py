@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from .config import ConfigError, check_sampling, load_config
+from .config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
 from .signals import stop_on_signal
 
 
@@ -22,6 +22,8 @@ def _check_args(a) -> None:
     for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
+    if a.max_new_tokens is not None and a.max_new_tokens > MAX_NEW_TOKENS:
+        raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
 
@@ -46,7 +48,21 @@ def _plan(a):
             ev[key] = v
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
                                    "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
+    _notice_other_targets(dirs, target)
     return dirs, run_cfg, cfg
+
+
+def _notice_other_targets(dirs, target: str) -> None:
+    """A drafter evaluated on a target other than the one it was trained for decodes, but
+    its tau says little about either: say so, naming both (a notice, not an error: a
+    fine-tuned or renamed copy of the same model is a fair use)."""
+    from .checkpoint_files import _same_target
+
+    for d in dirs:
+        own = d.target
+        if own and not _same_target(own, target):
+            print(f"dflash eval: notice: --checkpoint {str(d.path)!r} was trained for target {own!r}; "
+                  f"evaluating it on {target!r}", file=sys.stderr)
 
 
 def run(a) -> int:

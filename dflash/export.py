@@ -25,8 +25,13 @@ from .model import export_format as fmt
 DTYPES = ("bfloat16", "float32")
 
 
-def check_request(checkpoint: str, out: str, *, without_copy_head: bool) -> dict:
-    """Torch-free checks of `dflash export`'s arguments; returns the checkpoint's config.json."""
+def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwrite: bool = False) -> dict:
+    """Torch-free checks of `dflash export`'s arguments; returns the checkpoint's config.json.
+
+    --out is written only when it is new or empty, or holds an earlier `dflash export`
+    (its `.dflash-export` marker, nothing else beside it) and --overwrite says to replace it.
+    A drafter someone else wrote (a SpecForge export, a downloaded one: the same layout,
+    no marker) is never replaced, with or without --overwrite."""
     raw = fmt.read_config(checkpoint)
     if raw is None:
         raise ConfigError(f"--checkpoint {checkpoint!r}: no config.json there (expected RUN/checkpoint from dflash train)")
@@ -35,16 +40,21 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool) -> dict
     if raw.get("copy_head") and not without_copy_head:
         raise ConfigError(f"--checkpoint {checkpoint!r}: the drafter has a copy head (model.copy_head), which the "
                           f"DFlash format cannot carry; add --without-copy-head to export the rest")
-    dst = Path(out)
-    if dst.exists() and not dst.is_dir():
-        raise ConfigError(f"--out {out!r}: is a file (expected a new or empty dir, or an earlier export)")
+    from .run_dir import check_place
+
+    dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")
     if dst.is_dir() and any(dst.iterdir()):
-        earlier = fmt.read_config(dst) if (dst / "config.json").is_file() else None
         foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
-        if earlier is None or not fmt.is_export_config(earlier) or foreign:
-            shown = ", ".join(foreign[:3] or sorted(e.name for e in dst.iterdir())[:3])
-            raise ConfigError(f"--out {out!r}: holds files that are not an earlier export ({shown}); "
-                              "expected a new or empty dir, or an earlier export to replace")
+        if not (dst / files.EXPORT_MARKER).is_file():
+            what = "a drafter that dflash export did not write" if (dst / files.CONFIG).is_file() else "files"
+            shown = ", ".join(sorted(e.name for e in dst.iterdir())[:3])
+            raise ConfigError(f"--out {out!r}: holds {what} ({shown}); dflash export never replaces it: "
+                              "choose a new or empty directory")
+        if foreign:
+            raise ConfigError(f"--out {out!r}: an earlier dflash export, but it also holds files dflash did not "
+                              f"write ({', '.join(foreign[:3])}); move them out or choose a new directory")
+        if not overwrite:
+            raise ConfigError(f"--out {out!r}: holds an earlier dflash export; pass --overwrite to replace it")
     return raw
 
 
@@ -140,6 +150,8 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(readme(dcfg, target=target, out=dst, dtype=dtype, figures=figures, note=note))
+        (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
+        files.plain_modes(tmp)  # an engine running as another user must read it
         kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
         if kept is not None:
             print(f"dflash: {dst} held other files too: they are kept in {kept}", file=sys.stderr)
@@ -159,7 +171,7 @@ def target_config(spec: str):
     from transformers import AutoConfig
 
     src = target_mod._smollm2_model_dir() if spec == target_mod.SMOLLM2 else spec
-    return AutoConfig.from_pretrained(str(src))
+    return target_mod.from_pretrained(AutoConfig, src, f"target '{spec}'")
 
 
 def run_figures(run_dir: Path) -> dict:
@@ -178,9 +190,10 @@ def run_figures(run_dir: Path) -> dict:
     return out
 
 
-def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", without_copy_head: bool = False) -> dict:
+def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", without_copy_head: bool = False,
+                      overwrite: bool = False) -> dict:
     """`dflash export`: a `dflash train` checkpoint -> the served format. Returns what it did."""
-    raw = check_request(checkpoint, out, without_copy_head=without_copy_head)
+    raw = check_request(checkpoint, out, without_copy_head=without_copy_head, overwrite=overwrite)
     from .model import checkpoint as ckpt
 
     drafter, run_cfg = ckpt.load_drafter(ckpt.resolve(checkpoint))

@@ -36,20 +36,30 @@ def _first_existing(p: Path) -> Path:
     return p
 
 
+def check_place(out: str, *, flag: str = "--out", want_dir: bool = True, expected: str = "a directory for the run") -> Path:
+    """What every writer of a user-named path checks first, writing nothing: a name at all,
+    not a file where a dir is meant (or a dir where a file is), no file on the way to it, a
+    place we may write. Returns it as a Path."""
+    p = Path(out).expanduser()
+    if str(out).strip() == "":
+        raise ConfigError(f"{flag} '': expected {expected}")
+    if want_dir and p.exists() and not p.is_dir():
+        raise ConfigError(f"{flag} {out}: is a file (expected {expected})")
+    if not want_dir and p.is_dir():
+        raise ConfigError(f"{flag} {out}: is a directory (expected {expected})")
+    base = _first_existing(p.absolute() if want_dir else p.absolute().parent)
+    if not base.is_dir():
+        raise ConfigError(f"{flag} {out}: {base} is a file, not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {out}: {base} is not writable")
+    return p
+
+
 def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = True) -> Path:
     """Every check that writes nothing; returns the run dir as a Path.
     `judge_earlier_run=False` (ranks other than 0) skips the one check that rank 0's own
     claim can race: a marked dir without --resume or --overwrite."""
-    p = Path(out).expanduser()
-    if str(out).strip() == "":
-        raise ConfigError("--out '': expected a directory for the run")
-    if p.exists() and not p.is_dir():
-        raise ConfigError(f"--out {out}: is a file (expected a directory for the run)")
-    base = _first_existing(p.absolute())
-    if not base.is_dir():
-        raise ConfigError(f"--out {out}: {base} is a file, not a directory")
-    if not os.access(base, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: {base} is not writable")
+    p = check_place(out)
     if not p.is_dir():
         if resume:
             raise ConfigError(f"--resume: no run in {out!r} (the directory does not exist)")

@@ -261,3 +261,25 @@ def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, n
     assert out == {"rc": 2, "torch": False}, lines
     assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_a_features_dir_whose_target_config_asks_for_its_own_code_runs_nothing(tmp_path, feats):
+    """Features dirs are meant to be shared: FEATS/target/config.json with a crafted
+    auto_map is refused by name, with "y" waiting on stdin, and its module never runs."""
+    import os
+    import shutil
+
+    from pathlib import Path
+
+    mine = Path(shutil.copytree(feats, tmp_path / "feats"))
+    mark = tmp_path / "PWNED"
+    (mine / "target" / "evil.py").write_text(f"open({str(mark)!r}, 'w').write('ran')\n")
+    cfg = json.loads((mine / "target" / "config.json").read_text())
+    cfg.update(model_type="evilmodel", auto_map={"AutoConfig": "evil.EvilConfig"})
+    (mine / "target" / "config.json").write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, "-m", "dflash", "train", "--features", str(mine), "--out",
+                        str(tmp_path / "run"), *TINY, "--set", "train.steps=1"], cwd=ROOT, input="y\n",
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ))
+    lines = [ln for ln in p.stderr.splitlines() if "error" in ln]
+    assert p.returncode == 2 and len(lines) == 1 and "auto_map" in lines[0] and "never runs" in lines[0], p.stderr
+    assert not mark.exists()

@@ -17,6 +17,68 @@ STAGE_COLORS = ["#1f77b4", "#aec7e8", "#2ca02c", "#98df8a", "#17becf", "#9edae5"
                 "#6b6ecf", "#637939", "#b5cf6b"]
 
 
+# Each picture says who wrote it (a PNG text chunk; the JSON's first key), so a later run
+# may replace its own earlier output, and nothing else (timeline_outputs).
+GENERATOR = "dflash timeline"
+
+
+def _written_by_us(path) -> bool:
+    """Whether an existing file is a picture `dflash timeline` wrote: its marker sits in the
+    first few KB (PNG tEXt chunks come before the image data; JSON: the first key)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError:
+        return False
+    if head.startswith(b"\x89PNG"):
+        return b"Software\x00" + GENERATOR.encode() in head
+    return head.startswith(b'{"generator": "' + GENERATOR.encode() + b'"')
+
+
+def check_output(path: str, *, flag: str, suffix: str, run_dir) -> None:
+    """One line (ConfigError) unless `path` is a new file, or a picture `dflash timeline`
+    wrote before, named ``*<suffix>`` and outside the run's own files (telemetry/,
+    checkpoint/, export/, summary.json, ...). Writes nothing."""
+    from pathlib import Path
+
+    from ..config import ConfigError
+    from ..run_dir import check_place
+
+    p = check_place(path, flag=flag, want_dir=False, expected=f"a file name ending in {suffix}")
+    if not p.name.lower().endswith(suffix):
+        raise ConfigError(f"{flag} {path}: expected a file name ending in {suffix}")
+    run = Path(run_dir).resolve()
+    where = p.resolve()
+    for owned in ("telemetry", "checkpoint", "checkpoint.old", "export"):
+        if where.is_relative_to(run / owned):
+            raise ConfigError(f"{flag} {path}: inside the run's own {owned}/ (choose a place outside it)")
+    if p.exists() and not _written_by_us(p):
+        raise ConfigError(f"{flag} {path}: exists and is not a picture dflash timeline wrote; it is never "
+                          "replaced (choose a new name, or remove it first)")
+
+
+def _replace_atomically(path, write) -> None:
+    """``write(tmp)`` then rename onto ``path``: a reader never sees half a file, and a failed
+    write leaves the earlier one. The file gets a plain write's mode under the umask."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from ..checkpoint_files import plain_modes
+
+    dst = Path(path)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.tmp-", dir=dst.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        plain_modes(Path(tmp))
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _text_color(hex_color: str) -> str:
     r, g, b = (int(hex_color[i:i + 2], 16) for i in (1, 3, 5))
     return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 150 else "white"
@@ -79,7 +141,7 @@ def write_png(spans, path, window=None, run_id=None) -> None:
     legend_in = 0.25 + 0.22 * -(-len(handles) // ncol)  # rows of legend entries, in inches
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, legend_in / fig_h, 1, 1))
-    fig.savefig(path)
+    _replace_atomically(path, lambda tmp: fig.savefig(tmp, format="png", metadata={"Software": GENERATOR}))
     plt.close(fig)
 
 
@@ -123,7 +185,11 @@ def perfetto_events(spans, window=None, run_id=None) -> list[dict]:
 
 def write_perfetto(spans, path, window=None, run_id=None) -> int:
     ev = perfetto_events(spans, window, run_id)
-    with open(path, "w") as f:
-        json.dump({"traceEvents": ev, "displayTimeUnit": "ms",
-                   "otherData": {"run_id": run_id, "time_origin_unix_ns": run_start_ns(spans)}}, f)
+    doc = {"generator": GENERATOR, "traceEvents": ev, "displayTimeUnit": "ms",
+           "otherData": {"run_id": run_id, "time_origin_unix_ns": run_start_ns(spans)}}
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+    _replace_atomically(path, write)
     return len(ev)

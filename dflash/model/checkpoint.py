@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from .. import checkpoint_files as files
 from ..checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
 from . import state_tree
-from .drafter import DFlashDrafter, DrafterConfig
+from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
 
 
 def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, state: dict,
@@ -158,6 +158,7 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         if training_state is not None:
             state_tree.save(training_state, tmp / files.STATE_TENSORS, tmp / files.STATE_TREE)
         (tmp / files.TRAINER_STATE).write_text(json.dumps(snap.state, indent=2))
+        files.plain_modes(tmp)  # readable as a plain write would be (mkdtemp makes it private)
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -191,11 +192,15 @@ def _fsync_dir(path: Path) -> None:
 
 
 def load_drafter(path, device="cpu", dtype=torch.float32) -> tuple[DFlashDrafter, dict]:
-    p, raw = files.check_readable(path)
+    p, raw = files.check_readable(path)  # sizes within bounds, the file whole
     try:
-        drafter = DFlashDrafter(DrafterConfig.from_dict(raw))
+        cfg = DrafterConfig.from_dict(raw)
     except TypeError as e:  # a config.json without the drafter's fields
         raise CheckpointError(f"checkpoint {str(path)!r}: {files.CONFIG} is not a dflash drafter config ({e})") from None
+    err = files.header_mismatch(expected_shapes(cfg), {files.WEIGHTS: files.check_safetensors(p / files.WEIGHTS)})
+    if err:  # before a module is built or a weight read
+        raise CheckpointError(f"checkpoint {str(path)!r}: {err}")
+    drafter = DFlashDrafter(cfg)
     try:
         drafter.load_state_dict(load_file(str(p / files.WEIGHTS)))
     except RuntimeError as e:  # missing / unexpected / mis-shaped weights

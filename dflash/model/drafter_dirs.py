@@ -46,13 +46,20 @@ def inspect(path: str | Path) -> DrafterDir:
         raise DrafterDirError(f"--{e}") from None
     if fmt.is_export_config(raw):
         try:
-            fmt.drafter_config_fields(raw, str(path))
+            f = fmt.drafter_config_fields(raw, str(path))
         except fmt.FormatError as e:
             raise DrafterDirError(str(e)) from None
+        err = fmt.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
+        if err:
+            raise DrafterDirError(err)
         return DrafterDir(p, "export", raw)
     if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
         raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint nor "
                               f"a DFlash drafter (architectures {raw.get('architectures')})")
+    try:
+        files.check_drafter_bounds(path, raw)
+    except files.CheckpointError as e:
+        raise DrafterDirError(f"--{e}") from None
     return DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
 
 
@@ -66,19 +73,28 @@ def load(d: DrafterDir, device="cpu"):
         return drafter
     from safetensors.torch import load_file
 
-    from .drafter import DFlashDrafter, DrafterConfig
+    from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
 
     fields = fmt.drafter_config_fields(d.raw, str(d.path))
     files = sorted(d.path.glob("*.safetensors"))
     if not files:
         raise DrafterDirError(f"--checkpoint {str(d.path)!r}: no *.safetensors weights beside config.json")
+    cfg = DrafterConfig(**fields, target=d.raw.get("target", ""))
+    from .. import checkpoint_files
+    try:
+        headers = {f.name: checkpoint_files.check_safetensors(f) for f in files}
+    except checkpoint_files.CheckpointError as e:
+        raise DrafterDirError(f"--{e}") from None
+    err = checkpoint_files.header_mismatch(expected_shapes(cfg), headers, fmt.from_export_name)
+    if err:  # before a single weight is read or a module built
+        raise DrafterDirError(f"--checkpoint {str(d.path)!r}: {err}")
     state = {}
     try:
         for f in files:
             state.update(fmt.import_state_dict(load_file(str(f))))
     except fmt.FormatError as e:
         raise DrafterDirError(f"{d.path}: {e}") from None
-    drafter = DFlashDrafter(DrafterConfig(**fields, target=d.raw.get("target", "")))
+    drafter = DFlashDrafter(cfg)
     want = drafter.state_dict()
     missing = sorted(set(want) - set(state))
     if missing:

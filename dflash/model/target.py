@@ -51,6 +51,69 @@ def _atomic_dir(final: Path, write) -> Path:
     return final
 
 
+# ----------------------------------------------------------------------------- no code from files
+
+
+def remote_code_request(src: Path) -> str | None:
+    """What in a model dir asks transformers to run the dir's own code, when transformers has
+    no built-in class to use instead; None when nothing does.
+
+    A config.json ``auto_map`` whose ``model_type`` transformers knows is harmless with
+    ``trust_remote_code=False`` (the built-in class is used and the map ignored: many real
+    checkpoints carry one), so only a map with no built-in alternative is reported. The
+    same for tokenizer_config.json's ``auto_map`` and ``tokenizer_class``."""
+    import json
+
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    def read(name: str) -> dict:
+        try:
+            raw = json.loads((src / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return {}  # absent or unreadable: the load itself says so, in its own line
+        return raw if isinstance(raw, dict) else {}
+
+    def entries(auto_map) -> str:
+        if not isinstance(auto_map, dict):
+            return repr(auto_map)[:120]
+        return ", ".join(f"{k}: {v if isinstance(v, str) else next((x for x in v if x), v) if isinstance(v, list) else v}"
+                         for k, v in list(auto_map.items())[:4])
+
+    cfg = read("config.json")
+    if "auto_map" in cfg and cfg.get("model_type") not in CONFIG_MAPPING_NAMES:
+        return (f"config.json's auto_map ({entries(cfg['auto_map'])}) asks to run code from the dir, and its "
+                f"model_type {cfg.get('model_type')!r} has no built-in class in transformers")
+    tcfg = read("tokenizer_config.json")
+    cls = str(tcfg.get("tokenizer_class") or "")
+    known = not cls or hasattr(transformers, cls) or hasattr(transformers, cls.removesuffix("Fast"))
+    if "auto_map" in tcfg and not known:
+        return (f"tokenizer_config.json's auto_map ({entries(tcfg['auto_map'])}) asks to run code from the dir, "
+                f"and its tokenizer_class {cls!r} is not built into transformers")
+    return None
+
+
+def from_pretrained(loader, src, label: str, error: type[Exception] = TargetSpecError, **kwargs):
+    """``loader.from_pretrained(src, **kwargs)`` for a dir or hub id someone else wrote, with no
+    way for it to run code: ``trust_remote_code=False`` always (transformers then never asks on
+    stdin), and a local dir whose config needs its own code is refused by name first (hub ids:
+    transformers' refusal, turned into one line). Other load failures: one line too."""
+    p = Path(str(src)).expanduser()
+    if p.is_dir():
+        why = remote_code_request(p)
+        if why:
+            raise error(f"{label}: {why}; dflash never runs a model dir's code (trust_remote_code is off)")
+    try:
+        return loader.from_pretrained(str(src), trust_remote_code=False, **kwargs)
+    except (OSError, ValueError) as e:  # a broken dir, an unknown architecture, no network, custom code
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        if "custom code" in str(e) or "trust_remote_code" in str(e):
+            raise error(f"{label}: its config asks to run code from the repository (auto_map) and transformers "
+                        "has no built-in class for it; dflash never runs a model's code (trust_remote_code "
+                        "is off)") from None
+        raise error(f"{label}: cannot be loaded ({type(e).__name__}: {first})") from None
+
+
 # ----------------------------------------------------------------------------- tokenizers
 
 
@@ -63,7 +126,8 @@ def _smollm2_tokenizer_dir() -> Path:
         gguf = gguf_path()  # raises TargetSpecError when there is neither a package nor a cache
 
         def write(tmp: Path) -> None:
-            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                          trust_remote_code=False).save_pretrained(tmp)
 
         _atomic_dir(entry, write)
     return entry
@@ -75,11 +139,7 @@ def load_tokenizer(spec: str):
 
     check_target_spec(spec)
     src = _smollm2_tokenizer_dir() if spec == SMOLLM2 or spec in TINY_TARGETS else spec
-    try:
-        tok = AutoTokenizer.from_pretrained(str(src))
-    except (OSError, ValueError) as e:
-        raise TargetSpecError(f"target '{spec}': its tokenizer cannot be loaded ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0][:200]})") from None
+    tok = from_pretrained(AutoTokenizer, src, f"target '{spec}': its tokenizer")
     if tok.pad_token is None:  # batching needs one; eos is never attended to past the mask
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     return tok
@@ -144,7 +204,7 @@ def _smollm2_model_dir() -> Path:
 
         # from_pretrained(gguf_file=...) insists on `accelerate` for weights; transformers' own
         # GGUF reader (the same code it would call) needs nothing extra.
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         state = load_gguf_checkpoint(str(gguf), return_tensors=True, model_to_load=model)["tensors"]
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -169,11 +229,7 @@ def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
         model = _build_tiny(spec, tok, seed)
     else:
         src = _smollm2_model_dir() if spec == SMOLLM2 else spec
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(src), dtype=dtype)
-        except (OSError, ValueError) as e:  # a broken dir, an unknown architecture, no network
-            raise TargetSpecError(f"target '{spec}': cannot be loaded ({type(e).__name__}: "
-                                  f"{str(e).splitlines()[0][:200]})") from None
+        model = from_pretrained(AutoModelForCausalLM, src, f"target '{spec}'", dtype=dtype)
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id

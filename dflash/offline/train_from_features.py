@@ -32,7 +32,8 @@ def open_capture(cfg: Config, *, device, dtype):
     key = index["key"]
     print(f"training from features {cfg.data.features}: {index['samples']} samples, {index['tokens']} tokens of "
           f"{key['target']} layers {key['layer_ids']} ({key['dtype']}); no target forward", file=sys.stderr)
-    config = AutoConfig.from_pretrained(str(store.path / TARGET_DIR))
+    config = target_mod.from_pretrained(AutoConfig, store.path / TARGET_DIR,
+                                        f"features {cfg.data.features}: {TARGET_DIR}/")
     target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed)
     print(f"target {cfg.model.target}: {target.note}", file=sys.stderr)
     tok = target_mod.load_tokenizer(cfg.model.target)
