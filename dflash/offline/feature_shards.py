@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..checkpoint_files import plain_modes
+
 from ..data.batch import Batch
 from ..data.dataset import Sample
 from .feature_index import FORMAT, SHARD_GLOB, VERSION
@@ -111,7 +113,7 @@ class ShardWriter:
         name = f"shard-r{self.rank}-{self.first + len(self.shards):05d}.safetensors"
         tmp = self.out / f".{name}.tmp{os.getpid()}"
         save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "capture": self.capture})
-        os.chmod(tmp, 0o644)  # readable by every rank and user, like any data set
+        plain_modes(tmp)  # readable by every rank and user under the umask, like any data set
         os.replace(tmp, self.out / name)
         self.shards.append({"file": name, "samples": len(self._pos), "tokens": int(lengths.sum()),
                             "bytes": (self.out / name).stat().st_size})
