@@ -65,6 +65,7 @@ class Bridge:
         self.join_s, self.write_s = join_s, write_s
         self.config = sanitize({**ctx.cfg.to_dict(), "run_id": getattr(ctx.tel, "run_id", None),
                                 "world_size": ctx.world_size})
+        self.started = time.time()
         self._stop = threading.Event()
         self._final: dict | None = None
         self._raw: dict = {}
@@ -248,6 +249,8 @@ class _Runner:
 
     def _recovered(self):
         with self.lock:
+            if self.summary_done:  # a call that was stuck came back after the end: nothing to say
+                return
             self.in_fallback = False
         print(f"dflash: {self.sink.label} bridge: reachable again after {self.failures} failed call(s); "
               f"the steps it missed were sent", file=sys.stderr, flush=True)

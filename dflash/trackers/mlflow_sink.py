@@ -120,7 +120,9 @@ class MlflowSink(Sink):
             self.experiment_id = _experiment(client, out, local)
             tags = {"dflash.out": str(out.resolve()), "dflash.run_id": str(runner.b.config.get("run_id") or ""),
                     "dflash.target": str(runner.b.config.get("model", {}).get("target", ""))}
-            run = client.create_run(self.experiment_id, run_name=out.name, tags=tags)
+            # started when the training did (the thread may get the run only later, on a busy host)
+            run = client.create_run(self.experiment_id, start_time=int(runner.b.started * 1000), run_name=out.name,
+                                    tags=tags)
             run_id = run.info.run_id
             params = [Param(_name(k), str(v)[:6000]) for k, v in flatten(runner.b.config).items()]
             for i in range(0, len(params), 100):
