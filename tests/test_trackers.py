@@ -416,7 +416,8 @@ def test_chromium_shows_the_runs_curves_in_tensorboard_and_mlflow(served_run, ml
                 page = browser.new_page(viewport={"width": 1200, "height": 800})
                 # TensorBoard: SVG lines (headless Chromium has no WebGL for its default renderer)
                 page.goto(urls["TensorBoard"] + "?forceSVG=true#timeseries")
-                page.get_by_placeholder("Filter tags (regex)").fill("train/(loss|acc)$")
+                page.locator("input[placeholder='Filter tags (regex)']").fill("train/(loss|acc)$")
+                page.keyboard.press("Escape")  # the tag suggestions would cover the charts
                 page.wait_for_selector("text=train/loss", timeout=60_000)
                 page.wait_for_function("() => [...document.querySelectorAll('line-chart svg path')]"
                                        ".some(p => (p.getAttribute('d') || '').length > 20)", timeout=60_000)
@@ -487,12 +488,15 @@ def test_watch_serves_a_local_store(tmp_path):
     out = tmp_path / "local-run"
     run_dflash(*_train_args(out, 2, "--tracker", "mlflow,tensorboard"), env=_clean_env())
     assert (out / "mlflow" / "mlflow.db").is_file()
+    st = json.loads((out / "summary.json").read_text())["trackers"]
+    assert st["mlflow"]["delivered"] and st["tensorboard"]["delivered"], st  # however slow their start was
+    info = json.loads((out / "mlflow_run.json").read_text())
     watch, urls = _watch(out, tmp_path / "watch")
     try:
         assert set(urls) == {"TensorBoard", "MLflow"}
         assert json.loads(_get(urls["TensorBoard"] + "data/runs")) == ["local-run"]
         req = urllib.request.Request(urls["MLflow"] + "api/2.0/mlflow/runs/search", method="POST",
-                                     data=json.dumps({"experiment_ids": ["1"]}).encode(),
+                                     data=json.dumps({"experiment_ids": [info["experiment_id"]]}).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             runs = json.loads(resp.read())["runs"]

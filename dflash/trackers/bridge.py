@@ -83,7 +83,8 @@ class Bridge:
     # -- end of run (called by train(), any thread) ----------------------------------------
     def close(self, summary: dict) -> dict:
         """Write the end-of-run summary to every tracker; returns it. Bounded: join_s + 2 *
-        write_s at most, whatever the number of trackers."""
+        write_s at most, whatever the number of trackers (plus the patience of a local store
+        that is still starting, at most 60 s: TensorBoard, MLflow without a server)."""
         final = final_summary(summary, self.out, self.ctx.rank, self.ctx.world_size)
         self._raw = summary
         self._final = final
@@ -91,6 +92,12 @@ class Bridge:
         deadline = time.monotonic() + self.join_s
         for r in self.runners:
             r.thread.join(max(0.0, deadline - time.monotonic()))
+        # a local store still starting (imports, a new SQLite store: seconds on a busy host) is
+        # slow, not lost: it gets its patience_s more to take the whole run
+        starting = [r for r in self.runners if r.thread.is_alive() and not r.opened and not r.failures]
+        deadline = time.monotonic() + max((r.sink.patience_s() for r in starting), default=0.0)
+        for r in starting:
+            r.thread.join(max(0.0, min(deadline, time.monotonic() + r.sink.patience_s()) - time.monotonic()))
         stuck = [r for r in self.runners if r.thread.is_alive()]
         # stuck in open or log: write the summary from here (a no-op if the thread is already at it)
         for r in stuck:

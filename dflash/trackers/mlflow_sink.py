@@ -180,6 +180,10 @@ class MlflowSink(Sink):
                 client.log_artifact(run_id, str(path), where)
         client.set_terminated(run_id, "KILLED" if raw.get("interrupted") else "FINISHED")
 
+    def patience_s(self):
+        uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+        return 60.0 if uri.startswith(("sqlite:", "file:", "/")) else 0.0  # importing mlflow, a new SQLite store
+
     def describe(self):
         if self.run_id is None:
             return {}

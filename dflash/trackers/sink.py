@@ -5,6 +5,7 @@
                                         history, estimates: new (step, tau, ...) held-out estimates
     finish(summary, raw)                end-of-run summary (report.py keys); raw: train()'s own dict
     teardown(timeout_s)                 what the library leaves running (bounded, any thread)
+    patience_s()                        a local store still starting at the end: wait this long more
     log_eval(run_dir, metrics, step)    `dflash eval --tracker`: figures into the training run's tracker
 """
 from __future__ import annotations
@@ -37,6 +38,11 @@ class Sink:
 
     def teardown(self, timeout_s: float) -> None:
         pass
+
+    def patience_s(self) -> float:
+        """How much longer the end of the run waits for this tracker when it is still
+        starting: for local files only (slow on a busy host, never a network wait)."""
+        return 0.0
 
     def describe(self) -> dict:
         """Where the run went (summary.json's `trackers`)."""

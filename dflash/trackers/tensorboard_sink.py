@@ -80,6 +80,9 @@ class TensorBoardSink(Sink):
             w._get_file_writer().add_summary(ev)
         w.close()
 
+    def patience_s(self):
+        return 30.0  # importing tensorboard, then local files
+
     def describe(self):
         return {"logdir": str(self._logdir)} if self._logdir else {}
 
