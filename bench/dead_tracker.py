@@ -3,7 +3,10 @@ no tracker vs with MLflow pointed at a dead server (connection refused every try
 vs TensorBoard + a live local MLflow store.
 
 Same method as bench/pipeline.py: every variant in this one process, interleaved round by
-round, same seed and cached data; only the training loop is timed. The bridge is started
+round, same seed and cached data; only the training loop is timed; ratios are paired within a
+round. Because a shared machine's tokens/s swings, it also reports a figure that does not
+swing: the CPU time the bridge threads used during the timed loop (from /proc), over the
+loop's wall time. The bridge is started
 as `dflash train` starts it and the timed loop begins once each tracker has made its
 first attempt (opened, or failed and fallen back): importing mlflow (~2 s of CPU, once per
 run) is not what this measures. Prints a table, then one JSON line.
@@ -36,6 +39,19 @@ def _dead_uri() -> str:
         return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
+def _thread_cpu_s(threads) -> float:
+    """CPU seconds the given threads used so far (Linux: /proc/self/task/<tid>/stat): what
+    the bridge could take from the training, whatever else the machine is doing."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0.0
+    for t in threads:
+        try:
+            fields = Path(f"/proc/self/task/{t.native_id}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        except (OSError, TypeError):
+            pass
+    return total
+
+
 def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[float, list, dict]:
     if uri:
         os.environ["MLFLOW_TRACKING_URI"] = uri
@@ -48,10 +64,12 @@ def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[
     while bridge and time.monotonic() < deadline and any(not r.opened and not r.failures for r in bridge.runners):
         time.sleep(0.05)
     time.sleep(1.0)  # the exporter process's start-up, as in bench/pipeline.py
+    threads = [r.thread for r in bridge.runners] if bridge else []
     try:
-        t0 = time.perf_counter()
+        cpu0, t0 = _thread_cpu_s(threads), time.perf_counter()
         run_loop(ctx)
         wall = time.perf_counter() - t0
+        bridge_cpu = _thread_cpu_s(threads) - cpu0
         ctx.finish_readback()
     finally:
         ctx.tel.shutdown(timeout_s=2.0)
@@ -60,6 +78,7 @@ def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[
         t1 = time.perf_counter()
         bridge.close({"steps": ctx.trainer.step, "tokens": ctx.tokens, "telemetry": ctx.tel.summary()})
         status = {n: {**s, "close_s": round(time.perf_counter() - t1, 3)} for n, s in bridge.status().items()}
+    status["bridge_cpu_s"], status["loop_s"] = round(bridge_cpu, 3), round(wall, 2)
     return ctx.tokens / wall, [round(h[1], 6) for h in ctx.history], status
 
 
@@ -81,7 +100,7 @@ def main() -> None:
         "tensorboard + mlflow (local store)": (["tensorboard", "mlflow"], None),
     }
     res = {k: [] for k in variants}
-    losses, status = {}, {}
+    losses, status, cpu = {}, {}, {k: [] for k in variants}
     with tempfile.TemporaryDirectory() as tmp:
         once(base, f"{tmp}/warm", [], None)  # warm-up: caches, allocator
         for r in range(a.rounds):
@@ -90,12 +109,17 @@ def main() -> None:
                 res[name].append(tps)
                 losses.setdefault(name, []).append(loss)
                 status[name] = st
+                cpu[name].append(st["bridge_cpu_s"] / st["loop_s"])
     med = {k: statistics.median(v) for k, v in res.items()}
     print(f"{'variant':36s} {'median tok/s':>12s}  runs")
     for k, v in res.items():
         print(f"{k:36s} {med[k]:12.1f}  {' '.join(f'{x:.0f}' for x in v)}")
-    ratios = {"mlflow_down_over_none": med["mlflow, server down"] / med["no tracker"],
-              "tb_mlflow_local_over_none": med["tensorboard + mlflow (local store)"] / med["no tracker"]}
+    # paired within a round (the variants ran back to back), then the median over rounds
+    paired = {k: statistics.median(x / n for x, n in zip(res[k], res["no tracker"])) for k in variants}
+    ratios = {"mlflow_down_over_none": paired["mlflow, server down"],
+              "tb_mlflow_local_over_none": paired["tensorboard + mlflow (local store)"]}
+    share = {k: round(max(v), 5) for k, v in cpu.items()}  # the bridge threads' CPU / loop wall, worst round
+    print("bridge threads' CPU time / loop wall time (worst round):", share)
     ref = losses["no tracker"][0]  # every run of every variant: the same loss at every step?
     same_loss = {k: all(x == ref for x in losses[k]) for k in variants}
     for k, v in ratios.items():
@@ -105,6 +129,7 @@ def main() -> None:
     print(json.dumps({"bench": "dead_tracker", "target": a.target, "steps": a.steps, "rounds": a.rounds,
                       "interval_s": a.interval, "median_tokens_per_s": {k: round(v, 1) for k, v in med.items()},
                       "ratios": {k: round(v, 3) for k, v in ratios.items()}, "same_loss_history": same_loss,
+                      "bridge_cpu_share": share,
                       "mlflow_down_status": status["mlflow, server down"].get("mlflow")}))
 
 

@@ -208,6 +208,41 @@ def test_a_tracker_that_comes_back_gets_every_step_and_a_hung_one_blocks_no_othe
     _no_secret_in(tmp_path)
 
 
+def test_a_local_store_still_starting_at_the_end_gets_the_run_but_a_remote_one_does_not_wait(tmp_path):
+    """Importing mlflow and creating a SQLite store can take seconds on a busy host: local
+    work, so the end of a short run waits for it (patience_s); a tracker that is stuck on
+    the network does not get that wait."""
+    from dflash.trackers.bridge import Bridge
+
+    class SlowStart(_Flaky):
+        def __init__(self, name, patience):
+            super().__init__(name)
+            self.started, self.patience = threading.Event(), patience
+
+        def open(self, runner):
+            self.started.set()
+            time.sleep(1.5)
+
+        def patience_s(self):
+            return self.patience
+
+    for sink in (SlowStart("local", 30.0), SlowStart("remote", 0.0)):
+        ctx, tel = _fake_ctx(tmp_path)
+        bridge = Bridge(ctx, [sink], interval_s=5, join_s=0.2, write_s=0.3).start()
+        assert sink.started.wait(10)
+        ctx.history += [(s, 1.0, 0.5, 1.0) for s in range(3)]  # a short run: over before the tracker opened
+        t0 = time.monotonic()
+        final = bridge.close({"steps": 3, "tokens": 300, "telemetry": tel})
+        took = time.monotonic() - t0
+        if sink.name == "local":
+            assert sink.summary == final and sink.steps == [0, 1, 2] and bridge.status()["local"]["delivered"]
+        else:
+            assert sink.summary is None and not bridge.status()["remote"]["delivered"]
+            assert took < bridge.join_s + 2 * bridge.write_s + 1.0, took  # the documented bound
+            recs = [json.loads(line) for line in (tmp_path / "remote_fallback.jsonl").read_text().splitlines()]
+            assert recs[-1]["type"] == "summary" and recs[-1]["summary"] == json.loads(json.dumps(final))
+
+
 # -------------------------------------------------------------------- slow: the real things
 
 class MlflowServer:

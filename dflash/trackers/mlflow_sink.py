@@ -105,12 +105,14 @@ class MlflowSink(Sink):
         self.experiment_id = None
         self.uri = None
         self.out: Path | None = None
+        self._imported = False
 
     def open(self, runner):
         configure()
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
+        self._imported = True
         out = self.out = runner.b.out
         uri, local = tracking_uri(out)
         self.uri = uri
@@ -181,8 +183,9 @@ class MlflowSink(Sink):
         client.set_terminated(run_id, "KILLED" if raw.get("interrupted") else "FINISHED")
 
     def patience_s(self):
+        """Still importing mlflow (seconds of CPU on a busy host), or a local store: local work."""
         uri = os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
-        return 60.0 if uri.startswith(("sqlite:", "file:", "/")) else 0.0  # importing mlflow, a new SQLite store
+        return 60.0 if not self._imported or uri.startswith(("sqlite:", "file:", "/")) else 0.0
 
     def describe(self):
         if self.run_id is None:
