@@ -11,7 +11,7 @@ as `dflash train` starts it and the timed loop begins once each tracker has made
 first attempt (opened, or failed and fallen back): importing mlflow (~2 s of CPU, once per
 run) is not what this measures. Prints a table, then one JSON line.
 
-    python bench/dead_tracker.py [--steps 30] [--rounds 3] [--interval 1]
+    python bench/dead_tracker.py [--steps 100] [--rounds 3] [--interval 1] [--settle 5]
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def _thread_cpu_s(threads) -> float:
     return total
 
 
-def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[float, list, dict]:
+def once(base: list[str], out: str, names: list[str], uri: str | None, settle_s: float = 5.0) -> tuple[float, list, dict]:
     if uri:
         os.environ["MLFLOW_TRACKING_URI"] = uri
     else:
@@ -63,7 +63,7 @@ def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[
     deadline = time.monotonic() + 120
     while bridge and time.monotonic() < deadline and any(not r.opened and not r.failures for r in bridge.runners):
         time.sleep(0.05)
-    time.sleep(1.0)  # the exporter process's start-up, as in bench/pipeline.py
+    time.sleep(settle_s)  # the exporter process's start-up, as in bench/pipeline.py: the same for all
     threads = [r.thread for r in bridge.runners] if bridge else []
     try:
         cpu0, t0 = _thread_cpu_s(threads), time.perf_counter()
@@ -85,7 +85,8 @@ def once(base: list[str], out: str, names: list[str], uri: str | None) -> tuple[
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--target", default="tiny-qwen3")
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--settle", type=float, default=5.0, help="seconds between set-up and the timed loop")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--interval", type=float, default=1.0, help="bridge push interval (s); 10 in real runs")
     a = ap.parse_args()
@@ -105,7 +106,7 @@ def main() -> None:
         once(base, f"{tmp}/warm", [], None)  # warm-up: caches, allocator
         for r in range(a.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
-                tps, loss, st = once(base, f"{tmp}/{r}-{len(res[name])}", *variants[name])
+                tps, loss, st = once(base, f"{tmp}/{r}-{len(res[name])}", *variants[name], settle_s=a.settle)
                 res[name].append(tps)
                 losses.setdefault(name, []).append(loss)
                 status[name] = st
