@@ -141,7 +141,7 @@ class _Runner:
         self._last = (time.monotonic(), self.ctx.tokens)
         # history rows (step, loss, ...) and acceptance estimates the tracker got, and those the
         # fallback file got (a resumed run's earlier steps were sent by the earlier run)
-        est = getattr(self.ctx.estimate, "history", None)
+        est = self._estimate_history()
         self._rows = self._fb_rows = len(self.ctx.history)
         self._estimates = self._fb_estimates = len(est) if est else 0
         self._last_try = 0.0
@@ -186,6 +186,10 @@ class _Runner:
             return self._open()
         return True
 
+    def _estimate_history(self) -> list:
+        """(step, tau, [slot accuracies], tau without copies) of the held-out estimate, if any."""
+        return getattr(getattr(self.ctx, "estimate", None), "history", None) or []
+
     def _metrics(self) -> dict:
         ctx = self.ctx
         m = telemetry_metrics(ctx.tel.summary())
@@ -204,7 +208,7 @@ class _Runner:
     def _push(self, force_retry: bool = False):
         metrics = self._metrics()
         hist = self.ctx.history
-        est = getattr(self.ctx.estimate, "history", None) or []
+        est = self._estimate_history()
         n_rows, n_est = len(hist), len(est)
         if self.opened and not self.in_fallback or self._retry(force_retry):
             try:
@@ -248,7 +252,7 @@ class _Runner:
 
     def _push_missed(self):
         rows = list(self.ctx.history[self._rows:])
-        est = getattr(self.ctx.estimate, "history", None) or []
+        est = self._estimate_history()
         self.sink.log({}, rows, list(est[self._estimates:]), self.ctx.trainer.step)
         self._rows += len(rows)
         self._estimates = len(est)

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from ..config import ConfigError
@@ -44,6 +43,8 @@ def _port(wanted: int) -> int:
 
 
 def _ready(url: str, proc, deadline: float, log: Path) -> None:
+    import urllib.request
+
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
