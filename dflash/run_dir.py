@@ -128,7 +128,7 @@ _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", 
               "wandb_fallback.jsonl", "wandb_run.json", "ranks/rank*.json", "ranks/rank*.pid",
               # dflash/trackers: TensorBoard events, the local MLflow store (its db and artifacts)
               "tensorboard_fallback.jsonl", "mlflow_fallback.jsonl", "mlflow_run.json",
-              "tensorboard/*/events.out.tfevents.*", "mlflow/mlflow.db", "mlflow/artifacts/*/*/artifacts/**/*",
+              "tensorboard/*/events.out.tfevents.*", "mlflow/mlflow.db", "mlflow/artifacts/**/*",
               "telemetry/traces.jsonl", "telemetry/metrics.jsonl",
               "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl")
 

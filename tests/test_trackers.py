@@ -243,6 +243,22 @@ def test_a_local_store_still_starting_at_the_end_gets_the_run_but_a_remote_one_d
             assert recs[-1]["type"] == "summary" and recs[-1]["summary"] == json.loads(json.dumps(final))
 
 
+def test_overwrite_removes_what_the_trackers_wrote_and_nothing_else(tmp_path):
+    from dflash.run_dir import clear_earlier_run
+
+    written = ["tensorboard/run/events.out.tfevents.1.host.1.0", "mlflow/mlflow.db", "mlflow_run.json",
+               "mlflow/artifacts/abc123/artifacts/learning_curve.png",
+               "mlflow/artifacts/abc123/artifacts/export/README.md", "mlflow_fallback.jsonl",
+               "tensorboard_fallback.jsonl"]
+    mine = ["tensorboard/notes.txt", "mlflow/keep.me"]
+    for f in written + mine:
+        (tmp_path / f).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / f).write_text("x")
+    clear_earlier_run(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == sorted(mine)
+    assert not (tmp_path / "mlflow" / "artifacts").exists() and not (tmp_path / "tensorboard" / "run").exists()
+
+
 # -------------------------------------------------------------------- slow: the real things
 
 class MlflowServer:
