@@ -10,7 +10,7 @@ TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo to
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,gpu || echo test)
 export DFLASH_CACHE ?= $(HOME)/.cache/dflash
 
-.PHONY: setup demo test test-fast bench clean backend-bins backends backends-down
+.PHONY: setup demo test test-fast bench clean backend-bins backends backends-down watch
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ backends: backend-bins
 
 backends-down:
 	python3 deploy/backends.py down
+
+# A run's curves in a browser: TensorBoard (and MLflow's UI for a local store) on 127.0.0.1, e.g.
+# make watch RUN=runs/demo (trained with --tracker tensorboard,mlflow); Ctrl-C stops.
+watch: setup
+	@test -n "$(RUN)" || { echo "usage: make watch RUN=runs/<name>" >&2; exit 2; }
+	$(PY) -m dflash watch "$(RUN)"
 
 clean:
 	rm -rf runs .pytest_cache

@@ -42,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="raise in a stage at a step: a tool for testing the failure path")
     t.add_argument("--no-telemetry", action="store_true")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
+    t.add_argument("--tracker", metavar="NAMES",
+                   help="experiment trackers, a comma list of wandb, tensorboard, mlflow (--wandb: wandb)")
 
     t.add_argument("--features", metavar="FEATS",
                    help="train from features dflash capture wrote: no target forward, only the target's "
@@ -65,6 +67,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-copy-head", action="store_true",
                    help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
     e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
+    e.add_argument("--tracker", metavar="NAMES",
+                   help="add tau, the baseline and per-position acceptance to the training run's trackers "
+                        "(a comma list of wandb, tensorboard, mlflow)")
 
     x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
     x.add_argument("--checkpoint", required=True, help="RUN/checkpoint from dflash train")
@@ -77,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
 
     from .cli_analysis import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
+    from .trackers.watch import add_command as add_watch_command
+    add_watch_command(sub)  # watch
     from .data_inspect import add_command as add_data_command
     add_data_command(sub)  # data inspect
     from .offline.capture_command import add_command as add_capture_command
@@ -95,6 +102,10 @@ def _train(a) -> int:
              "pipeline.pipelined": False if a.reference else None,
              "telemetry.enabled": False if a.no_telemetry else None,
              "telemetry.wandb": True if a.wandb else None}
+    if a.tracker is not None:
+        from .trackers import check_installed, parse
+        flags["telemetry.trackers"] = parse(a.tracker)
+        check_installed(flags["telemetry.trackers"])
     if a.init_from:
         from .init_from import init_flags
         flags |= init_flags(a.init_from)
@@ -213,8 +224,9 @@ def main(argv=None) -> int:
         from .cli_analysis import COMMANDS
         from .data_inspect import run as data_inspect
         from .offline.capture_command import run as capture
-        return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect, "capture": capture}
-                | COMMANDS)[a.cmd](a)
+        from .trackers.watch import run as watch
+        return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect, "capture": capture,
+                 "watch": watch} | COMMANDS)[a.cmd](a)
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
         return 130

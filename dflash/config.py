@@ -105,6 +105,8 @@ class TelemetryConfig:
     mode: str = "process"                # process | thread (where export work runs)
     console_interval_s: float = 0.0      # 0: profile table only at the end
     wandb: bool = False
+    trackers: list[str] = field(default_factory=list)  # experiment trackers fed by the bridge (dflash/trackers):
+                                         # wandb | tensorboard | mlflow; `wandb: true` is the same as naming wandb
 
 
 @dataclass
@@ -120,6 +122,8 @@ class Config:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+
+TRACKERS = ("wandb", "tensorboard", "mlflow")  # dflash/trackers: one sink each
 
 STAGES = ("data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
           "drafter_forward", "backward", "optimizer_step")
@@ -393,6 +397,7 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")
     if cfg.telemetry.mode not in ("process", "thread"):
         raise ConfigError(f"telemetry.mode={cfg.telemetry.mode!r}: expected process or thread")
+    cfg.telemetry.trackers = check_trackers(cfg.telemetry.trackers, "telemetry.trackers=")
     if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
         raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
     try:
@@ -418,6 +423,16 @@ def _check_features(cfg: Config) -> None:
     if m.drafter_init == "target":
         raise ConfigError(f"{where} with model.drafter_init=target: only the target's embedding and lm_head are "
                           "loaded; use model.drafter_init=random, or train online")
+
+
+def check_trackers(names: list[str], where: str = "--tracker ") -> list[str]:
+    """Tracker names (wandb, tensorboard, mlflow), each once; returns them in order.
+    `where`: how the user wrote them, e.g. "--tracker " or "telemetry.trackers=". """
+    bad = [n for n in names if n not in TRACKERS]
+    if bad:
+        raise ConfigError(f"{where}{','.join(names)}: unknown tracker {bad[0]!r} "
+                          f"(expected a comma list of {', '.join(TRACKERS)})")
+    return list(dict.fromkeys(names))
 
 
 def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "--") -> None:

@@ -19,6 +19,10 @@ from .signals import stop_on_signal
 
 
 def _check_args(a) -> None:
+    from . import trackers
+    named = trackers.parse(getattr(a, "tracker", None))
+    trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
+    a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
     for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
@@ -119,8 +123,8 @@ def run(a) -> int:
         _print_one(results[0])
     else:
         print(side_by_side_table(results))
-    if a.wandb:
-        _log_wandb(dirs, results)
+    if a.trackers:
+        log_trackers(dirs, results, a.trackers)
     if a.json:
         for res in results[:-1] if len(results) > 1 else []:
             print(json.dumps(res))
@@ -164,18 +168,18 @@ def side_by_side_table(results: list[dict]) -> str:
     return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
-def _log_wandb(dirs, results) -> None:
-    """One drafter: its tau in the training run's W&B summary (as before). Several: every
-    drafter's figures under compare/<i>/..., in the first training run's summary."""
-    from .wandb_bridge import log_eval
+def log_trackers(dirs, results, names) -> None:
+    """One drafter: its figures into the training run's trackers. Several: every drafter's
+    figures under compare/<i>/..., into the first training run's trackers."""
+    from . import trackers
 
     ours = [d for d in dirs if d.kind == "checkpoint"]
     run_dir = ours[0].path.parent if ours else Path(dirs[0].path)
     if len(results) == 1:
-        log_eval(run_dir, results[0])
+        trackers.log_eval(run_dir, results[0], names)
         return
     summary = {}
     for i, res in enumerate(results):
         summary |= {f"compare/{i}/checkpoint": res["checkpoint"], f"compare/{i}/tau": res["acceptance_length"],
                     f"compare/{i}/tokens_per_s": res.get("tokens_per_s"), f"compare/{i}/lossless": res.get("lossless")}
-    log_eval(run_dir, results[0], summary=summary)
+    trackers.log_eval(run_dir, results[0], names, summary=summary)

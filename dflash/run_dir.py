@@ -136,6 +136,9 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
 # what a run writes at the top of its dir; --overwrite removes these and nothing else
 _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", "error.rank*.txt",
               "wandb_fallback.jsonl", "wandb_run.json", "ranks/rank*.json", "ranks/rank*.pid",
+              # dflash/trackers: TensorBoard events, the local MLflow store (its db and artifacts)
+              "tensorboard_fallback.jsonl", "mlflow_fallback.jsonl", "mlflow_run.json",
+              "tensorboard/*/events.out.tfevents.*", "mlflow/mlflow.db", "mlflow/artifacts/**/*",
               "telemetry/traces.jsonl", "telemetry/metrics.jsonl",
               "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl")
 
@@ -152,7 +155,9 @@ def clear_earlier_run(p: Path) -> None:
     for name in ("checkpoint", "checkpoint.old"):
         remove_written(p / name)
     remove_written(p / "export", EXPORT_WRITTEN)
-    for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"]:
+    store = sorted(p.glob("mlflow/artifacts/**"), key=lambda d: -len(d.parts)) + [p / "mlflow"]
+    for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"] + sorted(
+            p.glob("tensorboard/*")) + [p / "tensorboard"] + store:
         try:
             d.rmdir()  # only when empty
         except OSError:

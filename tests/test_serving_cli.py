@@ -101,15 +101,15 @@ def test_export_without_copy_head_and_a_misfit_drafter(tmp_path):
 
 
 def test_side_by_side_wandb_summary_names_every_drafter(monkeypatch, tmp_path):
-    from dflash import eval_command, wandb_bridge
+    from dflash import eval_command, trackers
     from dflash.model.drafter_dirs import DrafterDir
 
     calls = []
-    monkeypatch.setattr(wandb_bridge, "log_eval", lambda run_dir, res, **kw: calls.append((run_dir, res, kw)))
+    monkeypatch.setattr(trackers, "log_eval", lambda run_dir, res, names, **kw: calls.append((run_dir, res, kw)))
     dirs = [DrafterDir(tmp_path / "run" / "checkpoint", "checkpoint", {}), DrafterDir(tmp_path / "pub", "export", {})]
     results = [{"checkpoint": str(d.path), "acceptance_length": t, "tokens_per_s": 9.0, "lossless": True}
                for d, t in zip(dirs, (2.5, 3.5))]
-    eval_command._log_wandb(dirs, results)
+    eval_command.log_trackers(dirs, results, ["wandb"])
     (run_dir, _, kw), = calls
     assert run_dir == tmp_path / "run"  # the training run's W&B run gets the comparison
     assert kw["summary"]["compare/0/tau"] == 2.5 and kw["summary"]["compare/1/tau"] == 3.5

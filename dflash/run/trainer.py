@@ -82,14 +82,14 @@ def _graceful_signals(ctx: RunContext):
 
 
 def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
-    from .. import wandb_bridge
+    from .. import trackers
 
     ctx = setup(cfg, resume=resume)
     place, out = ctx.placement, ctx.out
     if place.lead:
         dump(cfg, out / "config.yaml")
     report = _rank_report(ctx) if place.layout is not None else None
-    bridge = wandb_bridge.start(ctx) if place.has_drafter else None  # its own thread; --wandb, the lead
+    bridge = trackers.start(ctx) if place.has_drafter else None  # --tracker/--wandb, the lead: own threads
     summary: dict = {}
     try:
         with _graceful_signals(ctx):
@@ -114,11 +114,13 @@ def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False)
         summary |= {"layout": str(place.layout), "ranks": rank_reports(out, place.world),
                     "held_parameters": report["held_parameters"], "role": place.role}
         summary["balance"] = balance_from_files(out)  # every rank's spans are on disk by now
-    if bridge is not None:  # bounded; falls back to OUT/wandb_fallback.jsonl
+    if bridge is not None:  # bounded; falls back to OUT/<tracker>_fallback.jsonl
         try:
             bridge.close(summary)
+            summary["trackers"] = bridge.status()
         except Exception as e:
-            print(f"dflash: W&B bridge: {wandb_bridge.redact(repr(e))}", file=sys.stderr)
+            from ..trackers.redaction import redact
+            print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
     if place.lead:
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
     # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish

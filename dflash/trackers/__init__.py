@@ -1,0 +1,118 @@
+"""Experiment trackers: W&B, TensorBoard and MLflow, fed through one bridge.
+
+    dflash train --tracker tensorboard,mlflow ...   (--wandb: the same as naming wandb)
+    dflash eval --checkpoint RUN/checkpoint --tracker tensorboard,mlflow
+
+bridge.py        the thread per tracker, bounds, JSONL fallback, failure counts
+report.py        what is sent (the same keys to every tracker)
+redaction.py     secrets never printed or written
+*_sink.py        one per tracker (sink.py: the small interface they implement)
+
+This module imports nothing heavy: the command line checks names and packages here
+before torch loads.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..config import TRACKERS, ConfigError, check_trackers
+
+PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+LABELS = {"wandb": "W&B", "tensorboard": "TensorBoard", "mlflow": "MLflow"}  # in messages
+
+
+def parse(text: str | None, where: str = "--tracker ") -> list[str]:
+    """`--tracker wandb,tensorboard` -> names (unknown ones: ConfigError)."""
+    names = [n.strip() for n in (text or "").split(",") if n.strip()]
+    return check_trackers(names, where)
+
+
+def check_installed(names: list[str], where: str = "--tracker") -> None:
+    """Named on the command line but not installed: one line now, not a run with no curves."""
+    for n in names:
+        if importlib.util.find_spec(PACKAGES[n]) is None:
+            raise ConfigError(f"{where} {n}: the {PACKAGES[n]} package is not installed "
+                              f"(pip install 'dflash-otel[trackers]', or pip install {PACKAGES[n]})")
+
+
+def wanted(cfg) -> list[str]:
+    """The trackers a run config asks for: telemetry.trackers, plus wandb for telemetry.wandb."""
+    names = list(cfg.telemetry.trackers)
+    if cfg.telemetry.wandb and "wandb" not in names:
+        names.insert(0, "wandb")
+    return names
+
+
+def start(ctx):
+    """The bridge for this run, or None (no tracker asked for, or not the lead rank)."""
+    names = wanted(ctx.cfg)
+    if not names or not ctx.is_lead:
+        return None
+    from .bridge import Bridge
+
+    return Bridge(ctx, names).start()
+
+
+def _last_step(run_dir: Path) -> int:
+    """The training's last step: where eval figures go on the trackers' step axis."""
+    for f, key in ((run_dir / "checkpoint" / "trainer_state.json", "step"), (run_dir / "summary.json", "steps")):
+        try:
+            return int(json.loads(f.read_text())[key])
+        except Exception:
+            continue
+    return 0
+
+
+def log_eval(run_dir, res: dict, names=("wandb",), timeout_s: float = 60.0, summary: dict | None = None) -> dict:
+    """`dflash eval --tracker ...`: tau, the top-level figures, the baseline and the
+    per-position acceptance (report.eval_metrics) into the training run's trackers, each in
+    a thread of its own, all within timeout_s; a tracker that fails or does not answer in
+    time gets the figures in RUN/<tracker>_fallback.jsonl instead (one warning each).
+    `summary`: more keys (a side-by-side eval's per-drafter figures)."""
+    from .redaction import redact
+    from .report import eval_metrics
+    from .wandb_sink import teardown
+
+    run_dir = Path(run_dir)
+    final = eval_metrics(res, summary)
+    step = _last_step(run_dir)
+    state = {n: {"done": threading.Event(), "err": []} for n in names}
+
+    def push(name):
+        try:
+            if name == "wandb":
+                from .wandb_sink import log_eval as f
+            elif name == "tensorboard":
+                from .tensorboard_sink import log_eval as f
+            else:
+                from .mlflow_sink import log_eval as f
+            f(run_dir, final, step)
+            state[name]["done"].set()
+        except Exception as e:
+            state[name]["err"].append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=push, args=(n,), name=f"{n}-eval", daemon=True) for n in names]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    for n in names:
+        if not state[n]["done"].is_set():
+            err = state[n]["err"]
+            why = err[0] if err else f"no answer within {timeout_s:.0f}s"
+            path = run_dir / f"{n}_fallback.jsonl"
+            print(f"dflash: {LABELS[n]} bridge: {redact(why)}; writing {path} instead", file=sys.stderr)
+            with open(path, "a") as f:
+                f.write(redact(json.dumps({"type": "summary", "time": time.time(), "summary": final})) + "\n")
+    if "wandb" in names:
+        teardown(10.0)
+    return final
+
+
+__all__ = ["TRACKERS", "parse", "check_installed", "wanted", "start", "log_eval"]

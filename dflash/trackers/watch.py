@@ -1,0 +1,133 @@
+"""`dflash watch RUN` (`make watch RUN=...`): a run's curves in a browser, on 127.0.0.1.
+
+Starts TensorBoard on RUN/tensorboard (`--tracker tensorboard`) and, when the run has a
+local MLflow store (`--tracker mlflow` with no MLFLOW_TRACKING_URI), MLflow's UI on it;
+prints their URLs once they answer, and stops both on Ctrl-C / SIGTERM. Both UIs ship in
+their wheels (the `trackers` extra): no network needed. torch-free; bad input is one line
+and exit 2.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..config import ConfigError
+
+READY_S = 120.0  # a cold MLflow server imports for a while on a busy 2-core machine
+
+
+def add_command(sub) -> None:
+    w = sub.add_parser("watch", help="a run's curves in TensorBoard (and MLflow's UI) on 127.0.0.1")
+    w.add_argument("run_dir", metavar="RUN_DIR", help="a run trained with --tracker tensorboard and/or mlflow")
+    w.add_argument("--port", type=int, default=6006, help="TensorBoard's port (default 6006; taken: a free one; 0: any)")
+    w.add_argument("--mlflow-port", type=int, default=5000,
+                   help="MLflow UI's port for a local store (default 5000; taken: a free one; 0: any)")
+
+
+def _port(wanted: int) -> int:
+    """wanted if it is free on 127.0.0.1, else one that is."""
+    for p in ((wanted, 0) if wanted else (0,)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise ConfigError("no free port on 127.0.0.1")
+
+
+def _ready(url: str, proc, deadline: float, log: Path) -> None:
+    import urllib.request
+
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} did not answer within {READY_S:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+def server_env() -> dict:
+    """An MLflow UI needs no job runner (7 huey processes, and a slow stop): off unless asked."""
+    return {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"} | dict(os.environ)
+
+
+def servers(run_dir: Path, port: int = 6006, mlflow_port: int = 5000) -> list[tuple[str, list[str], str, str]]:
+    """(name, command, URL to print, URL that answers once ready) for what the run has."""
+    from .mlflow_sink import LOCAL_DIR, local_uri
+    from .tensorboard_sink import DIR
+
+    out = []
+    if (run_dir / DIR).is_dir():
+        p = _port(port)
+        out.append(("TensorBoard", [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / DIR),
+                                    "--host", "127.0.0.1", "--port", str(p)],
+                    f"http://127.0.0.1:{p}/", f"http://127.0.0.1:{p}/data/runs"))
+    if (run_dir / LOCAL_DIR / "mlflow.db").is_file():
+        p = _port(mlflow_port)
+        out.append(("MLflow", [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", local_uri(run_dir),
+                               "--host", "127.0.0.1", "--port", str(p), "--workers", "1"],
+                    f"http://127.0.0.1:{p}/", f"http://127.0.0.1:{p}/health"))
+    return out
+
+
+def run(a) -> int:
+    import importlib.util
+
+    run_dir = Path(a.run_dir).expanduser()
+    if not run_dir.is_dir():
+        raise ConfigError(f"{a.run_dir!r}: no such run directory")
+    for name, v in (("--port", a.port), ("--mlflow-port", a.mlflow_port)):
+        if not 0 <= v <= 65535:
+            raise ConfigError(f"{name}={v}: expected a port, 0..65535")
+    todo = servers(run_dir, a.port, a.mlflow_port)
+    if not todo:
+        raise ConfigError(f"{a.run_dir}: no tensorboard/ nor mlflow/ store in it (train with "
+                          f"--tracker tensorboard,mlflow; a run logged to an MLflow server is on that server)")
+    for name, cmd, *_ in todo:
+        mod = cmd[2].split(".")[0]
+        if importlib.util.find_spec(mod) is None:
+            raise ConfigError(f"dflash watch: {name} needs the {mod} package (pip install 'dflash-otel[trackers]')")
+    logs = Path(tempfile.mkdtemp(prefix="dflash-watch-"))
+    procs = []
+    try:
+        deadline = time.monotonic() + READY_S
+        for name, cmd, url, probe in todo:
+            log = logs / f"{name.lower()}.log"
+            # its own session: a Ctrl-C in this terminal reaches us, and we stop it
+            proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=server_env())
+            procs.append((name, proc, url, probe, log))
+        for name, proc, url, probe, log in procs:
+            _ready(probe, proc, deadline, log)
+            print(f"{name}: {url}", flush=True)
+        print(f"(logs: {logs}; Ctrl-C stops)", file=sys.stderr, flush=True)
+        while all(p.poll() is None for _, p, *_ in procs):
+            time.sleep(0.5)
+        name, proc = next((n, p) for n, p, *_ in procs if p.poll() is not None)
+        print(f"dflash watch: {name} exited with {proc.returncode} (log: {logs / (name.lower() + '.log')})",
+              file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.signals): the normal way to stop
+        return 0
+    finally:
+        for _, proc, *_ in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+        for _, proc, *_ in procs:
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
