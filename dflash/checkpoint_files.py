@@ -7,12 +7,10 @@ deleted). Nothing here unpickles anything.
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 from pathlib import Path
 
-from .inputs import read_json_object
+from .inputs import SafetensorsHeaderError, read_json_object, read_safetensors_header
 from .layer_ids import default_layer_ids
 
 CONFIG = "config.json"
@@ -48,31 +46,22 @@ def read_config(path: Path) -> dict:
     return read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
 
 
-def check_safetensors(f: Path) -> None:
-    """A safetensors file is whole: its header parses and every tensor's bytes are there.
-    A truncated copy (an interrupted download or scp) is caught here, not by a traceback
-    from deep inside the loader."""
+def check_safetensors(f: Path) -> dict:
+    """A safetensors file is whole and its header tells the truth (inputs.read_safetensors_header:
+    known dtypes, shapes that match their offsets, offsets that tile the data, the data ending
+    where the file does). A truncated copy (an interrupted download or scp) or a crafted header
+    is one line here, not a traceback from deep inside the loader. Returns the tensors'
+    ``{name: (dtype, shape, (begin, end))}``."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than its header")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(fh.read(n))
+        tensors, _, _ = read_safetensors_header(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: no {f.name}") from None
-    except (OSError, ValueError, struct.error) as e:
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is corrupt ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is corrupt (header is not an object)")
-    end = max((v["data_offsets"][1] for k, v in header.items()
-               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is truncated "
-                              f"({size} bytes, its header needs {8 + n + end})")
+    except SafetensorsHeaderError as e:
+        why = "is truncated" if str(e).startswith("truncated") else "is corrupt"
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} {why} ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is unreadable ({e.strerror or e})") from None
+    return tensors
 
 
 def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:

@@ -454,3 +454,79 @@ def inside(root: Path, name, where: str, error: type[Exception]) -> Path:
     if target != base and base not in target.parents:
         raise error(f"{where}: {name[:200]!r} leads outside {root}; refused before it is opened")
     return target
+
+
+# ----------------------------------------------------------------------------- safetensors headers
+
+# safetensors dtype -> bytes per element (the format's own list)
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+                      "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
+
+
+class SafetensorsHeaderError(ValueError):
+    """A safetensors file whose header does not describe its bytes (one phrase)."""
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
+    """``({name: (dtype, shape, (begin, end))}, metadata, data_start)`` of a safetensors file,
+    read without torch and without trusting it: the header is bounded in size and depth, every
+    dtype is known, every shape is non-negative integers whose bytes are exactly its offsets'
+    span, the spans tile the data with no gap or overlap, and the data ends where the file does.
+    A header that lies about any of it is a SafetensorsHeaderError naming what, before any
+    loader maps a byte (their errors are tracebacks, or reads past what the file holds).
+    ``FileNotFoundError`` / ``OSError`` pass through."""
+    import struct
+
+    size = Path(path).stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise SafetensorsHeaderError("shorter than its header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise SafetensorsHeaderError("header runs past the end of the file")
+        if n > MAX_SAFETENSORS_HEADER:
+            raise SafetensorsHeaderError(f"header of {n} bytes, over the format's {MAX_SAFETENSORS_HEADER} limit")
+        raw = fh.read(n)
+    try:
+        header = json_loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SafetensorsHeaderError(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError("header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SafetensorsHeaderError("__metadata__ is not a mapping of strings")
+    tensors = {}
+    for name, t in header.items():
+        if not isinstance(t, dict):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} is not described by an object")
+        dtype, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has an unknown dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has a shape that is not non-negative integers")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has malformed data_offsets")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * SAFETENSORS_DTYPES[dtype] != offs[1] - offs[0]:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r}: shape {shape[:8]} of {dtype} needs "
+                                         f"{count * SAFETENSORS_DTYPES[dtype]} bytes, its offsets span "
+                                         f"{offs[1] - offs[0]}")
+        tensors[name] = (dtype, tuple(shape), (offs[0], offs[1]))
+    end = 0
+    for name, (_, _, (b, e)) in sorted(tensors.items(), key=lambda kv: kv[1][2]):
+        if b != end:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} starts at byte {b} of the data, expected {end} "
+                                         "(offsets that overlap or leave a gap)")
+        end = e
+    if 8 + n + end > size:
+        raise SafetensorsHeaderError(f"truncated ({size} bytes, its header needs {8 + n + end})")
+    if 8 + n + end < size:
+        raise SafetensorsHeaderError(f"{size - 8 - n - end} bytes past the last tensor's data")
+    return tensors, meta, 8 + n

@@ -192,14 +192,17 @@ def _stream_array(path: Path, chunk: int, max_record: int = MAX_RECORD_BYTES) ->
             try:
                 if pos == len(buf):
                     raise json.JSONDecodeError("need more", buf, pos)
+                start = pos
                 obj, pos = dec.raw_decode(buf, pos)
+                if pos - start > max_record:  # whole in the buffer after its last growth, but over the cap
+                    obj = _TOO_LARGE
             except RecursionError:
                 raise DatasetError(f"dataset '{path}': malformed JSON (record {yielded + 1} is nested too "
                                    "deeply)") from None
             except json.JSONDecodeError as e:
                 n = len(buf) - pos  # all of it is this element (it did not parse): over a cap, skip it
                 if n > max_record or n > MAX_RECORD_VALUES and json_separators(buf, pos) > MAX_RECORD_VALUES:
-                    skipped = _skip_value(f, buf, pos, chunk, budget=MAX_RECORD_VALUES)
+                    skipped = _skip_value(f, buf, pos, chunk, budget=4 * MAX_RECORD_VALUES)
                     yielded += 1
                     yield _TOO_LARGE
                     if skipped is None:

@@ -27,13 +27,22 @@ rendering (and the probe render at configure time still catches a looping templa
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 import time
 
 from ..inputs import MAX_RECORD_BYTES, DatasetError
 
-RENDER_SECONDS = 10.0               # one render; real templates take milliseconds
+def _seconds(name: str, default: float) -> float:
+    try:
+        v = float(os.environ.get(name, ""))
+    except ValueError:
+        return default
+    return v if 0 < v < float("inf") else default
+
+
+RENDER_SECONDS = _seconds("DFLASH_RENDER_SECONDS", 10.0)  # one render; real templates take milliseconds
 RENDER_MAX_STEPS = 10_000_000       # block bodies, calls, operations; a long conversation takes thousands
 RENDER_MAX_CHARS = 2 * MAX_RECORD_BYTES  # output of one render: a whole record fits, twice
 _SEQ = (str, list, tuple)

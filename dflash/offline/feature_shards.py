@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..data.batch import Batch
 from ..data.dataset import Sample
-from .feature_index import FORMAT, SHARD_GLOB, VERSION
+from .feature_index import _SHARD_NAME, FORMAT, SHARD_GLOB, VERSION, check_positions, read_shard
 
 SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts
 
@@ -47,25 +46,19 @@ def capture_id(key: dict) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-_SHARD_NAME = re.compile(r"shard-r(\d+)-(\d+)\.safetensors")
-
-
-def shards_on_disk(out: Path) -> list[dict]:
+def shards_on_disk(out: Path, where: str = "--resume") -> list[dict]:
     """Every whole shard in ``out`` (temp files are not shards), as the index lists them,
     plus ``rank``, ``number``, ``capture`` (its capture_id, None if written before ids)
-    and ``positions`` (the samples it holds)."""
-    found = []
+    and ``positions`` (the samples it holds). Each is checked as training would check it
+    (feature_index.read_shard, torch-free), and no sample may be in two of them: a crafted or
+    damaged shard is one line (FeaturesError) before anything is captured."""
+    found, seen = [], set()
     for f in sorted(Path(out).glob(SHARD_GLOB)):
-        m = _SHARD_NAME.fullmatch(f.name)
-        if not m:
+        if not _SHARD_NAME.fullmatch(f.name):
             continue
-        with safe_open(str(f), framework="pt") as s:
-            meta = s.metadata() or {}
-            positions = s.get_tensor("sample").tolist()
-            tokens = int(s.get_tensor("offsets")[-1])
-        found.append({"file": f.name, "samples": len(positions), "tokens": tokens, "bytes": f.stat().st_size,
-                      "rank": int(m[1]), "number": int(m[2]), "capture": meta.get("capture"),
-                      "positions": positions})
+        shard = read_shard(f, where)
+        check_positions(shard, seen, None, where)
+        found.append(shard)
     return found
 
 

@@ -1,0 +1,276 @@
+"""Files from elsewhere (issue 29, items 4 and 6): bounded work for any input, and one line,
+exit 2, for every malformed file. Each test builds the attacker's actual file: a gzip bomb, a
+YAML alias bomb, JSON nested 100k deep, a looping chat template, a sparse 3 GB config.json,
+an index.json whose shard leaves FEATS, shards and safetensors headers that lie, a poisoned
+regeneration cache, telemetry lines that are JSON but not spans.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT, TINY, cli_before_torch
+
+GIB = 2**30
+
+
+def _rec(i: int) -> str:
+    return json.dumps({"conversations": [{"from": "human", "value": f"question {i}"},
+                                         {"from": "gpt", "value": f"answer {i}"}]})
+
+
+def _run_py(code: str, *args, env=None, timeout=300) -> subprocess.CompletedProcess:
+    e = dict(os.environ)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], cwd=ROOT, env=e, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- data records
+
+_LOAD_AND_MEASURE = """
+import json, resource, sys
+from dflash.data import conversations as C
+counts = {}
+convs = C.load_conversations(sys.argv[1], limit=int(sys.argv[2]), counts=counts)
+print(json.dumps({"conversations": len(convs), "counts": counts,
+                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+"""
+
+
+def _gzip_bomb(path: Path, *, line_bytes: int = GIB) -> None:
+    """About 1 MB of gzip holding one 1 GiB line between good records. Written as gzip members
+    of 16 MiB each, compressed once (a gzip file may be several members): fast to build."""
+    member = gzip.compress(b"a" * (16 << 20), compresslevel=9)
+    with open(path, "wb") as f:
+        f.write(gzip.compress((_rec(0) + '\n{"conversations": "').encode()))
+        for _ in range(line_bytes // (16 << 20)):
+            f.write(member)
+        f.write(gzip.compress(('"}\n' + _rec(1) + "\n" + _rec(2) + "\n").encode()))
+
+
+def test_a_gzip_bomb_line_is_too_large_and_skipped_in_bounded_memory(tmp_path):
+    bomb = tmp_path / "bomb.jsonl.gz"
+    _gzip_bomb(bomb)
+    assert bomb.stat().st_size < 2 * 2**20
+    p = _run_py(_LOAD_AND_MEASURE, bomb, 3, env={"DFLASH_CACHE": str(tmp_path / "cache")})
+    assert p.returncode == 0, p.stderr[-2000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"\ngzip bomb (1 GiB line): peak RSS {r['peak_rss_mb']} MB")
+    assert r["conversations"] == 3 and r["counts"]["too_large"] == 1, r
+    assert r["peak_rss_mb"] < 1536, r  # the issue's bound: under 1.5 GB (it took 2.2 GB)
+
+
+def test_records_over_the_cap_are_counted_in_every_text_format(tmp_path, monkeypatch):
+    """A small cap (DFLASH_MAX_RECORD_MB=1) to keep it fast: a long line, a long array element
+    (skipped without parsing it, escapes and brackets in strings included), and a record that
+    is small in bytes but millions of values once parsed."""
+    from dflash.data import conversations as C
+
+    big = '{"conversations": "' + 'x\\"[{' * (300_000) + '"}'  # 1.5 MB
+    dense = '{"conversations": [' + "{}," * 120_000 + "{}]}"   # 0.4 MB, 120k dicts
+    (tmp_path / "d.jsonl").write_text("\n".join([_rec(0), big, _rec(1), dense, _rec(2)]) + "\n")
+    (tmp_path / "d.json").write_text("[" + ", ".join([_rec(0), big, _rec(1), dense, _rec(2)]) + "]")
+    for name in ("d.jsonl", "d.json"):
+        recs = list(C._iter_records(tmp_path / name, chunk=4096, max_record=2**20))
+        got = C.drop_counts(recs)
+        assert len(recs) == 5 and got["too_large"] == 1, (name, got)  # the dense one is only 0.4 MB
+    monkeypatch.setattr(C, "MAX_RECORD_VALUES", 100_000)
+    for name in ("d.jsonl", "d.json"):
+        recs = list(C._iter_records(tmp_path / name, chunk=4096, max_record=2**20))
+        assert C.drop_counts(recs)["too_large"] == 2 and sum(isinstance(r, dict) for r in recs) == 3, name
+
+
+def test_json_nested_100k_deep_in_a_data_file(tmp_path):
+    """A JSON Lines record nested 100k deep is a dropped record (`not_json`); a JSON array that
+    nests that deep is one line, exit 2, before torch."""
+    deep = "[" * 100_000 + "]" * 100_000
+    lines = tmp_path / "d.jsonl"
+    lines.write_text(deep + "\n" + "\n".join(_rec(i) for i in range(3)) + "\n")
+    from dflash.data import conversations as C
+    assert C.drop_counts(C._iter_records(lines))["not_json"] == 1
+    array = tmp_path / "d.json"
+    array.write_text('[{"conversations": ' + deep + "}]")
+    out, err = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={array}")
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and "nested too deeply" in err[0], err
+
+
+@pytest.mark.parametrize("kind", ["random_parquet", "broken_saved", "saved_escapes"])
+def test_parquet_and_saved_datasets_that_are_not_what_they_say(tmp_path, kind):
+    if kind == "random_parquet":
+        path = tmp_path / "d.parquet"
+        path.write_bytes(os.urandom(4096))
+        needle = "not a parquet file"
+    else:
+        datasets = pytest.importorskip("datasets")
+        path = tmp_path / "saved"
+        datasets.Dataset.from_list([json.loads(_rec(i)) for i in range(3)]).save_to_disk(str(path))
+        state = json.loads((path / "state.json").read_text())
+        if kind == "broken_saved":
+            next(path.glob("*.arrow")).unlink()
+            needle = "is missing"
+        else:
+            state["_data_files"] = [{"filename": "../../etc/passwd"}]
+            (path / "state.json").write_text(json.dumps(state))
+            needle = "leads outside"
+    out, err = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={path}")
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], err
+
+
+def test_a_saved_dataset_with_a_corrupt_arrow_file_is_one_line(tmp_path):
+    """Past the cheap checks: arrow itself fails while rows are read; one line naming the dir."""
+    datasets = pytest.importorskip("datasets")
+    from dflash.data import conversations as C
+    from dflash.inputs import DatasetError
+
+    path = tmp_path / "saved"
+    datasets.Dataset.from_list([json.loads(_rec(i)) for i in range(3)]).save_to_disk(str(path))
+    arrow = next(path.glob("*.arrow"))
+    arrow.write_bytes(os.urandom(arrow.stat().st_size))
+    with pytest.raises(DatasetError, match="not a readable saved dataset"):
+        C.load_conversations(str(path), limit=2)
+
+
+# ----------------------------------------------------------------------------- YAML and JSON
+
+_BOMB_YAML = """data:
+  chat_template_kwargs:
+    a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]
+    b: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a]
+    c: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b]
+    d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c]
+    e: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d]
+    f: &f [*e,*e,*e,*e,*e,*e,*e,*e,*e]
+    g: &g [*f,*f,*f,*f,*f,*f,*f,*f,*f]
+    h: &h [*g,*g,*g,*g,*g,*g,*g,*g,*g]
+    i: &i [*h,*h,*h,*h,*h,*h,*h,*h,*h]
+"""
+
+
+@pytest.mark.parametrize("where", ["config", "set", "deep", "cycle", "inspect_kwargs"])
+def test_yaml_bombs_and_deep_documents_are_one_line(tmp_path, where):
+    """A ~600-byte alias bomb (9^9 values when walked; it took 57 s and 4 GB), a document that
+    contains itself, and one nested 100k deep: one line, exit 2, before torch."""
+    assert len(_BOMB_YAML) < 620
+    args = ["train", "--out", tmp_path / "run", *TINY]
+    if where in ("config", "cycle", "deep"):
+        cfg = tmp_path / "c.yaml"
+        cfg.write_text({"config": _BOMB_YAML, "cycle": "data: {chat_template_kwargs: {x: &x [*x]}}\n",
+                        "deep": "data: {chat_template_kwargs: {x: " + "[" * 100_000 + "]" * 100_000 + "}}\n"}[where])
+        args += ["--config", cfg]
+    elif where == "set":
+        inner = "{" + ", ".join(ln.strip() for ln in _BOMB_YAML.splitlines()[2:]) + "}"
+        args += ["--set", f"data.chat_template_kwargs={inner}"]
+    else:
+        args = ["data", "inspect", tmp_path / "d.jsonl", "--chat-template-kwargs", "[" * 100_000]
+        (tmp_path / "d.jsonl").write_text(_rec(0) + "\n")
+    out, err = cli_before_torch(*args, timeout=60)
+    assert out == {"rc": 2, "torch": False} and len(err) == 1, err
+    assert ("expand to more than" in err[0] or "refers to a node that contains it" in err[0]
+            or "nested too deeply" in err[0]), err
+    assert len(err[0]) < 600, err[0]
+
+
+def test_yaml_anchors_that_stay_small_still_work():
+    from dflash.config import load_config
+
+    cfg = load_config(None, ["data.chat_template_kwargs={a: &a [1, 2], b: [*a, *a]}"])
+    assert cfg.data.chat_template_kwargs == {"a": [1, 2], "b": [[1, 2], [1, 2]]}
+
+
+def test_json_files_nested_100k_deep_or_too_large_are_one_line(tmp_path):
+    """A target's config.json nested 100k deep, and one of 3 GB (a sparse file: nothing is
+    written, and nothing of it may be read): one line, exit 2, before torch."""
+    for kind, needle in (("deep", "nested too deeply"), ("huge", "over the")):
+        d = tmp_path / kind
+        d.mkdir()
+        cfg = d / "config.json"
+        if kind == "deep":
+            cfg.write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+        else:
+            with open(cfg, "wb") as f:
+                f.truncate(3 * GIB)
+        out, err = cli_before_torch("train", "--out", tmp_path / "run", "--target", d, *TINY, timeout=60)
+        assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], (kind, err)
+
+
+# ----------------------------------------------------------------------------- chat templates
+
+_LOOP = "{% for m in messages %}{{ m.content }}{% endfor %}" \
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("loop", "more than"),
+    ("filtered_loop", "over 2 s"),
+    ("literal", "output over"),
+    ("repeat", "a repetition of"),
+    ("doubling", "a string of"),
+    ("width", "an argument of"),
+    ("format", "a format with a field width"),
+    ("recursion", "recursion too deep"),
+])
+def test_a_chat_template_that_loops_or_grows_is_one_line(tmp_path, kind, needle):
+    """`data.chat_template`: refused before torch loads (the probe render runs in the budgeted
+    sandbox), within the time bound."""
+    body = {
+        "loop": _LOOP,
+        "filtered_loop": "{% for i in range(100000) %}{% for j in range(100000) if j < 0 %}{% endfor %}{% endfor %}",
+        "literal": "{% for i in range(100000) %}{% for j in range(100000) %}" + "x" * 200 + "{% endfor %}{% endfor %}",
+        "repeat": "{{ 'x' * 100000 * 100000 }}",
+        "doubling": "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                    "{% endfor %}{{ ns.s|length }}",
+        "width": "{{ 'x'|center(10000000000) }}",
+        "format": "{{ '%999999999d' % 1 }}",
+        "recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+    }[kind]
+    tpl = tmp_path / "chat.jinja"
+    tpl.write_text(body)
+    out, err = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.chat_template={tpl}",
+                                timeout=60, env={"DFLASH_RENDER_SECONDS": "2"})
+    assert out == {"rc": 2, "torch": False} and len(err) == 1, err
+    assert f"data.chat_template='{tpl}'" in err[0] and "rendering stopped" in err[0] and needle in err[0], err
+
+
+def test_a_tokenizer_whose_own_template_loops_is_one_line(tmp_path):
+    """The template that comes with a target dir is rendered by transformers: its compile
+    step builds it in the budgeted sandbox, so the probe at load time stops it and names it."""
+    from dflash.inputs import smollm2_cache_entry
+
+    tok_dir = smollm2_cache_entry("-tokenizer")
+    if tok_dir is None or not tok_dir.is_dir():
+        pytest.skip("the SmolLM2 tokenizer is not cached")
+    import shutil
+
+    d = tmp_path / "target"
+    shutil.copytree(tok_dir, d)
+    (d / "chat_template.jinja").write_text(_LOOP)
+    (d / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 2}))
+    data = tmp_path / "d.jsonl"
+    data.write_text(_rec(0) + "\n")
+    p = subprocess.run([sys.executable, "-m", "dflash", "data", "inspect", str(data), "--target", str(d)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    err = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(err) == 1, p.stderr[-2000:]
+    assert f"the chat template of '{d}'" in err[0] and "rendering stopped" in err[0], err
+
+
+def test_ordinary_templates_render_as_before(tmp_path):
+    """The budget changes nothing a real template renders (the published ones are checked span
+    by span in test_chat_templates.py, through the same sandbox)."""
+    from dflash.data.chat_template import _environment
+
+    src = ("{% for m in messages %}{{ '<|' + m.role + '|>' }}{{ m.content ~ '\\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '%s' % 'go' }}{% endif %}")
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo " * 3}]
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    plain = ImmutableSandboxedEnvironment().from_string(src)
+    for gen in (False, True):
+        assert _environment().from_string(src).render(messages=msgs, add_generation_prompt=gen) == \
+            plain.render(messages=msgs, add_generation_prompt=gen)
