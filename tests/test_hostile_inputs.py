@@ -274,3 +274,266 @@ def test_ordinary_templates_render_as_before(tmp_path):
     for gen in (False, True):
         assert _environment().from_string(src).render(messages=msgs, add_generation_prompt=gen) == \
             plain.render(messages=msgs, add_generation_prompt=gen)
+
+
+# ----------------------------------------------------------------------------- features dirs
+
+def _write_capture(d: Path, positions=(0, 1, 2, 3), *, index: bool = True) -> dict:
+    """A features dir as `dflash capture` writes it (its own ShardWriter and index layout),
+    small: 4 samples of 8-feature rows."""
+    import numpy as np
+    import torch
+
+    from dflash.data.sample import Sample
+    from dflash.offline.feature_index import FORMAT, VERSION
+    from dflash.offline.feature_shards import ShardWriter, capture_id, index_entry
+
+    d.mkdir(parents=True, exist_ok=True)
+    key = {"target": "tiny-qwen3", "target_seed": 0, "arch": "0" * 16, "layer_ids": [1, 2, 3],
+           "dtype": "float32", "data": "f" * 64}
+    w = ShardWriter(d, 0, shard_bytes=1 << 30, capture=capture_id(key))
+    for p in positions:
+        n = 20 + abs(p)
+        w.add(p, Sample(np.arange(n) % 50, np.ones(n, dtype=np.uint8)), torch.zeros(n, 8))
+    shards = w.finish()
+    idx = {"format": FORMAT, "version": VERSION, "key": key, "feature_dim": 8, "samples": len(positions),
+           "tokens": sum(s["tokens"] for s in shards), "shards": [index_entry(s) for s in shards],
+           "data": {"max_len": 96, "min_loss_tokens": 16}}
+    (d / "target").mkdir(exist_ok=True)
+    (d / "target" / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
+    if index:
+        (d / "index.json").write_text(json.dumps(idx))
+    return idx
+
+
+def _rewrite_header(f: Path, change) -> None:
+    """Edit a safetensors file's JSON header in place (the bytes after it stay as they are)."""
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    new = json.dumps(header).encode()
+    f.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def _train_features(tmp_path, d):
+    return cli_before_torch("train", "--features", d, "--out", tmp_path / "run", "--steps", 2, *TINY, timeout=60)
+
+
+def test_a_well_formed_capture_passes_the_checks(tmp_path):
+    from dflash.offline.feature_index import read_index
+
+    d = tmp_path / "feats"
+    _write_capture(d)
+    idx = read_index(str(d))
+    assert idx["samples"] == 4
+
+
+@pytest.mark.parametrize("where,needle", [
+    ("../run/checkpoint/model.safetensors", "leads outside"),
+    ("/etc/passwd", "leads outside"),
+    ("symlink", "leads outside"),
+])
+def test_a_shard_path_that_leaves_feats_is_refused_before_it_is_opened(tmp_path, where, needle):
+    d = tmp_path / "feats"
+    idx = _write_capture(d)
+    if where == "symlink":  # a name inside FEATS that resolves outside it
+        (tmp_path / "outside.safetensors").write_bytes((d / idx["shards"][0]["file"]).read_bytes())
+        (d / "shard-r0-00009.safetensors").symlink_to(tmp_path / "outside.safetensors")
+        where = "shard-r0-00009.safetensors"
+    else:
+        victim = (d / where).resolve()
+        if not victim.exists():
+            victim.parent.mkdir(parents=True)
+            victim.write_bytes(b"a run's own weights")
+    idx["shards"][0]["file"] = where
+    (d / "index.json").write_text(json.dumps(idx))
+    out, err = _train_features(tmp_path, d)
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], err
+    assert "refused before it is opened" in err[0], err
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("deep", "nested too deeply"),
+    ("huge", "over the"),
+    ("not_json", "is unreadable"),
+    ("shards_not_a_list", "is malformed (shards"),
+    ("no_key", "is malformed (key"),
+    ("dtype_not_a_dtype", "is malformed (key.dtype"),
+    ("layer_ids_strings", "is malformed (key.layer_ids"),
+    ("samples_negative", "is malformed (samples"),
+    ("counts_lie", "index.json says"),
+    ("listed_twice", "lists a shard twice"),
+    ("samples_short", "the shards hold 4 samples, index.json says 5"),
+])
+def test_a_malformed_index_is_one_line(tmp_path, case, needle):
+    d = tmp_path / "feats"
+    idx = _write_capture(d)
+    f = d / "index.json"
+    if case == "deep":
+        f.write_text('{"format": "dflash-features", "version": 1, "key": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    elif case == "huge":
+        with open(f, "wb") as fh:
+            fh.truncate(3 * GIB)  # sparse: nothing written, and nothing may be read
+    elif case == "not_json":
+        f.write_text('{"format": "dflash-features", ')
+    else:
+        if case == "shards_not_a_list":
+            idx["shards"] = "shard-r0-00000.safetensors"
+        elif case == "no_key":
+            del idx["key"]
+        elif case == "dtype_not_a_dtype":
+            idx["key"]["dtype"] = "load"  # getattr(torch, dtype) would hand back torch.load
+        elif case == "layer_ids_strings":
+            idx["key"]["layer_ids"] = ["1"]
+        elif case == "samples_negative":
+            idx["samples"] = -1
+        elif case == "counts_lie":
+            idx["shards"][0]["tokens"] += 1
+        elif case == "listed_twice":
+            idx["shards"].append(dict(idx["shards"][0]))
+        else:
+            idx["samples"] = 5
+        f.write_text(json.dumps(idx))
+    out, err = _train_features(tmp_path, d)
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], err
+
+
+def _shard_lies(d: Path, case: str) -> None:
+    f = next(d.glob("shard-*.safetensors"))
+    if case == "offsets_overlap":  # input_ids moved onto the bytes at the data's start, size unchanged
+        def overlap(h):
+            b, e = h["input_ids"]["data_offsets"]
+            start = 0 if b else h["features"]["data_offsets"][1]
+            h["input_ids"]["data_offsets"] = [start, start + e - b]
+        _rewrite_header(f, overlap)
+    elif case == "offsets_past_end":
+        def grow(h):
+            b, e = h["loss_mask"]["data_offsets"]
+            h["loss_mask"].update(data_offsets=[b, e + 10**12], shape=[e + 10**12 - b])
+        _rewrite_header(f, grow)
+    elif case == "shape_lies":
+        _rewrite_header(f, lambda h: h["features"].update(shape=[h["features"]["shape"][0], 4]))
+    elif case == "extra_tensor":
+        def extra(h):
+            end = max(v["data_offsets"][1] for k, v in h.items() if k != "__metadata__")
+            h["evil"] = {"dtype": "U8", "shape": [0], "data_offsets": [end, end]}
+        _rewrite_header(f, extra)
+    elif case == "wrong_dtype":
+        _rewrite_header(f, lambda h: h["sample"].update(dtype="F64"))
+    elif case == "offsets_fall":  # the header is honest, the offsets tensor's bytes are not
+        import numpy as np
+        raw = bytearray(f.read_bytes())
+        n = int.from_bytes(raw[:8], "little")
+        h = json.loads(raw[8:8 + n])
+        b, e = h["offsets"]["data_offsets"]
+        offs = np.frombuffer(bytes(raw[8 + n + b:8 + n + e]), dtype="<i8").copy()
+        offs[1], offs[2] = offs[2], offs[1]
+        raw[8 + n + b:8 + n + e] = offs.tobytes()
+        f.write_bytes(bytes(raw))
+    elif case == "not_safetensors":
+        f.write_bytes(os.urandom(4096))
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("offsets_overlap", "overlap or leave a gap"),
+    ("offsets_past_end", "truncated"),
+    ("shape_lies", "needs"),
+    ("extra_tensor", "is not a features shard"),
+    ("wrong_dtype", "expected a 1-d I64"),
+    ("offsets_fall", "offsets do not rise"),
+    ("not_safetensors", "is not a whole shard"),
+])
+def test_shards_whose_headers_or_offsets_lie_are_one_line(tmp_path, case, needle):
+    d = tmp_path / "feats"
+    _write_capture(d)
+    _shard_lies(d, case)
+    out, err = _train_features(tmp_path, d)
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], err
+
+
+@pytest.mark.parametrize("case,needle", [
+    ("negative", "negative or repeated"),
+    ("repeated_across", "holds samples another shard holds too"),
+    ("header_lies", "is not a whole shard"),
+])
+def test_crafted_shards_on_capture_resume_are_refused_up_front(tmp_path, case, needle):
+    """Before torch loads, not after capturing everything else (the first version found a
+    negative position only when it wrote the index)."""
+    d = tmp_path / "feats"
+    if case == "negative":
+        _write_capture(d, positions=(0, -5, 2), index=False)
+    elif case == "repeated_across":
+        _write_capture(d, positions=(0, 1), index=False)
+        first = next(d.glob("shard-*.safetensors"))
+        first.rename(d / "shard-r1-00000.safetensors")
+        _write_capture(d, positions=(1, 2), index=False)
+    else:
+        _write_capture(d, index=False)
+        _shard_lies(d, "offsets_overlap")
+    (d / ".dflash-run").write_text(json.dumps({"by": "dflash capture"}))
+    out, err = cli_before_torch("capture", "--target", "tiny-qwen3", "--out", d, "--resume", *TINY, timeout=60)
+    assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], err
+    assert "--overwrite" in err[0]
+
+
+def test_checkpoint_safetensors_headers_that_lie_are_one_line(tmp_path):
+    """`dflash eval --checkpoint` on a drafter whose model.safetensors header lies (overlapping
+    offsets, a shape its bytes do not hold): one line, before torch."""
+    from dflash.checkpoint_files import CheckpointError, check_safetensors
+
+    import torch
+    from safetensors.torch import save_file
+
+    f = tmp_path / "model.safetensors"
+    for change, needle in ((lambda h: h["b"].update(data_offsets=h["a"]["data_offsets"]), "overlap"),
+                           (lambda h: h["a"].update(shape=[3, 3]), "needs"),
+                           (lambda h: h.update(c={"dtype": "X9", "shape": [], "data_offsets": [0, 0]}), "unknown dtype")):
+        save_file({"a": torch.zeros(2, 3), "b": torch.ones(6)}, str(f))  # the same size: only the offsets lie
+        _rewrite_header(f, change)
+        with pytest.raises(CheckpointError, match=needle):
+            check_safetensors(f)
+
+
+# ----------------------------------------------------------------------------- regeneration cache
+
+def test_a_poisoned_regeneration_cache_is_dropped_counted_and_regenerated(tmp_path):
+    """A cache copied from elsewhere: entries with out-of-vocabulary ids (they passed before and
+    killed training partway), entries that are not replies, a batch file nested 100k deep, and a
+    batch file that is a link out of the cache. None is fatal: each is dropped, counted, said
+    once, and its reply regenerated, equal to the one a clean cache gives."""
+    child = [sys.executable, str(ROOT / "tests" / "regen_child.py")]
+    cache = tmp_path / "cache"
+    env = dict(os.environ) | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "DFLASH_CACHE": str(cache)}
+
+    def run(out):
+        p = subprocess.run([*child, str(out), "--convs", "12", "--new", "8", "--batch", "2"], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+        return json.loads(out.read_text()), p.stderr
+
+    clean, _ = run(tmp_path / "clean.json")
+    files = sorted((cache / "regenerated").glob("*/b-*.json"))
+    assert len(files) >= 3, files
+    total = clean["counts"]["total"]
+    a = json.loads(files[0].read_text())
+    k1, k2 = list(a)[:2]
+    a[k1] = [10**9]  # out of the vocabulary
+    a[k2] = "not a reply"
+    a["not-a-key"] = [1, 2]
+    files[0].write_text(json.dumps(a))
+    lost = len(json.loads(files[1].read_text()))
+    files[1].write_text('{"x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    outside = tmp_path / "outside.json"
+    moved = json.loads(files[2].read_text())
+    outside.write_text(json.dumps({k: [1, 2, 3] for k in moved}))  # if it were read, these would be the replies
+    files[2].unlink()
+    (files[2].parent / "b-zz-link.json").symlink_to(outside)
+
+    again, err = run(tmp_path / "again.json")
+    c = again["counts"]
+    assert c["regenerated"] == 2 + lost + len(moved) and c["cached"] == total - c["regenerated"], c
+    assert again["replies"] == clean["replies"]
+    said = [ln for ln in err.splitlines() if "regeneration cache" in ln]
+    assert len(said) == 1 and "2 unreadable batch file(s) skipped" in said[0] and \
+        "2 malformed or out-of-vocabulary cached replies dropped" in said[0], err[-2000:]  # not-a-key: never asked for

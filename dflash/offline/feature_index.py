@@ -198,3 +198,19 @@ def mismatch(idx: dict, *, target: str | None, layer_ids: list[int] | None) -> s
     if layer_ids and list(layer_ids) != list(key["layer_ids"]):
         return f"captured layers {key['layer_ids']}, the run asks for model.target_layer_ids={list(layer_ids)}"
     return None
+
+
+def shards_on_disk(out: Path, where: str = "--resume") -> list[dict]:
+    """Every whole shard in ``out`` (temp files are not shards), as the index lists them,
+    plus ``rank``, ``number``, ``capture`` (its capture_id, None if written before ids)
+    and ``positions`` (the samples it holds). Each is checked as training would check it
+    (feature_index.read_shard, torch-free), and no sample may be in two of them: a crafted or
+    damaged shard is one line (FeaturesError) before anything is captured."""
+    found, seen = [], set()
+    for f in sorted(Path(out).glob(SHARD_GLOB)):
+        if not _SHARD_NAME.fullmatch(f.name):
+            continue
+        shard = read_shard(inside(out, f.name, where, FeaturesError), where)  # a symlink out of FEATS: refused
+        check_positions(shard, seen, None, where)
+        found.append(shard)
+    return found

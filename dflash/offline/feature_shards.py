@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ..data.batch import Batch
 from ..data.dataset import Sample
-from .feature_index import _SHARD_NAME, FORMAT, SHARD_GLOB, VERSION, check_positions, read_shard
+from .feature_index import FORMAT, VERSION, shards_on_disk  # noqa: F401 (shards_on_disk: torch-free, there)
 
 SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts
 
@@ -44,22 +44,6 @@ def data_fingerprint(samples) -> str:
 def capture_id(key: dict) -> str:
     """A short id of a capture's key (target, seed, arch, layer ids, dtype, data fingerprint)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def shards_on_disk(out: Path, where: str = "--resume") -> list[dict]:
-    """Every whole shard in ``out`` (temp files are not shards), as the index lists them,
-    plus ``rank``, ``number``, ``capture`` (its capture_id, None if written before ids)
-    and ``positions`` (the samples it holds). Each is checked as training would check it
-    (feature_index.read_shard, torch-free), and no sample may be in two of them: a crafted or
-    damaged shard is one line (FeaturesError) before anything is captured."""
-    found, seen = [], set()
-    for f in sorted(Path(out).glob(SHARD_GLOB)):
-        if not _SHARD_NAME.fullmatch(f.name):
-            continue
-        shard = read_shard(f, where)
-        check_positions(shard, seen, None, where)
-        found.append(shard)
-    return found
 
 
 def index_entry(shard: dict) -> dict:
