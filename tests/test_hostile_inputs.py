@@ -537,3 +537,72 @@ def test_a_poisoned_regeneration_cache_is_dropped_counted_and_regenerated(tmp_pa
     said = [ln for ln in err.splitlines() if "regeneration cache" in ln]
     assert len(said) == 1 and "2 unreadable batch file(s) skipped" in said[0] and \
         "2 malformed or out-of-vocabulary cached replies dropped" in said[0], err[-2000:]  # not-a-key: never asked for
+
+
+# ----------------------------------------------------------------------------- telemetry files
+
+def _telemetry_run(run: Path) -> Path:
+    """A run dir whose telemetry the real exporter wrote (thread mode, file sink): stage spans
+    of a target and a drafter worker, as a training run emits them."""
+    import otel
+
+    tel = otel.Telemetry.from_env(service_name="dflash", run_id="run-H", file_dir=str(run / "telemetry"),
+                                  resource_attributes={"rank": 0}, console=False, mode="thread",
+                                  export_interval_s=0.05)
+    for b in range(4):
+        with tel.stage("model_forward", trace=("batch", b), worker="target0", batch_id=b):
+            pass
+        with tel.stage("queue_get", worker="drafter0"):
+            pass
+        with tel.stage("backward", links=[("batch", b)], worker="drafter0"):
+            pass
+    assert tel.flush(timeout_s=10.0)
+    tel.shutdown()
+    return run / "telemetry" / "traces.jsonl"
+
+
+def test_malformed_telemetry_lines_are_skipped_and_counted(tmp_path):
+    """`dflash stalls` and `dflash timeline` on a traces.jsonl with lines that are not JSON,
+    JSON that is not a span (missing ids, wrong types), JSON nested 100k deep, and spans whose
+    rank or run id cannot be used: the rest is analysed, and each file says how many it skipped."""
+    traces = _telemetry_run(tmp_path / "run")
+    good = traces.read_text().splitlines()
+    span = json.loads(good[0])
+    first = span["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+    span["resourceSpans"][0]["scopeSpans"][0]["spans"] = [first]  # a line of one span
+    bad_rank = json.loads(json.dumps(span))
+    bad_rank["resourceSpans"][0]["scopeSpans"][0]["spans"][0]["attributes"].append(
+        {"key": "rank", "value": {"stringValue": "not-a-rank"}})
+    bad_run = json.loads(json.dumps(span))
+    bad_run["resourceSpans"][0]["resource"]["attributes"] = [
+        {"key": "run.id", "value": {"arrayValue": {"values": [{"stringValue": "a"}]}}}]
+    hostile = [
+        "{not json",
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "model_forward"}]}]}]}),  # no ids, times
+        json.dumps({"resourceSpans": "a string"}),
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, startTimeUnixNano="soon")]}]}]}),
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, attributes=[{"key": 5}])]}]}]}),
+        json.dumps([1, 2, 3]),
+        '{"resourceSpans": ' + "[" * 100_000 + "]" * 100_000 + "}",
+    ]
+    traces.write_text("\n".join(good + hostile + [json.dumps(bad_rank), json.dumps(bad_run)]) + "\n")
+    from helpers import run_dflash
+
+    p = run_dflash("stalls", tmp_path / "run", "--json", check=False)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"skipped {len(hostile)} unreadable line(s)" in p.stderr, p.stderr
+    assert "skipped 2 span(s) with unusable worker, rank or run id" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr
+    t = run_dflash("timeline", tmp_path / "run", "--perfetto", tmp_path / "t.json", check=False)
+    assert t.returncode == 0 and (tmp_path / "t.json").is_file(), t.stderr[-2000:]
+    assert f"skipped {len(hostile)} unreadable line(s)" in t.stderr, t.stderr
+
+
+def test_a_telemetry_line_over_the_cap_is_read_through_and_skipped(tmp_path):
+    from otel import read_lines
+
+    f = tmp_path / "traces.jsonl"
+    f.write_text('{"a": 1}\n' + '{"b": "' + "x" * 5000 + '"}\n{"c": 3}\n{"torn": ')
+    skipped: list = []
+    assert list(read_lines(str(f), skipped, max_line=1000)) == [{"a": 1}, {"c": 3}]
+    assert skipped == [2, 4]
