@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .inputs import SafetensorsHeaderError, read_json_object, read_safetensors_header
+from .inputs import MAX_JSON_FILE_BYTES, SafetensorsHeaderError, read_json_object, read_safetensors_header
 from .layer_ids import default_layer_ids
 
 CONFIG = "config.json"
@@ -146,8 +146,9 @@ def _same_target(a: str, b: str) -> bool:
     if a == b:
         return True
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    try:  # the same local model dir, moved or named another way
+    try:  # the same local model dir, moved or named another way (configs compared only when of a sane size)
         return pa.resolve() == pb.resolve() or \
+            max((pa / CONFIG).stat().st_size, (pb / CONFIG).stat().st_size) <= MAX_JSON_FILE_BYTES and \
             (pa / CONFIG).read_bytes() == (pb / CONFIG).read_bytes()
     except OSError:
         return False

@@ -606,3 +606,58 @@ def test_a_telemetry_line_over_the_cap_is_read_through_and_skipped(tmp_path):
     skipped: list = []
     assert list(read_lines(str(f), skipped, max_line=1000)) == [{"a": 1}, {"c": 3}]
     assert skipped == [2, 4]
+
+
+# ----------------------------------------------------------------------------- checkpoints and target dirs
+
+def test_training_state_files_that_lie_are_one_line(tmp_path):
+    """A checkpoint's training_state.json (nested 100k deep, or a tree dflash never writes)
+    and trainer_state.json (nested 100k deep): one line, never a RecursionError or a
+    traceback from deep inside the decoder."""
+    import torch
+
+    from dflash.checkpoint_files import CheckpointError
+    from dflash.model import state_tree
+    from dflash.model.checkpoint import load_training_state
+
+    ck = tmp_path / "checkpoint"
+    ck.mkdir()
+    state_tree.save({"opt": {"step": 3, "m": torch.zeros(2)}}, ck / "training_state.safetensors",
+                    ck / "training_state.json")
+    (ck / "config.json").write_text("{}")
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 3}))
+    assert load_training_state(ck)[1] == {"step": 3}
+    good = (ck / "training_state.json").read_text()
+    for bad, needle in (("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+                        (json.dumps({"x": {"__float__": "not a number"}}), "malformed"),
+                        (json.dumps({"x": {"__items__": [[1]]}}), "malformed"),
+                        (json.dumps({"x": {"__tensor__": ["unhashable"]}}), "malformed")):
+        (ck / "training_state.json").write_text(bad)
+        with pytest.raises(CheckpointError, match=needle):
+            load_training_state(ck)
+    (ck / "training_state.json").write_text(good)
+    (ck / "trainer_state.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="nested too deeply"):
+        load_training_state(ck)
+
+
+def test_a_weight_map_that_leaves_the_model_dir_is_refused(tmp_path):
+    """`train --features` reads only the target's embedding and lm_head, from the shards its
+    model.safetensors.index.json names: a name that leads out of the dir is refused unopened."""
+    import torch
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.inputs import TargetSpecError
+    from dflash.offline.head_only import load_head_only
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    d = tmp_path / "model"
+    Qwen3ForCausalLM(cfg).save_pretrained(d, max_shard_size="100KB")
+    idx = d / "model.safetensors.index.json"
+    data = json.loads(idx.read_text())
+    data["weight_map"] = {k: "../../../etc/passwd" for k in data["weight_map"]}
+    idx.write_text(json.dumps(data))
+    with pytest.raises(TargetSpecError, match="leads outside"):
+        load_head_only(str(d), AutoConfig.from_pretrained(d))

@@ -106,7 +106,7 @@ def _environment_class():
                 except RecursionError:
                     self.environment.fail("recursion too deep")
 
-    class Env(ImmutableSandboxedEnvironment):
+    class BudgetedEnvironment(ImmutableSandboxedEnvironment):
         code_generator_class = BudgetedCodeGenerator
         template_class = BudgetedTemplate
         intercepted_binops = frozenset({"*", "**", "+", "%"})
@@ -243,7 +243,7 @@ def _environment_class():
             self.globals.update(other.globals)
             self.policies.update(other.policies)
 
-    return Env
+    return BudgetedEnvironment
 
 
 def environment(*, extensions=(), source_name: str | None = None, **kwargs):
