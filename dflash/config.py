@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from .inputs import short_repr as _short
+
 
 class ConfigError(ValueError):
     """Bad user input: one line, names the value and what was expected."""
@@ -189,12 +191,6 @@ def _yaml(text: str, where: str, what: str = "valid YAML"):
         raise ConfigError(f"{where}: refused ({e})") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{where}: not {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-
-
-def _short(value, n: int = 80) -> str:
-    """A value as the user wrote it, cut for a one-line message."""
-    r = repr(value)
-    return r if len(r) <= n else f"{r[:n]}...({len(r)} chars)"
 
 
 def _set(cfg, dotted: str, value, *, from_text: bool):

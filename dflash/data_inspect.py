@@ -62,8 +62,7 @@ def run(a) -> int:
 def _template_kwargs(text: str) -> dict:
     if not text.strip():
         return {}
-    from .config import _short
-    from .inputs import json_loads
+    from .inputs import json_loads, short_repr as _short
 
     try:
         return json_loads(text)

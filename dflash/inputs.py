@@ -131,6 +131,13 @@ def read_text_file(path: str, where: str, expected: str, error: type[Exception],
         raise error(f"{where}: unreadable ({e.strerror or e})") from None
 
 
+def short_repr(value, n: int = 80) -> str:
+    """A value as the user wrote it, cut for a one-line message (a 100k-character value is
+    still one short line)."""
+    r = repr(value)
+    return r if len(r) <= n else f"{r[:n]}...({len(r)} chars)"
+
+
 # ----------------------------------------------------------------------------- bounded JSON / YAML
 
 

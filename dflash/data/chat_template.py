@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from ..inputs import short_repr
 from . import template_budget
 from .template_budget import ChatTemplateError  # noqa: F401 (where callers have always imported it from)
 
@@ -73,10 +74,8 @@ def read_template(path: str) -> str:
 def check_kwargs(kwargs) -> dict:
     """Template variables: a mapping of names to plain values (what JSON holds, so the run's
     config.json records them as they were)."""
-    from ..config import _short
-
     if not isinstance(kwargs, dict):
-        raise ChatTemplateError(f"data.chat_template_kwargs={_short(kwargs)}: expected a mapping of template "
+        raise ChatTemplateError(f"data.chat_template_kwargs={short_repr(kwargs)}: expected a mapping of template "
                                 f"variables, e.g. {{enable_thinking: false}}")
     for k, v in kwargs.items():
         if not isinstance(k, str) or not k.isidentifier():
@@ -88,7 +87,7 @@ def check_kwargs(kwargs) -> dict:
         try:
             json.dumps(v, allow_nan=False)
         except (TypeError, ValueError):
-            raise ChatTemplateError(f"data.chat_template_kwargs.{k}={_short(v)}: expected a plain value (string, "
+            raise ChatTemplateError(f"data.chat_template_kwargs.{k}={short_repr(v)}: expected a plain value (string, "
                                     f"number, true/false, null, list or mapping)") from None
     return kwargs
 
@@ -117,8 +116,6 @@ def configure(tokenizer, path: str = "", kwargs: dict | None = None):
     (an undefined filter, a `raise_exception`) is one line now, not a traceback later.
     Every render from here on is budgeted (template_budget.install), the tokenizer's own
     template too: one that loops is one line naming it, within RENDER_SECONDS."""
-    from ..config import _short
-
     own = getattr(tokenizer, "name_or_path", "") or ""
     what = f"data.chat_template={path!r}" if path else f"the chat template of {own!r}" if own else \
         "the tokenizer's chat template"
@@ -139,7 +136,7 @@ def configure(tokenizer, path: str = "", kwargs: dict | None = None):
         except Exception as e:  # jinja2's TemplateError, or what the template raises itself
             if not (path or kwargs):
                 return tokenizer  # the tokenizer's own template, unchanged: as it always was, judged where used
-            raise ChatTemplateError(f"{what} with data.chat_template_kwargs={_short(kwargs or {})}: rendering a "
+            raise ChatTemplateError(f"{what} with data.chat_template_kwargs={short_repr(kwargs or {})}: rendering a "
                                     f"user/assistant exchange failed ({type(e).__name__}: "
                                     f"{str(e).splitlines()[0][:200] if str(e) else ''})") from None
     return tokenizer
