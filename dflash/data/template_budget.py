@@ -6,13 +6,14 @@ looping: `range(100000)` nested twice is 10^10 iterations, and `'x' * 10**10` or
 repeated in a loop allocates until memory runs out. So every template dflash renders is
 compiled in :class:`BudgetedEnvironment`, a sandbox that
 
-- counts steps: every block body (each loop iteration, branch and macro call), every call,
-  every `~` concatenation and arithmetic on sequences, every piece of output;
+- counts steps: every block body (each loop iteration, branch, macro and block), every call
+  and every filter; a loop however empty steps once an iteration;
 - checks the clock every few steps against RENDER_SECONDS, and the steps against
   RENDER_MAX_STEPS;
 - caps what a render can produce at RENDER_MAX_CHARS: output pieces are counted as they are
-  joined, `*` `+` `%` on strings and lists and integer arguments of calls and filters are
-  checked *before* they allocate, `~` results after;
+  joined; `*` `+` on strings and lists, `**`, `%` and `format` with huge field widths, and
+  large integer arguments of string methods and filters (`center(10**10)`) are checked
+  *before* they allocate, `~` results after;
 - compiles nothing into a constant at compile time that the checks would not see (intercepted
   operators are never folded).
 
@@ -26,6 +27,7 @@ rendering (and the probe render at configure time still catches a looping templa
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -33,6 +35,7 @@ import threading
 import time
 
 from ..inputs import MAX_RECORD_BYTES, DatasetError
+
 
 def _seconds(name: str, default: float) -> float:
     try:
@@ -118,22 +121,17 @@ def _environment_class():
             self.filters = {k: self._checked_filter(f) for k, f in self.filters.items()}
 
         # -- the budget of one render -----------------------------------------------
+        @contextlib.contextmanager
         def budget(self):
-            env = self
-
-            class _Scope:
-                def __enter__(self):
-                    st = env.state
-                    self.outer = st.active
-                    if not st.active:  # a render inside a render shares the outer one's budget
-                        st.active, st.deadline, st.steps, st.chars = True, time.monotonic() + RENDER_SECONDS, 0, 0
-
-                def __exit__(self, *exc):
-                    if not self.outer:
-                        env.state.active = False
-                    return False
-
-            return _Scope()
+            st = self.state
+            outer = st.active  # a render inside a render shares the outer one's budget
+            if not outer:
+                st.active, st.deadline, st.steps, st.chars = True, time.monotonic() + RENDER_SECONDS, 0, 0
+            try:
+                yield
+            finally:
+                if not outer:
+                    st.active = False
 
         def fail(self, why: str):
             name = self.source_name or "a chat template"
