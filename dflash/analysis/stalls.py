@@ -21,6 +21,7 @@ from otel import BUSY, attribute_idle
 from .idle_rules import DFLASH_RULES
 
 from ..config import ConfigError
+from ..inputs import json_loads
 
 # The prefetcher runs ahead by design: its waits are not device idle, so they are kept out
 # of the top-stalls list (its busy fraction is still reported).
@@ -129,8 +130,6 @@ def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h
     end_us = time.time_ns() // 1000
     q = urllib.parse.urlencode({"service": service, "limit": limit,
                                 "start": end_us - int(lookback_h * 3600e6), "end": end_us})
-    from ..inputs import json_loads
-
     try:
         with urllib.request.urlopen(f"{base}?{q}", timeout=timeout_s) as r:
             body = r.read(JAEGER_MAX_BYTES + 1)
