@@ -7,12 +7,10 @@ deleted). Nothing here unpickles anything.
 """
 from __future__ import annotations
 
-import json
 import os
-import struct
 from pathlib import Path
 
-from .inputs import read_json_object
+from .inputs import MAX_JSON_FILE_BYTES, SafetensorsHeaderError, read_json_object, read_safetensors_header
 from .layer_ids import default_layer_ids
 
 CONFIG = "config.json"
@@ -50,31 +48,21 @@ def read_config(path: Path) -> dict:
 
 
 def check_safetensors(f: Path) -> dict:
-    """A safetensors file is whole: its header parses and every tensor's bytes are there.
-    A truncated copy (an interrupted download or scp) is caught here, not by a traceback
-    from deep inside the loader. Returns the header ({name: {dtype, shape, data_offsets}})."""
+    """A safetensors file is whole and its header tells the truth (inputs.read_safetensors_header:
+    known dtypes, shapes that match their offsets, offsets that tile the data, the data ending
+    where the file does). A truncated copy (an interrupted download or scp) or a crafted header
+    is one line here, not a traceback from deep inside the loader. Returns the tensors'
+    ``{name: (dtype, shape, (begin, end))}``."""
     try:
-        size = f.stat().st_size
-        with open(f, "rb") as fh:
-            head = fh.read(8)
-            if len(head) < 8:
-                raise ValueError("shorter than its header")
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8:
-                raise ValueError("header runs past the end of the file")
-            header = json.loads(fh.read(n))
+        tensors, _, _ = read_safetensors_header(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: no {f.name}") from None
-    except (OSError, ValueError, struct.error) as e:
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is corrupt ({e})") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is corrupt (header is not an object)")
-    end = max((v["data_offsets"][1] for k, v in header.items()
-               if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v), default=0)
-    if 8 + n + end > size:
-        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is truncated "
-                              f"({size} bytes, its header needs {8 + n + end})")
-    return header
+    except SafetensorsHeaderError as e:
+        why = "is truncated" if str(e).startswith("truncated") else "is corrupt"
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} {why} ({e})") from None
+    except OSError as e:
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is unreadable ({e.strerror or e})") from None
+    return tensors
 
 
 def check_drafter_bounds(path, raw: dict) -> None:
@@ -91,14 +79,12 @@ _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
 
 def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None:
-    """The first way safetensors headers ({file: header}) do not hold exactly the tensors
+    """The first way safetensors headers ({file: check_safetensors(file)}) do not hold exactly the tensors
     ``want`` ({our name: shape}) in a float dtype; None when they do. ``rename`` maps a file's
     name to ours (None: a tensor a reader may ship and we drop, e.g. the target's lm_head)."""
     seen = {}
     for fname, header in headers.items():
-        for k, v in header.items():
-            if k == "__metadata__":
-                continue
+        for k, (dtype, shape, _) in header.items():
             try:
                 ours = rename(k)
             except ValueError as e:  # the format's own name check (FormatError)
@@ -107,12 +93,10 @@ def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None
                 continue
             if ours not in want:
                 return f"{fname}: tensor {k!r} is not part of the drafter its config describes"
-            if not isinstance(v, dict) or v.get("dtype") not in _FLOAT_DTYPES:
-                return f"{fname}: tensor {k!r} has dtype {v.get('dtype') if isinstance(v, dict) else v!r} " \
-                       f"(expected one of {', '.join(_FLOAT_DTYPES)})"
-            shape = tuple(v.get("shape") or ()) if isinstance(v.get("shape"), list) else None
-            if shape != want[ours]:
-                return f"{fname}: tensor {k!r} has shape {v.get('shape')}; its config implies {list(want[ours])}"
+            if dtype not in _FLOAT_DTYPES:
+                return f"{fname}: tensor {k!r} has dtype {dtype!r} (expected one of {', '.join(_FLOAT_DTYPES)})"
+            if tuple(shape) != want[ours]:
+                return f"{fname}: tensor {k!r} has shape {list(shape)}; its config implies {list(want[ours])}"
             seen[ours] = k
     missing = sorted(set(want) - set(seen))
     if missing:
@@ -233,8 +217,9 @@ def _same_target(a: str, b: str) -> bool:
     if a == b:
         return True
     pa, pb = Path(a).expanduser(), Path(b).expanduser()
-    try:  # the same local model dir, moved or named another way
+    try:  # the same local model dir, moved or named another way (configs compared only when of a sane size)
         return pa.resolve() == pb.resolve() or \
+            max((pa / CONFIG).stat().st_size, (pb / CONFIG).stat().st_size) <= MAX_JSON_FILE_BYTES and \
             (pa / CONFIG).read_bytes() == (pb / CONFIG).read_bytes()
     except OSError:
         return False

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import yaml
 
+from .inputs import short_repr as _short
+
 
 class ConfigError(ValueError):
     """Bad user input: one line, names the value and what was expected."""
@@ -143,10 +145,7 @@ def _coerce(value, typ, key: str):
     if origin is dict:
         kt, vt = typing.get_args(typ)
         if isinstance(value, str) and value.lstrip().startswith("{"):  # a YAML/JSON mapping: {a: 1, b: x}
-            try:
-                value = yaml.safe_load(value)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{key}={value!r}: not a valid mapping ({str(e).splitlines()[0]})") from None
+            value = _yaml(value, f"{key}={_short(value)}", "a valid mapping")
         elif isinstance(value, str):
             pairs = [p for p in value.split(",") if p.strip()]
             value = {}
@@ -155,7 +154,7 @@ def _coerce(value, typ, key: str):
                     raise ConfigError(f"{key}: {p!r} is not KEY=VALUE")
                 k, v = p.split("=", 1)
                 # a value of any type (template variables): read as YAML, so false is a bool
-                value[k.strip()] = yaml.safe_load(v) if vt is typing.Any and v.strip() else v
+                value[k.strip()] = _yaml(v, f"{key}: {k.strip()}={_short(v)}") if vt is typing.Any and v.strip() else v
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping")
         return {_coerce(k, kt, key): _coerce(v, vt, key) for k, v in value.items()}
@@ -185,6 +184,19 @@ def _coerce(value, typ, key: str):
     return value
 
 
+def _yaml(text: str, where: str, what: str = "valid YAML"):
+    """YAML from the user (a config file, a --set value), aliases bounded (inputs.yaml_load):
+    a malformed document, an alias bomb or a document nested too deeply is one line."""
+    from .inputs import YAMLTooLarge, yaml_load
+
+    try:
+        return yaml_load(text)
+    except YAMLTooLarge as e:
+        raise ConfigError(f"{where}: refused ({e})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not {what} ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def _set(cfg, dotted: str, value, *, from_text: bool):
     obj, parts = cfg, dotted.split(".")
     for i, part in enumerate(parts):
@@ -202,7 +214,7 @@ def _set(cfg, dotted: str, value, *, from_text: bool):
                     _set(cfg, f"{dotted}.{k}", v, from_text=from_text)
                 return
             if from_text and typ not in (str,) and isinstance(value, str) and typing.get_origin(typ) is None:
-                value = yaml.safe_load(value) if value.strip() else value
+                value = _yaml(value, f"{dotted}={_short(value)}") if value.strip() else value
             setattr(obj, part, _coerce(value, typ, dotted))
         else:
             obj = getattr(obj, part)
@@ -217,10 +229,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
         from .inputs import read_text_file
 
         text = read_text_file(path, f"config file {path!r}", "a YAML file", ConfigError)
-        try:
-            data = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r}: not valid YAML ({str(e).splitlines()[0]})") from None
+        data = _yaml(text, f"config file {path!r}") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping at top level")
         for k, v in data.items():

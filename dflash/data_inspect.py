@@ -62,10 +62,12 @@ def run(a) -> int:
 def _template_kwargs(text: str) -> dict:
     if not text.strip():
         return {}
+    from .inputs import json_loads, short_repr as _short
+
     try:
-        return json.loads(text)
-    except ValueError as e:
-        raise ConfigError(f"--chat-template-kwargs={text!r}: not JSON ({e}); expected an object such as "
+        return json_loads(text)
+    except ValueError as e:  # not JSON, or nested too deeply
+        raise ConfigError(f"--chat-template-kwargs={_short(text)}: not JSON ({e}); expected an object such as "
                           f"'{{\"enable_thinking\": false}}'") from None
 
 

@@ -176,10 +176,13 @@ def target_config(spec: str):
 
 def run_figures(run_dir: Path) -> dict:
     """The eval figures a run recorded in summary.json (after training), if any."""
-    f = run_dir / "summary.json"
+    from .inputs import read_json
+
     try:
-        s = json.loads(f.read_text())
-    except (OSError, ValueError):
+        s = read_json(run_dir / "summary.json", str(run_dir), ValueError)
+    except ValueError:  # absent, too large, malformed: nothing to report
+        return {}
+    if not isinstance(s, dict):
         return {}
     out = {}
     if isinstance(s.get("eval_after"), dict) and "acceptance_length" in s["eval_after"]:

@@ -13,6 +13,24 @@ import re
 from pathlib import Path
 
 TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
+
+
+def _env_mib(name: str, default: int) -> int:
+    """A size cap in MiB from the environment (a positive integer), else ``default``."""
+    v = os.environ.get(name, "").strip()
+    return int(v) * 2**20 if v.isdigit() and int(v) > 0 else default * 2**20
+
+
+# Bounds on what a file from elsewhere can make us do (README "Failures and bad input").
+# Work and memory follow what was asked for, never the size of the input.
+MAX_RECORD_BYTES = _env_mib("DFLASH_MAX_RECORD_MB", 64)   # one data record / JSON line; larger: `too_large`
+# Parsed JSON takes up to ~100x its text in Python objects (`[{},{},...]`: 36 bytes of dict per
+# 2 characters), so a record is also capped by the separators it holds (`,[{:`, counted in C,
+# strings included: a bound on its values) and stays within a few hundred MB once parsed.
+MAX_RECORD_VALUES = MAX_RECORD_BYTES // 16
+MAX_JSON_FILE_BYTES = _env_mib("DFLASH_MAX_JSON_MB", 64)  # a JSON file read whole: config.json, index.json, caches
+MAX_TEXT_FILE_BYTES = 16 * 2**20                          # a YAML config file, a chat template
+MAX_YAML_NODES = 100_000                                  # a YAML document, aliases expanded
 SMOLLM2 = "smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NUM_LAYERS = 30
@@ -92,32 +110,156 @@ def arch_hash(config) -> str:
     return hashlib.sha256(config.to_json_string().encode()).hexdigest()
 
 
-def read_text_file(path: str, where: str, expected: str, error: type[Exception]) -> str:
+def read_text_file(path: str, where: str, expected: str, error: type[Exception],
+                   max_bytes: int = MAX_TEXT_FILE_BYTES) -> str:
     """A user-named UTF-8 text file (a config, a chat template), or ``error`` with one line
-    ``"<where>: <why> (expected <expected>)"``: a directory, missing, not UTF-8, unreadable."""
+    ``"<where>: <why> (expected <expected>)"``: a directory, missing, larger than
+    ``max_bytes`` (said before a byte is read), not UTF-8, unreadable."""
     p = Path(path)
     if p.is_dir():
         raise error(f"{where}: is a directory (expected {expected})")
     if not p.is_file():
         raise error(f"{where}: no such file (expected {expected})")
     try:
+        _check_size(p, max_bytes)
         return p.read_bytes().decode("utf-8")
+    except FileTooLarge as e:
+        raise error(f"{where}: {e} (expected {expected})") from None
     except UnicodeDecodeError as e:
         raise error(f"{where}: not UTF-8 text (byte {e.start}; expected {expected})") from None
     except OSError as e:
         raise error(f"{where}: unreadable ({e.strerror or e})") from None
 
 
-def read_json_object(path: Path, label: str, error: type[Exception]) -> dict:
-    """A JSON object from ``path``, or ``error("<label>: <file> is not ...")``: one line for a
-    file that is missing, not UTF-8, not JSON, or not an object."""
+def short_repr(value, n: int = 80) -> str:
+    """A value as the user wrote it, cut for a one-line message (a 100k-character value is
+    still one short line)."""
+    r = repr(value)
+    return r if len(r) <= n else f"{r[:n]}...({len(r)} chars)"
+
+
+# ----------------------------------------------------------------------------- bounded JSON / YAML
+
+
+class FileTooLarge(ValueError):
+    """A file over its size cap, found from its size alone (nothing of it was read)."""
+
+
+class JSONTooDeep(ValueError):
+    """JSON nested deeper than the interpreter's recursion limit (~1000): refused as
+    malformed, a ValueError like any other, instead of a RecursionError."""
+
+
+def _check_size(p: Path, max_bytes: int) -> None:
+    size = p.stat().st_size  # a sparse 3 GB file is refused as fast as a real one
+    if size > max_bytes:
+        raise FileTooLarge(f"{p.name} is {_mib(size)}, over the {_mib(max_bytes)} cap")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB" if n >= 2**20 else f"{n} bytes"
+
+
+def json_separators(text: str, start: int = 0) -> int:
+    """Commas, colons and opening brackets in ``text[start:]`` (strings included): at least the
+    number of JSON values it holds, less one. C speed: ~1 ms a MB."""
+    return sum(text.count(c, start) for c in ",:[{")
+
+
+def json_loads(data: str | bytes):
+    """``json.loads`` whose depth is bounded: nesting deeper than the recursion limit is a
+    JSONTooDeep (a ValueError), never a RecursionError, so every reader's ``except
+    ValueError`` covers it. The C parser stops at that depth at once: no work grows with
+    the nesting."""
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8"))
+        return json.loads(data)
+    except RecursionError:
+        raise JSONTooDeep("nested too deeply") from None
+
+
+def read_json(path: Path, label: str, error: type[Exception], max_bytes: int = MAX_JSON_FILE_BYTES):
+    """The JSON value in ``path``, or ``error("<label>: <file> ...")``: one line for a file
+    that is missing, over ``max_bytes`` (before it is read), not UTF-8, not JSON or nested
+    too deeply. For every JSON file that comes from elsewhere and is read whole."""
+    path = Path(path)
+    try:
+        _check_size(path, max_bytes)
+        return json_loads(path.read_bytes().decode("utf-8"))
+    except FileTooLarge as e:
+        raise error(f"{label}: {e}") from None
+    except JSONTooDeep:
+        raise error(f"{label}: {path.name} is not readable JSON (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise error(f"{label}: {path.name} is not readable JSON ({type(e).__name__})") from None
+
+
+def read_json_object(path: Path, label: str, error: type[Exception], max_bytes: int = MAX_JSON_FILE_BYTES) -> dict:
+    """A JSON object from ``path``, or ``error("<label>: <file> is not ...")``: one line for a
+    file that is missing, too large, not UTF-8, not JSON, too deep, or not an object."""
+    raw = read_json(path, label, error, max_bytes)
     if not isinstance(raw, dict):
-        raise error(f"{label}: {path.name} is not a JSON object")
+        raise error(f"{label}: {Path(path).name} is not a JSON object")
     return raw
+
+
+class YAMLTooLarge(ValueError):
+    """A YAML document whose aliases expand past MAX_YAML_NODES, that refers to itself, or
+    that is nested too deeply."""
+
+
+def yaml_load(text: str, max_nodes: int = MAX_YAML_NODES):
+    """``yaml.safe_load`` with a bound on alias expansion.
+
+    Aliases (``*a``) are legitimate YAML, and PyYAML builds them as shared objects, cheaply;
+    what explodes is whoever walks the result afterwards (a 608-byte "billion laughs"
+    document is 10^9 values when copied, printed or serialized). So the document's node graph
+    is sized first, every alias counted as the whole subtree it stands for (memoized: linear in
+    the document), and one that expands past ``max_nodes``, or contains itself, is refused
+    before anything is built. Raises ``yaml.YAMLError`` for malformed YAML, YAMLTooLarge for
+    the rest (both one line)."""
+    import yaml
+
+    loader = yaml.SafeLoader(text)
+    try:
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(node, max_nodes)
+            return loader.construct_document(node)
+        except RecursionError:
+            raise YAMLTooLarge("nested too deeply") from None
+    finally:
+        loader.dispose()
+
+
+def _check_expansion(root, max_nodes: int) -> None:
+    import yaml
+
+    def children(n):
+        if isinstance(n, yaml.MappingNode):
+            return [x for kv in n.value for x in kv]
+        return n.value if isinstance(n, yaml.SequenceNode) else ()
+
+    sizes: dict[int, int] = {}
+    open_: set[int] = set()  # started, not finished: the path from the root (a node met again here is a cycle)
+    stack = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        k = id(node)
+        if finished:
+            open_.discard(k)
+            sizes[k] = 1 + sum(sizes[id(c)] for c in children(node))
+            if sizes[k] > max_nodes:
+                raise YAMLTooLarge(f"aliases expand to more than {max_nodes} values")
+            continue
+        if k in sizes:
+            continue
+        if k in open_:
+            raise YAMLTooLarge("an alias refers to a node that contains it")
+        open_.add(k)
+        stack.append((node, True))
+        stack.extend((c, False) for c in children(node) if id(c) not in sizes)
 
 
 def _read_model_config(spec: str, path: Path) -> dict:
@@ -194,6 +336,14 @@ def open_text(path):
     return gzip.open(p, "rt", encoding="utf-8") if p.name.endswith(".gz") else open(p, encoding="utf-8")
 
 
+def open_binary(path):
+    """A data file's bytes, gunzipped (.gz) or not: for reading lines with a length cap."""
+    import gzip
+
+    p = Path(path)
+    return gzip.open(p, "rb") if p.name.endswith(".gz") else open(p, "rb")
+
+
 DATA_SUFFIXES = (".json", ".jsonl", ".json.gz", ".jsonl.gz", ".parquet")
 
 
@@ -245,6 +395,7 @@ def _check_data_file(p: Path) -> None:
     if is_hf_dataset_dir(p) or p.name.endswith(".parquet") and p.is_file():
         if importlib.util.find_spec("datasets") is None:
             raise DatasetError(f"dataset '{path}': reading it needs the `datasets` package (pip install datasets)")
+        _check_parquet(p) if p.is_file() else _check_saved_dataset(p)
         return
     if not p.is_file():
         raise DatasetError(f"dataset '{path}': no such file")
@@ -259,3 +410,130 @@ def _check_data_file(p: Path) -> None:
     elif not re.match(r"\[\s*(\{|\]|$)", head):
         raise DatasetError(f"dataset '{path}': not a JSON list of conversations (starts with {head[:20]!r}; "
                            f"expected {expected})")
+
+
+def _check_parquet(p: Path) -> None:
+    """A parquet file starts and ends with its magic bytes: random bytes named .parquet are
+    one line here, not a traceback from arrow later."""
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(4)
+            f.seek(max(size - 4, 0))
+            tail = f.read(4)
+    except OSError as e:
+        raise DatasetError(f"dataset '{p}': unreadable ({e.strerror or e})") from None
+    if size < 12 or head != b"PAR1" or tail != b"PAR1":
+        raise DatasetError(f"dataset '{p}': not a parquet file (no PAR1 magic at its start and end)")
+
+
+def _check_saved_dataset(p: Path) -> None:
+    """A `save_to_disk` dir is whole: its JSON files parse and every arrow file its
+    state.json names exists inside it (a name that leads out of the dir is refused before
+    anything opens it)."""
+    where = f"dataset '{p}'"
+    splits = [p]
+    if (p / "dataset_dict.json").is_file():
+        names = read_json_object(p / "dataset_dict.json", where, DatasetError).get("splits")
+        if not isinstance(names, list) or not names or not all(isinstance(n, str) for n in names):
+            raise DatasetError(f"{where}: dataset_dict.json has no list of splits (a broken saved dataset)")
+        splits = [inside(p, n, where, DatasetError) for n in names]
+    for d in splits:
+        if not (d / "state.json").is_file():
+            raise DatasetError(f"{where}: {d.name}/state.json is missing (a broken saved dataset)")
+        files = read_json_object(d / "state.json", where, DatasetError).get("_data_files")
+        if not isinstance(files, list) or not files or not all(isinstance(x, dict) for x in files):
+            raise DatasetError(f"{where}: {d.name}/state.json lists no data files (a broken saved dataset)")
+        for x in files:
+            f = inside(d, x.get("filename"), where, DatasetError)
+            if not f.is_file():
+                raise DatasetError(f"{where}: {f.name}, named in state.json, is missing (a broken saved dataset)")
+
+
+def inside(root: Path, name, where: str, error: type[Exception]) -> Path:
+    """``root / name`` when it stays inside ``root`` once resolved (symlinks followed), else
+    ``error``: a file named by a file from elsewhere (an index's shard list, a saved dataset's
+    state) is never opened outside the dir it came with. Nothing is opened here."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise error(f"{where}: a file name {str(name)[:80]!r} that is not a relative path inside {root}")
+    base = Path(root).resolve()
+    target = (base / name).resolve()
+    if target != base and base not in target.parents:
+        raise error(f"{where}: {name[:200]!r} leads outside {root}; refused before it is opened")
+    return target
+
+
+# ----------------------------------------------------------------------------- safetensors headers
+
+# safetensors dtype -> bytes per element (the format's own list)
+SAFETENSORS_DTYPES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+                      "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+                      "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+MAX_SAFETENSORS_HEADER = 100 * 2**20  # the format's own limit
+
+
+class SafetensorsHeaderError(ValueError):
+    """A safetensors file whose header does not describe its bytes (one phrase)."""
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
+    """``({name: (dtype, shape, (begin, end))}, metadata, data_start)`` of a safetensors file,
+    read without torch and without trusting it: the header is bounded in size and depth, every
+    dtype is known, every shape is non-negative integers whose bytes are exactly its offsets'
+    span, the spans tile the data with no gap or overlap, and the data ends where the file does.
+    A header that lies about any of it is a SafetensorsHeaderError naming what, before any
+    loader maps a byte (their errors are tracebacks, or reads past what the file holds).
+    ``FileNotFoundError`` / ``OSError`` pass through."""
+    import struct
+
+    size = Path(path).stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            raise SafetensorsHeaderError("shorter than its header")
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            raise SafetensorsHeaderError("header runs past the end of the file")
+        if n > MAX_SAFETENSORS_HEADER:
+            raise SafetensorsHeaderError(f"header of {n} bytes, over the format's {MAX_SAFETENSORS_HEADER} limit")
+        raw = fh.read(n)
+    try:
+        header = json_loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise SafetensorsHeaderError(f"header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsHeaderError("header is not an object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
+        raise SafetensorsHeaderError("__metadata__ is not a mapping of strings")
+    tensors = {}
+    for name, t in header.items():
+        if not isinstance(t, dict):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} is not described by an object")
+        dtype, shape, offs = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has an unknown dtype {str(dtype)[:20]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has a shape that is not non-negative integers")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1]):
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} has malformed data_offsets")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * SAFETENSORS_DTYPES[dtype] != offs[1] - offs[0]:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r}: shape {shape[:8]} of {dtype} needs "
+                                         f"{count * SAFETENSORS_DTYPES[dtype]} bytes, its offsets span "
+                                         f"{offs[1] - offs[0]}")
+        tensors[name] = (dtype, tuple(shape), (offs[0], offs[1]))
+    end = 0
+    for name, (_, _, (b, e)) in sorted(tensors.items(), key=lambda kv: kv[1][2]):
+        if b != end:
+            raise SafetensorsHeaderError(f"tensor {name[:80]!r} starts at byte {b} of the data, expected {end} "
+                                         "(offsets that overlap or leave a gap)")
+        end = e
+    if 8 + n + end > size:
+        raise SafetensorsHeaderError(f"truncated ({size} bytes, its header needs {8 + n + end})")
+    if 8 + n + end < size:
+        raise SafetensorsHeaderError(f"{size - 8 - n - end} bytes past the last tensor's data")
+    return tensors, meta, 8 + n

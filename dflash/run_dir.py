@@ -23,6 +23,7 @@ from pathlib import Path
 
 from .checkpoint_files import foreign_entries
 from .config import ConfigError
+from .inputs import read_json
 
 MARKER = ".dflash-run"
 LOCK = ".dflash-run.lock"
@@ -90,9 +91,9 @@ def _is_run_dir(p: Path) -> bool:
     if (p / MARKER).is_file():
         return True
     for name in ("checkpoint", "checkpoint.old"):
-        try:
-            raw = json.loads((p / name / "config.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        try:  # someone else's dir: its config.json is bounded in size and depth like any other
+            raw = read_json(p / name / "config.json", "", ValueError)
+        except ValueError:
             continue
         if isinstance(raw, dict) and "dflash_run" in raw:
             return True
@@ -183,5 +184,5 @@ def _holder(fd: int) -> str:
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"{}")
         return f"pid {info['pid']} on {info.get('host', '?')} since {info.get('since', '?')}"
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         return "pid unknown"

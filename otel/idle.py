@@ -66,7 +66,7 @@ def _ns(attrs, key) -> int:
     v = attrs.get(key) if attrs else None
     try:
         return max(0, int(round(float(v) * 1e9))) if v is not None else 0
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # inf from a hand-edited file: no wait
         return 0
 
 

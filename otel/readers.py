@@ -3,7 +3,10 @@ Collector file exporter's OTLP/JSON lines). Plain JSON, no SDK import: offline t
 (`dflash stalls`, the W&B bridge, tests) read runs with these.
 
 A line that does not parse, or a torn last line left by a killed process, is skipped and
-counted (`read_lines(..., skipped=)`).
+counted (`read_lines(..., skipped=)`), and so is one that parses but is not what the format
+says (a span without its ids or times, a field of the wrong type), one nested deeper than the
+parser goes, and one over MAX_LINE_BYTES (read through in bounded memory, never held whole):
+telemetry files get copied and edited, and a reader never fails on one.
 """
 from __future__ import annotations
 
@@ -34,84 +37,133 @@ def _any_value(v: dict):
 
 
 def attributes(kvs: list) -> dict:
-    """OTLP/JSON KeyValue list -> plain dict."""
-    return {kv["key"]: _any_value(kv.get("value", {})) for kv in kvs or []}
+    """OTLP/JSON KeyValue list -> plain dict (keys are strings; anything else is malformed)."""
+    return {_str(kv["key"]): _any_value(kv.get("value", {})) for kv in kvs or []}
 
 
-def read_lines(path: str, skipped: list | None = None):
+MAX_LINE_BYTES = 64 * 2**20  # one exported batch is well under a megabyte
+
+
+def read_lines(path: str, skipped: list | None = None, max_line: int = MAX_LINE_BYTES):
     """Parsed JSON objects, one per complete line. A line that does not parse (or a torn
-    final line) is skipped and, when ``skipped`` is given, its line number appended there."""
+    final line, or one over ``max_line`` bytes, or one nested too deeply) is skipped and,
+    when ``skipped`` is given, its line number appended there."""
+    for _, obj in _numbered_lines(path, skipped, max_line):
+        yield obj
+
+
+def _numbered_lines(path: str, skipped: list | None, max_line: int = MAX_LINE_BYTES):
     with open(path, "rb") as f:
-        for i, raw in enumerate(f, start=1):
+        i = 0
+        while True:
+            raw = f.readline(max_line + 1)
+            if not raw:
+                return
+            i += 1
             if not raw.endswith(b"\n"):
+                if len(raw) <= max_line:  # a torn last line
+                    if skipped is not None:
+                        skipped.append(i)
+                    return
+                while raw and not raw.endswith(b"\n"):  # too long: read through it a chunk at a time
+                    raw = f.readline(1 << 20)
                 if skipped is not None:
                     skipped.append(i)
-                break
+                continue
             try:
-                yield json.loads(raw)
-            except ValueError:
+                yield i, json.loads(raw)
+            except (ValueError, RecursionError):
                 if skipped is not None:
                     skipped.append(i)
+
+
+# what a line that parses but is not the format's raises while it is read: skipped, counted
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, RecursionError)
+
+
+def _each(path: str, skipped: list | None, convert) -> list:
+    out = []
+    for i, req in _numbered_lines(path, skipped):
+        try:
+            out.extend(convert(req))
+        except _MALFORMED:
+            if skipped is not None:
+                skipped.append(i)
+    return out
+
+
+def _str(v) -> str:
+    if not isinstance(v, str):
+        raise TypeError("expected a string")
+    return v
+
+
+def _spans_of(req: dict) -> list[dict]:
+    """One exported request's spans (all or nothing: a line with one malformed span is skipped)."""
+    out = []
+    for rs in req.get("resourceSpans", []):
+        resource = attributes(rs.get("resource", {}).get("attributes"))
+        for ss in rs.get("scopeSpans", []):
+            for sp in ss.get("spans", []):
+                out.append({
+                    "name": _str(sp["name"]),
+                    "trace_id": _str(sp["traceId"]),
+                    "span_id": _str(sp["spanId"]),
+                    "parent_span_id": _str(sp.get("parentSpanId", "")),
+                    "start_ns": int(sp["startTimeUnixNano"]),
+                    "end_ns": int(sp["endTimeUnixNano"]),
+                    "attributes": attributes(sp.get("attributes")),
+                    "events": [{"name": _str(e["name"]), "time_ns": int(e["timeUnixNano"]),
+                                "attributes": attributes(e.get("attributes"))}
+                               for e in sp.get("events", [])],
+                    "links": [{"trace_id": _str(l["traceId"]), "span_id": _str(l["spanId"]),
+                               "attributes": attributes(l.get("attributes"))}
+                              for l in sp.get("links", [])],
+                    "status": dict(sp.get("status", {})),
+                    "resource": resource,
+                })
+    return out
 
 
 def read_spans(path: str, skipped: list | None = None) -> list[dict]:
     """Spans from a traces.jsonl (or a directory holding one) as flat dicts; ``skipped``:
-    see read_lines."""
+    see read_lines (a line that parses but holds a malformed span is skipped whole)."""
     if os.path.isdir(path):
         path = os.path.join(path, TRACES_FILE)
-    out = []
-    for req in read_lines(path, skipped):
-        for rs in req.get("resourceSpans", []):
-            resource = attributes(rs.get("resource", {}).get("attributes"))
-            for ss in rs.get("scopeSpans", []):
-                for sp in ss.get("spans", []):
-                    out.append({
-                        "name": sp["name"],
-                        "trace_id": sp["traceId"],
-                        "span_id": sp["spanId"],
-                        "parent_span_id": sp.get("parentSpanId", ""),
-                        "start_ns": int(sp["startTimeUnixNano"]),
-                        "end_ns": int(sp["endTimeUnixNano"]),
-                        "attributes": attributes(sp.get("attributes")),
-                        "events": [{"name": e["name"], "time_ns": int(e["timeUnixNano"]),
-                                    "attributes": attributes(e.get("attributes"))}
-                                   for e in sp.get("events", [])],
-                        "links": [{"trace_id": l["traceId"], "span_id": l["spanId"],
-                                   "attributes": attributes(l.get("attributes"))}
-                                  for l in sp.get("links", [])],
-                        "status": sp.get("status", {}),
-                        "resource": resource,
-                    })
-    return out
+    return _each(path, skipped, _spans_of)
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str, skipped: list | None = None) -> list[dict]:
     """Metric points from a metrics.jsonl (or its directory): one dict per data point with
     name, unit, type (gauge/sum/histogram), time_ns, attributes, value (or count/sum/
-    bucket_counts/explicit_bounds/min/max for histograms), resource."""
+    bucket_counts/explicit_bounds/min/max for histograms), resource. ``skipped``: see
+    read_lines."""
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
+    return _each(path, skipped, _points_of)
+
+
+def _points_of(req: dict) -> list[dict]:
     out = []
-    for req in read_lines(path):
-        for rm in req.get("resourceMetrics", []):
-            resource = attributes(rm.get("resource", {}).get("attributes"))
-            for sm in rm.get("scopeMetrics", []):
-                for m in sm.get("metrics", []):
-                    for kind in ("gauge", "sum", "histogram"):
-                        if kind not in m:
-                            continue
-                        for p in m[kind].get("dataPoints", []):
-                            point = {"name": m["name"], "unit": m.get("unit", ""), "type": kind,
-                                     "time_ns": int(p.get("timeUnixNano", 0)),
-                                     "attributes": attributes(p.get("attributes")),
-                                     "resource": resource}
-                            if kind == "histogram":
-                                point.update(count=int(p.get("count", 0)), sum=p.get("sum", 0.0),
-                                             bucket_counts=[int(c) for c in p.get("bucketCounts", [])],
-                                             explicit_bounds=p.get("explicitBounds", []),
-                                             min=p.get("min"), max=p.get("max"))
-                            else:
-                                point["value"] = (float(p["asDouble"]) if "asDouble" in p
-                                                  else int(p.get("asInt", 0)))
-                            out.append(point)
+    for rm in req.get("resourceMetrics", []):
+        resource = attributes(rm.get("resource", {}).get("attributes"))
+        for sm in rm.get("scopeMetrics", []):
+            for m in sm.get("metrics", []):
+                for kind in ("gauge", "sum", "histogram"):
+                    if kind not in m:
+                        continue
+                    for p in m[kind].get("dataPoints", []):
+                        point = {"name": _str(m["name"]), "unit": m.get("unit", ""), "type": kind,
+                                 "time_ns": int(p.get("timeUnixNano", 0)),
+                                 "attributes": attributes(p.get("attributes")),
+                                 "resource": resource}
+                        if kind == "histogram":
+                            point.update(count=int(p.get("count", 0)), sum=p.get("sum", 0.0),
+                                         bucket_counts=[int(c) for c in p.get("bucketCounts", [])],
+                                         explicit_bounds=p.get("explicitBounds", []),
+                                         min=p.get("min"), max=p.get("max"))
+                        else:
+                            point["value"] = (float(p["asDouble"]) if "asDouble" in p
+                                              else int(p.get("asInt", 0)))
+                        out.append(point)
     return out

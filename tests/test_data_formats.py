@@ -54,7 +54,7 @@ def test_unusable_records_are_counted_by_reason(tmp_path):
     path = _write(tmp_path / "d.jsonl", CHAT + BAD, jsonl=True, gz=False, garbage_line=True)
     counts = C.drop_counts(C._iter_records(path))
     assert counts == {"not_json": 1, "not_a_conversation": 1, "no_assistant_turn": 1, "roles_out_of_order": 1,
-                      "empty": 1}
+                      "empty": 1, "too_large": 0}
 
 
 def test_a_jsonl_file_that_is_not_jsonl_is_one_line(tmp_path):
@@ -122,7 +122,8 @@ def test_data_inspect_reports_counts_lengths_loss_share_and_marked_examples(tmp_
     r = last_json(p.stdout)
     assert r["records_read"] == 8 and r["used"] == 3
     assert {k: v for k, v in r["dropped"].items() if k != "over_length"} == {
-        "not_json": 1, "not_a_conversation": 1, "no_assistant_turn": 1, "roles_out_of_order": 1, "empty": 1}
+        "not_json": 1, "not_a_conversation": 1, "no_assistant_turn": 1, "roles_out_of_order": 1, "empty": 1,
+        "too_large": 0}
     assert sum(r["token_length_histogram"].values()) == 3 and 0 < r["loss_share"] < 1
     assert len(r["examples"]) == 3 and all("[[" in e and "]]" in e for e in r["examples"])
     assert any("[[Hello.<|im_end|>]]" in e for e in r["examples"])  # the reply and its end-of-turn token

@@ -7,7 +7,6 @@ otel.idle with the default rules (they name this pipeline's stages).
 """
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -22,10 +21,12 @@ from otel import BUSY, attribute_idle
 from .idle_rules import DFLASH_RULES
 
 from ..config import ConfigError
+from ..inputs import json_loads
 
 # The prefetcher runs ahead by design: its waits are not device idle, so they are kept out
 # of the top-stalls list (its busy fraction is still reported).
 NOT_STALLS = frozenset({"prefetch"})
+JAEGER_MAX_BYTES = 1 << 30  # one query's answer, read whole
 
 
 # ------------------------------------------------------------------ loading
@@ -42,13 +43,31 @@ def load_run(run_dir) -> list[dict]:
     spans = []
     for f in files:
         skipped: list = []
-        spans += read_spans(str(f), skipped)
+        got = read_spans(str(f), skipped)
+        usable = [s for s in got if _usable(s)]
+        spans += usable
         if skipped:  # said once per file, never silently: the answer below lacks these spans
             print(f"dflash: {f}: skipped {len(skipped)} unreadable line(s) (first: line {skipped[0]})",
                   file=sys.stderr)
+        if len(usable) < len(got):
+            print(f"dflash: {f}: skipped {len(got) - len(usable)} span(s) with unusable worker, rank or run id "
+                  "attributes", file=sys.stderr)
     if not spans:
         raise ConfigError(f"{run_dir}: telemetry holds no spans")
     return spans
+
+
+def _usable(span) -> bool:
+    """A span whose attributes the analysis can use: a rank that is an integer, a run id and
+    role that can key a table. A hand-edited or foreign file may hold anything there."""
+    try:
+        worker_of(span)
+        res = span.get("resource") or {}
+        hash(res.get("run.id"))
+        hash(res.get("role"))
+        return span["end_ns"] >= 0 and span["start_ns"] >= 0
+    except (TypeError, ValueError, OverflowError, AttributeError):
+        return False
 
 
 def _jaeger_value(tag):
@@ -113,10 +132,17 @@ def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h
                                 "start": end_us - int(lookback_h * 3600e6), "end": end_us})
     try:
         with urllib.request.urlopen(f"{base}?{q}", timeout=timeout_s) as r:
-            doc = json.load(r)
+            body = r.read(JAEGER_MAX_BYTES + 1)
+        if len(body) > JAEGER_MAX_BYTES:
+            raise ValueError(f"the answer is over {JAEGER_MAX_BYTES >> 20} MiB; ask for fewer traces (--limit)")
+        doc = json_loads(body)  # nested too deeply: a ValueError too
     except (OSError, ValueError) as e:
-        raise ConfigError(f"--jaeger {url}: cannot read traces: {e}") from None
-    spans = jaeger_to_spans(doc)
+        raise ConfigError(f"--jaeger {url}: cannot read traces: {str(e)[:300]}") from None
+    try:
+        spans = [s for s in jaeger_to_spans(doc) if _usable(s)]
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise ConfigError(f"--jaeger {url}: the answer is not Jaeger's trace JSON ({type(e).__name__}: "
+                          f"{str(e)[:100]})") from None
     if not spans:
         raise ConfigError(f"--jaeger {url}: no traces for service {service!r}")
     return spans

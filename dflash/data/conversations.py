@@ -6,7 +6,8 @@ Files: a JSON array (ShareGPT's layout, the embedded default) or JSON Lines (Spe
 either one gzip-compressed (.gz); both streamed. Records: `conversations` of `from`/`value`
 (ShareGPT) or `role`/`content`, or OpenAI-style `messages`; a system prompt is kept.
 A record that cannot be used is dropped and counted by reason (`DROP_REASONS`), never a
-crash. A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``.
+crash; one larger than MAX_RECORD_BYTES (`too_large`) is skipped without being held in memory
+whole, so a gzip bomb (1 MB holding a 1 GiB line) costs what a normal file does. A conversation is a list of ``{"role": "system"|"user"|"assistant", "content": str}``.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ..inputs import (DatasetError, cache_dir, check_dataset_path, data_files, is_hf_dataset_dir, is_jsonl,
-                      open_text)
+from ..inputs import (MAX_RECORD_BYTES, MAX_RECORD_VALUES, DatasetError, cache_dir, check_dataset_path, data_files, is_hf_dataset_dir,
+                      is_jsonl, json_loads, json_separators, open_binary, open_text, read_json)
 
 log = logging.getLogger(__name__)
 
@@ -51,17 +52,18 @@ def sharegpt_path() -> Path:
     return _resources.enter_context(dataset_path())
 
 
-DROP_REASONS = ("not_json", "not_a_conversation", "no_assistant_turn", "roles_out_of_order", "empty")
-_NOT_JSON = object()  # a JSON Lines line that does not parse: counted, not a crash
+DROP_REASONS = ("not_json", "not_a_conversation", "no_assistant_turn", "roles_out_of_order", "empty", "too_large")
+_NOT_JSON = object()  # a JSON Lines line that does not parse (or nests too deeply): counted, not a crash
+_TOO_LARGE = object()  # a record over MAX_RECORD_BYTES: skipped unread, counted
 
 
-def _iter_records(path: Path, chunk: int = 1 << 20) -> Iterator:
+def _iter_records(path: Path, chunk: int = 1 << 20, max_record: int = MAX_RECORD_BYTES) -> Iterator:
     """The records of a data file, streamed; bytes that are not UTF-8 are one line."""
     try:
         if is_hf_dataset_dir(path) or path.name.endswith(".parquet"):
             yield from _stream_hf(path)
         else:
-            yield from (_stream_lines(path) if is_jsonl(path) else _stream_array(path, chunk))
+            yield from (_stream_lines(path, max_record) if is_jsonl(path) else _stream_array(path, chunk, max_record))
     except UnicodeDecodeError as e:
         raise DatasetError(f"dataset '{path}': not UTF-8 text ({e.reason} in a chunk read from the file)") from None
     except (OSError, EOFError) as e:
@@ -70,33 +72,110 @@ def _iter_records(path: Path, chunk: int = 1 << 20) -> Iterator:
 
 def _stream_hf(path: Path) -> Iterator:
     """Rows of a parquet file or a `save_to_disk` directory, through `datasets`: arrow data
-    memory-mapped or streamed, never loaded whole."""
+    memory-mapped or streamed, never loaded whole. Whatever `datasets` or arrow raise for a
+    file that is not what it says (random bytes named .parquet, a broken saved dir) is one
+    line naming it."""
     import datasets
 
     datasets.disable_progress_bars()
-    if path.is_dir():
-        ds = datasets.load_from_disk(str(path))
-        parts = ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]
-    else:
-        parts = [datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)]
-    for part in parts:
-        yield from part
+    kind = "saved dataset" if path.is_dir() else "parquet file"
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+            parts = ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]
+        else:
+            parts = [datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)]
+        for part in parts:
+            yield from part
+    except (DatasetError, GeneratorExit):
+        raise
+    except Exception as e:  # pyarrow's ArrowInvalid, datasets' own errors, a missing arrow file, bad JSON
+        why = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+        raise DatasetError(f"dataset '{path}': not a readable {kind} ({type(e).__name__}{': ' + why if why else ''})"
+                           ) from None
 
 
-def _stream_lines(path: Path) -> Iterator:
-    with open_text(path) as f:
-        for line in f:
-            if line.strip():
+def _stream_lines(path: Path, max_record: int) -> Iterator:
+    """One record a line; a line over ``max_record`` bytes is read through in chunks, never
+    held whole, and counted as too large, as is one holding more than MAX_RECORD_VALUES
+    values."""
+    with open_binary(path) as f:
+        while True:
+            line = f.readline(max_record + 1)
+            if not line:
+                return
+            if len(line) > max_record and not (len(line) == max_record + 1 and line.endswith(b"\n")):
+                while line and not line.endswith(b"\n"):  # the rest of the line, a chunk at a time
+                    line = f.readline(1 << 20)
+                yield _TOO_LARGE
+                continue
+            text = line.decode("utf-8")
+            if len(text) > MAX_RECORD_VALUES and json_separators(text) > MAX_RECORD_VALUES:
+                yield _TOO_LARGE  # small in bytes, huge in objects once parsed
+                continue
+            if text.strip():
                 try:
-                    yield json.loads(line)
-                except ValueError:
+                    yield json_loads(text)
+                except ValueError:  # not JSON, or nested deeper than the parser goes
                     yield _NOT_JSON
 
 
-def _stream_array(path: Path, chunk: int) -> Iterator:
+# Skipping a record too large to parse: outside strings only quotes, brackets and commas
+# matter; a string's body (escapes included) is consumed whole by one C-level match.
+_SCAN_OUTSIDE = re.compile(r'"|[\[{]+|[\]}]+|,')
+try:  # possessive (Python 3.11+): no backtracking state, so no memory grows with the escapes
+    _STRING_BODY = re.compile(r'(?:[^"\\]++|\\.)*+', re.S)
+except re.error:
+    _STRING_BODY = re.compile(r'[^"\\]*(?:\\.[^"\\]*)*', re.S)
+
+
+def _skip_value(f, buf: str, pos: int, chunk: int, budget: int) -> tuple[str, int] | None:
+    """Read past the array element that starts at ``buf[pos]`` without parsing or keeping it:
+    (buffer, position just after it), or None when the file ends first or the element is
+    so dense in brackets that skipping it would take more than ``budget`` steps (the rest of
+    the file is then left unread). Memory: about one chunk."""
+    depth, inside = 0, False
+    while budget > 0:
+        budget -= 1
+        if inside:
+            pos = _STRING_BODY.match(buf, pos).end()
+            if pos < len(buf) and buf[pos] == '"':
+                inside, pos = False, pos + 1
+                if depth == 0:
+                    return buf, pos
+                continue
+            m = None  # the chunk ended inside the string (maybe on a backslash): read on
+        else:
+            m = _SCAN_OUTSIDE.search(buf, pos)
+        if m is None:
+            keep = buf[pos:] if inside else ""  # at most a backslash whose escaped char is in the next chunk
+            more = f.read(chunk)
+            if not more:
+                return None
+            buf, pos = keep + more, 0
+            continue
+        tok, pos = m.group(), m.end()
+        if tok == '"':
+            inside = True
+        elif tok == ",":
+            if depth == 0:
+                return buf, m.start()
+        elif tok[0] in "[{":
+            depth += len(tok)
+        elif len(tok) > depth:  # closes this element and then the array itself
+            return buf, m.start() + depth
+        else:
+            depth -= len(tok)
+            if depth == 0:
+                return buf, pos
+    return None
+
+
+def _stream_array(path: Path, chunk: int, max_record: int = MAX_RECORD_BYTES) -> Iterator:
     """Stream the elements of a top-level JSON array without loading the whole file.
 
     A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream.
+    An element over ``max_record`` characters is skipped unparsed (`too_large`).
     """
     dec = json.JSONDecoder()
     with open_text(path) as f:
@@ -113,8 +192,26 @@ def _stream_array(path: Path, chunk: int) -> Iterator:
             try:
                 if pos == len(buf):
                     raise json.JSONDecodeError("need more", buf, pos)
+                start = pos
                 obj, pos = dec.raw_decode(buf, pos)
+                if pos - start > max_record:  # whole in the buffer after its last growth, but over the cap
+                    obj = _TOO_LARGE
+            except RecursionError:
+                raise DatasetError(f"dataset '{path}': malformed JSON (record {yielded + 1} is nested too "
+                                   "deeply)") from None
             except json.JSONDecodeError as e:
+                n = len(buf) - pos  # all of it is this element (it did not parse): over a cap, skip it
+                if n > max_record or n > MAX_RECORD_VALUES and json_separators(buf, pos) > MAX_RECORD_VALUES:
+                    skipped = _skip_value(f, buf, pos, chunk, budget=4 * MAX_RECORD_VALUES)
+                    yielded += 1
+                    yield _TOO_LARGE
+                    if skipped is None:
+                        log.warning("dataset %s: record %d is too large (over %d MiB or %d values) and too dense "
+                                    "to skip; the rest of the file is not read", path, yielded, max_record >> 20,
+                                    MAX_RECORD_VALUES)
+                        return
+                    buf, pos = skipped
+                    continue
                 more = f.read(max(chunk, len(buf) - pos))  # grow geometrically for huge records
                 if more:
                     buf, pos = buf[pos:] + more, 0
@@ -151,6 +248,8 @@ def classify(record) -> tuple[list[dict] | None, str | None]:
     """
     if record is _NOT_JSON:
         return None, "not_json"
+    if record is _TOO_LARGE:
+        return None, "too_large"
     turns = None
     if isinstance(record, dict):
         turns = record.get("conversations", record.get("messages"))
@@ -207,11 +306,11 @@ def load_conversations(path=None, *, limit: int, seed: int = 0, counts: dict | N
         check_dataset_path(p)
     cached = _subset_cache_path(paths, limit, seed)
     drops_file = cached.with_name(cached.stem + ".drops.json")
-    if cached.is_file():
-        convs = json.loads(cached.read_text(encoding="utf-8"))
+    convs = _read_cached(cached)
+    if convs is not None:
         if counts is not None:
-            if drops_file.is_file():  # a subset cached before drops were has none to report
-                counts.update(json.loads(drops_file.read_text(encoding="utf-8")))
+            drops = _read_cached(drops_file) if drops_file.is_file() else None  # a subset cached before drops were
+            counts.update(drops if isinstance(drops, dict) else {})             # has none to report
             counts.update(conversations=len(convs), asked=limit)
         return convs
     found: dict = {}
@@ -224,6 +323,20 @@ def load_conversations(path=None, *, limit: int, seed: int = 0, counts: dict | N
         tmp.write_text(json.dumps(body), encoding="utf-8")
         os.replace(tmp, target)  # atomic: readers never see half a file
     return convs
+
+
+def _read_cached(path: Path):
+    """A cached subset (or its drop counts), or None when absent or unreadable: a damaged cache
+    file is parsed again from the data, never a crash."""
+    if not path.is_file():
+        return None
+    try:
+        value = read_json(path, "cache", DatasetError)
+    except DatasetError:
+        return None
+    ok = isinstance(value, dict) if path.name.endswith(".drops.json") else \
+        isinstance(value, list) and all(isinstance(c, list) for c in value)
+    return value if ok else None
 
 
 def _take(paths: list[Path], limit: int, seed: int, found: dict, quiet_drops: bool = False) -> list[list[dict]]:

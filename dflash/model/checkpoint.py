@@ -37,6 +37,7 @@ from safetensors.torch import load_file, save_file
 
 from .. import checkpoint_files as files
 from ..checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
+from ..inputs import read_json_object
 from . import state_tree
 from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
 
@@ -215,10 +216,7 @@ def load_training_state(path) -> tuple[dict, dict]:
     code: safetensors + JSON, or an earlier version's pickle through torch's weights-only
     loader, which refuses every object that is not a tensor or a plain value."""
     p = resolve(path)
-    try:
-        jstate = json.loads((p / files.TRAINER_STATE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"checkpoint {str(path)!r}: {files.TRAINER_STATE} unreadable ({type(e).__name__})") from None
+    jstate = read_json_object(p / files.TRAINER_STATE, f"checkpoint {str(path)!r}", CheckpointError)
     if (p / files.STATE_TREE).is_file():
         try:
             return state_tree.load(p / files.STATE_TENSORS, p / files.STATE_TREE), jstate

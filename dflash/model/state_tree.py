@@ -53,10 +53,14 @@ def save(tree, tensors_path: Path, tree_path: Path) -> None:
 
 
 def load(tensors_path: Path, tree_path: Path):
+    from ..inputs import read_json
+
     try:
+        skeleton = read_json(tree_path, tree_path.name, StateFormatError)  # bounded in size and depth
         tensors = load_file(str(tensors_path))
-        skeleton = json.loads(tree_path.read_text(encoding="utf-8"))
-    except Exception as e:  # OSError, bad JSON, and safetensors' own SafetensorError for a corrupt file
+    except StateFormatError:
+        raise
+    except Exception as e:  # OSError, and safetensors' own SafetensorError for a corrupt file
         raise StateFormatError(f"{type(e).__name__}: {str(e)[:200]}") from None
 
     def dec(node):
@@ -76,7 +80,12 @@ def load(tensors_path: Path, tree_path: Path):
             return {_hashable(dec(k)): dec(v) for k, v in node[_ITEMS]}
         return {k: dec(v) for k, v in node.items()}
 
-    return dec(skeleton)
+    try:
+        return dec(skeleton)
+    except StateFormatError:
+        raise
+    except (TypeError, ValueError, OverflowError, RecursionError) as e:  # a tree dflash did not write
+        raise StateFormatError(f"malformed {tree_path.name} ({type(e).__name__})") from None
 
 
 def _hashable(k):

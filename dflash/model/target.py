@@ -137,7 +137,10 @@ def load_tokenizer(spec: str):
     """The target's tokenizer (tiny targets share SmolLM2's), with a pad token always set."""
     from transformers import AutoTokenizer
 
+    from ..data import template_budget
+
     check_target_spec(spec)
+    template_budget.install()  # the tokenizer's own template renders under a budget, whoever calls it
     src = _smollm2_tokenizer_dir() if spec == SMOLLM2 or spec in TINY_TARGETS else spec
     tok = from_pretrained(AutoTokenizer, src, f"target '{spec}': its tokenizer")
     if tok.pad_token is None:  # batching needs one; eos is never attended to past the mask

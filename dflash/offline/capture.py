@@ -30,7 +30,7 @@ from ..data import dataset as data_mod
 from ..inputs import arch_hash
 from ..model import target as target_mod
 from ..run.placement import local_device
-from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION
+from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, check_positions
 from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk
 
 
@@ -65,7 +65,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     cid = capture_id(key)
     # rank 0 alone reads what is on disk, before any rank writes, and every rank gets its
     # answer: ranks that listed the dir themselves could see each other's new shards
-    kept, why = _broadcast(_kept_shards(out, cid) if resume and rank == 0 else ([], None), world)
+    kept, why = _broadcast(_kept_shards(out, cid, len(samples)) if resume and rank == 0 else ([], None), world)
     if why:
         raise ConfigError(why)
     done = {p for s in kept for p in s["positions"]}
@@ -117,9 +117,17 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     return index
 
 
-def _kept_shards(out: Path, cid: str) -> tuple[list[dict], str | None]:
-    """A resumed capture's whole shards, or why they cannot be kept (one line, exit 2)."""
-    kept = shards_on_disk(out)
+def _kept_shards(out: Path, cid: str, samples: int) -> tuple[list[dict], str | None]:
+    """A resumed capture's whole shards, or why they cannot be kept (one line, exit 2): checked
+    before anything is captured, each as training checks it, their positions within the
+    ``samples`` this run prepared."""
+    try:
+        kept = shards_on_disk(out, f"--resume {out}")
+        seen: set = set()
+        for s in kept:
+            check_positions(s, seen, samples, f"--resume {out}")
+    except FeaturesError as e:
+        return [], f"{e}; capture again with --overwrite"
     old = [s["file"] for s in kept if s["capture"] is None]
     other = [s["file"] for s in kept if s["capture"] not in (None, cid)]
     if old:

@@ -71,6 +71,12 @@ def check_resumable(out: str) -> None:
                           f"dflash train --features {out}, or capture again with --overwrite")
     if not p.is_dir() or not any(p.glob(SHARD_GLOB)):
         raise ConfigError(f"--resume: no shards in {out} to continue from; run dflash capture without --resume")
+    from .feature_index import FeaturesError, shards_on_disk
+
+    try:  # every shard that would be kept, checked now: not after capturing all the rest
+        shards_on_disk(p, f"--resume {out}")
+    except FeaturesError as e:
+        raise ConfigError(f"{e}; capture again with --overwrite") from None
 
 
 def clear_earlier_capture(out: Path) -> None:

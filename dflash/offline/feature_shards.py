@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from ..checkpoint_files import plain_modes
 
 from ..data.batch import Batch
 from ..data.dataset import Sample
-from .feature_index import FORMAT, SHARD_GLOB, VERSION
+from .feature_index import FORMAT, VERSION, shards_on_disk  # noqa: F401 (shards_on_disk: torch-free, there)
 
 SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts
 
@@ -47,28 +46,6 @@ def data_fingerprint(samples) -> str:
 def capture_id(key: dict) -> str:
     """A short id of a capture's key (target, seed, arch, layer ids, dtype, data fingerprint)."""
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-
-
-_SHARD_NAME = re.compile(r"shard-r(\d+)-(\d+)\.safetensors")
-
-
-def shards_on_disk(out: Path) -> list[dict]:
-    """Every whole shard in ``out`` (temp files are not shards), as the index lists them,
-    plus ``rank``, ``number``, ``capture`` (its capture_id, None if written before ids)
-    and ``positions`` (the samples it holds)."""
-    found = []
-    for f in sorted(Path(out).glob(SHARD_GLOB)):
-        m = _SHARD_NAME.fullmatch(f.name)
-        if not m:
-            continue
-        with safe_open(str(f), framework="pt") as s:
-            meta = s.metadata() or {}
-            positions = s.get_tensor("sample").tolist()
-            tokens = int(s.get_tensor("offsets")[-1])
-        found.append({"file": f.name, "samples": len(positions), "tokens": tokens, "bytes": f.stat().st_size,
-                      "rank": int(m[1]), "number": int(m[2]), "capture": meta.get("capture"),
-                      "positions": positions})
-    return found
 
 
 def index_entry(shard: dict) -> dict:

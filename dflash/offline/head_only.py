@@ -16,7 +16,6 @@ Qwen3.5-27B (248,320 x 5,120, untied, bf16) that is 2 x 2.54 GB = 5.1 GB, agains
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -57,8 +56,14 @@ def load_head_only(spec: str, config, *, device="cpu", dtype=torch.float32, seed
     files = _files_holding(src, [embed_name, head_name], repo=None if Path(spec).is_dir() else spec)
     from safetensors import safe_open
 
+    from ..inputs import SafetensorsHeaderError, TargetSpecError, read_safetensors_header
+
     weights = {}
     for name, f in files.items():
+        try:  # a header that lies is one line, not the loader's traceback
+            read_safetensors_header(f)
+        except (SafetensorsHeaderError, OSError) as e:
+            raise TargetSpecError(f"target {spec!r}: {f.name} is not a whole safetensors file ({e})") from None
         with safe_open(str(f), framework="pt", device="cpu") as fh:
             weights[name] = fh.get_tensor(name).to(device=device, dtype=dtype)
     if embed_name not in weights or (head_name not in weights and not tied):
@@ -98,11 +103,17 @@ def _module_names(config) -> tuple[str, str, bool]:
 def _files_holding(src: Path, names: list[str], repo: str | None = None) -> dict[str, Path]:
     idx = src / "model.safetensors.index.json"
     if idx.is_file():
-        wmap = json.loads(idx.read_text())["weight_map"]
+        from ..inputs import TargetSpecError, inside, read_json_object
+
+        where = f"target {str(src)!r}"
+        wmap = read_json_object(idx, where, TargetSpecError).get("weight_map")
+        if not isinstance(wmap, dict):
+            raise TargetSpecError(f"{where}: {idx.name} has no weight_map")
         out = {}
         for n in names:
             if n in wmap:
-                f = src / wmap[n]
+                # a shard the index names is opened only inside the model's dir
+                f = inside(src, wmap[n], f"{where}: {idx.name}", TargetSpecError) if not repo else src / str(wmap[n])
                 if not f.is_file() and repo:  # a hub snapshot: fetch just this shard
                     from huggingface_hub import hf_hub_download
                     f = Path(hf_hub_download(repo, wmap[n]))

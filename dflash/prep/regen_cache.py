@@ -21,11 +21,12 @@ import hashlib
 import itertools
 import json
 import os
+import re
 import socket
 import sys
 from pathlib import Path
 
-from ..inputs import arch_hash
+from ..inputs import arch_hash, inside, read_json
 
 FORMAT = 2  # 1: one JSON file per (data set, settings), written only at the end
 _TMP = ".tmp-"
@@ -42,7 +43,8 @@ class RegenCache:
         self.features_dir = self.dir / f"features-{features_tag}" if features_tag else None
         self._seq = itertools.count()
         self._stem = f"b-{socket.gethostname()}-{os.getpid()}"
-        self.skipped_files = 0  # unreadable batch files (a non-atomic file system): their replies are redone
+        self.skipped_files = 0  # unreadable batch files (a non-atomic file system, a copy): their replies are redone
+        self.dropped_entries = 0  # malformed or out-of-vocabulary entries: their replies are redone
 
     @classmethod
     def for_target(cls, root: Path, cfg, target, layer_ids=None) -> "RegenCache":
@@ -64,26 +66,49 @@ class RegenCache:
             return []
         return sorted(p for p in self.dir.glob("b-*.json") if not p.name.startswith(_TMP))
 
-    def load(self, wanted: set[str] | None = None) -> dict[str, list[int]]:
-        """Reply token ids by prompt key, from every whole batch on disk (only ``wanted`` keys)."""
+    def load(self, wanted: set[str] | None = None, *, vocab_size: int | None = None,
+             max_new_tokens: int | None = None) -> dict[str, list[int]]:
+        """Reply token ids by prompt key, from every whole batch on disk (only ``wanted`` keys).
+
+        A cache may have been copied from elsewhere, so nothing in it is trusted: a batch file
+        that is not JSON, too large, nested too deeply or a link out of the cache dir is skipped;
+        an entry whose key is not a prompt key, or whose reply is not a list of token ids in
+        ``[0, vocab_size)`` of at most ``max_new_tokens``, is dropped (an id out of the
+        vocabulary would pass here and kill training partway). Both are counted, said once,
+        and their replies regenerated."""
         self._sweep_tmp()
         found: dict[str, list[int]] = {}
+        self.dropped_entries = 0
         for p in self._batch_files():
-            try:
-                recs = json.loads(p.read_text())
-            except (OSError, ValueError):
+            recs = self._read_batch(p)
+            if recs is None:
                 self.skipped_files += 1
                 continue
             for k, ids in recs.items():
-                if wanted is None or k in wanted:
+                if wanted is not None and k not in wanted:
+                    continue
+                if _valid_reply(k, ids, vocab_size, max_new_tokens):
                     found[k] = ids
-        if self.skipped_files:
-            print(f"regeneration cache {self.dir}: {self.skipped_files} unreadable batch file(s) skipped; "
-                  f"their replies are regenerated", file=sys.stderr)
+                else:
+                    self.dropped_entries += 1
+        if self.skipped_files or self.dropped_entries:
+            print(f"regeneration cache {self.dir}: {self.skipped_files} unreadable batch file(s) skipped, "
+                  f"{self.dropped_entries} malformed or out-of-vocabulary cached replies dropped; they are regenerated",
+                  file=sys.stderr)
         return found
 
+    def _read_batch(self, p: Path) -> dict | None:
+        try:
+            p = inside(self.dir, p.name, f"regeneration cache {self.dir}", ValueError)
+            recs = read_json(p, "regeneration cache", ValueError)
+        except ValueError:
+            return None
+        return recs if isinstance(recs, dict) else None
+
     def load_features(self, wanted: set[str]) -> dict:
-        """Features by prompt key for ``wanted`` keys, where a batch file kept them (else absent)."""
+        """Features by prompt key for ``wanted`` keys, where a batch file kept them (else absent).
+        Files that are links out of the cache dir, or hold anything but tensors by prompt key,
+        are misses; the caller checks each tensor's shape against its sequence."""
         import torch
 
         got: dict = {}
@@ -91,10 +116,12 @@ class RegenCache:
             return got
         for p in sorted(self.features_dir.glob("b-*.pt")):
             try:
+                p = inside(self.features_dir, p.name, "feature cache", ValueError)
                 feats = torch.load(p, weights_only=True)
             except Exception:  # a broken file costs only a target forward later: a miss
                 continue
-            got.update({k: v for k, v in feats.items() if k in wanted})
+            if isinstance(feats, dict):
+                got.update({k: v for k, v in feats.items() if k in wanted and isinstance(v, torch.Tensor)})
         return got
 
     # -- writing -----------------------------------------------------------------------
@@ -130,6 +157,20 @@ class RegenCache:
                         p.unlink(missing_ok=True)
                 except (ValueError, IndexError):
                     continue
+
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+
+
+def _valid_reply(key, ids, vocab_size: int | None, max_new_tokens: int | None) -> bool:
+    """A cache entry as regeneration writes it: a prompt key, and a non-empty list of token ids
+    inside the vocabulary, no longer than the replies of this cache's settings."""
+    if not isinstance(key, str) or not _KEY.fullmatch(key) or not isinstance(ids, list) or not ids:
+        return False
+    if max_new_tokens is not None and len(ids) > max_new_tokens:
+        return False
+    hi = vocab_size if vocab_size is not None else float("inf")
+    return all(type(t) is int and 0 <= t < hi for t in ids)
 
 
 def _alive(pid: int) -> bool:

@@ -57,7 +57,8 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     first: dict[str, int] = {}
     for i in order:  # one generation per distinct prompt, at its first place in length order
         first.setdefault(keys[i], i)
-    have = cache.load(set(first)) if cache is not None else {}
+    rows = model.get_input_embeddings().weight.shape[0]  # an id at or past it would fail training partway
+    have = cache.load(set(first), vocab_size=rows, max_new_tokens=max_new_tokens) if cache is not None else {}
     held = shard.agree(set(have))
     done = set().union(*held)
     pending = [i for i in first.values() if keys[i] not in done]
@@ -93,9 +94,12 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
         return None
     if keep and have:
         cached = cache.load_features(set(have))
+        width = len(layer_ids) * model.config.get_text_config().hidden_size
         for i in first.values():
-            if keys[i] in cached:
-                features[tuple(prompts[i][1] + replies[keys[i]])] = cached[keys[i]]
+            f, seq = cached.get(keys[i]), prompts[i][1] + replies[keys[i]]
+            # only a tensor that fits its sequence: anything else is a miss (training runs the forward)
+            if f is not None and f.dim() == 2 and tuple(f.shape) == (len(seq), width) and f.is_floating_point():
+                features[tuple(seq)] = f
     out = []
     for (msgs, _), k in zip(prompts, keys):
         gen = replies[k]

@@ -57,6 +57,6 @@ def rank_reports(out: Path, world: int) -> list:
         if f.is_file():
             try:
                 reps.append(json.loads(f.read_text()))
-            except ValueError:
+            except (ValueError, RecursionError):
                 reps.append({"rank": r, "missing": True})
     return reps
