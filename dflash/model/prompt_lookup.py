@@ -11,10 +11,14 @@ The rule, for an anchor (the newest committed token) at position p of `ids`:
   (j + k <= p): drafting never reads the tokens being drafted;
 - no match: no proposal (the verify step is a plain decode step, acceptance 1).
 
-Why this rule: it is what vLLM's and SGLang's n-gram drafters do up to their tie-breaks
-(vLLM: prompt_lookup_max/min, longest first), it needs nothing but the ids, and under greedy
-decoding its acceptance follows from the target's output alone (a proposal is accepted up
-to its first token that differs), so a test can check it independently.
+Why this rule: it needs nothing but the ids; it is the copy head's rule, so the baseline and
+a copy head propose alike; the most recent occurrence follows where the text is now (a
+greedy target that loops repeats its latest loop); and under greedy decoding its acceptance
+follows from the target's output alone (a proposal is accepted up to its first token that
+differs), so a test checks it independently. vLLM's n-gram drafter matches alike (longest
+n-gram up to prompt_lookup_max) but takes the earliest occurrence: on a loop whose period P
+is shorter than the block, the latest occurrence can only propose P known tokens where the
+earliest proposes a full block. SGLang's keeps a trie of recent n-grams.
 
 Two forms of the one rule, checked against each other (tests/test_copy_head.py):
 `propose` for decoding (host lists, one anchor) and `candidates` for training batches

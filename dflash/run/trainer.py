@@ -33,18 +33,31 @@ from .summary import balance_from_files, rank_reports, summarize
 from .telemetry_setup import linger_for_scrape
 
 
-def run_eval(ctx: RunContext, label: str) -> dict:
+def run_eval(ctx: RunContext, label: str, *, served: bool = False) -> dict:
+    """tau of the drafter as it is (`served=False`: before training; a copy head, if on, included),
+    or of the drafter a user serves (`served`: OUT/export's weights, no copy head) beside prompt
+    lookup on the same prompts (eval.baseline)."""
     from ..model.evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
     drafter = ctx.trainer.drafter
-    if next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
+    if served:
+        from ..export import served_drafter
+        drafter = served_drafter(drafter, ctx.target.device)
+    elif next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
     res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed)
+                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed,
+                   baseline=e.baseline if served else "none")
+    if served:
+        res["served"] = True  # OUT/export's drafter: no copy head, its export dtype's weights
+    if drafter.copy is not None:
+        res["copy_head"] = drafter.copying
+    base = res.get("baseline")
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
+          + (f"; prompt lookup on the same prompts: {base['acceptance_length']:.3f}" if base else "")
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
     if ctx.stop.is_set():  # cut short by a signal: marked, with the command that redoes it
         res.update(interrupted=True, command=eval_command(ctx.cfg))
@@ -145,11 +158,6 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
             ctx.trainer.embed.weight, ctx.trainer.lm_head.weight)}.values())
     if ctx.estimate is not None:
         summary["acceptance_estimate"] = ctx.estimate.summary()
-    if ctx.is_lead and ctx.history:
-        from ..analysis.learning_curve import write_png
-        where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
-        write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
-                  cfg.model.block_size, f"{cfg.model.target}: drafter training{where}")
     if ctx.warmup_s is not None:
         summary["warmup_s"] = round(ctx.warmup_s, 2)
     if ctx.writer is not None:  # off the drafter's path, but worth knowing
@@ -160,12 +168,20 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
         if ctx.rank == 0:
             print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}", file=sys.stderr)
     elif eval_before_after:
-        summary["eval_after"] = run_eval(ctx, "after training")
+        # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
+        summary["eval_after"] = run_eval(ctx, "after training (served drafter)", served=True)
+        if ctx.trainer.drafter.copying and not ctx.stop.is_set():  # the copy head's own figure
+            summary["eval_after_copy_head"] = run_eval(ctx, "after training, with the copy head")
         if ctx.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
             summary["interrupted"] = True
             if ctx.rank == 0:
                 print(f"eval after training interrupted: tau above is partial; run it whole with: "
                       f"{eval_command(cfg)}", file=sys.stderr)
+    if ctx.is_lead and ctx.history:  # after the eval: the picture shows its served tau beside prompt lookup's
+        from ..analysis.learning_curve import write_png
+        where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
+        write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
+                  cfg.model.block_size, f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
     if ctx.is_lead:  # a servable copy: OUT/export/ (or why not)
         from ..export import export_after_run
         summary["export"] = export_after_run(ctx, summary)
