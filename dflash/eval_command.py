@@ -164,8 +164,8 @@ def _leaks(dirs, sets) -> list[str]:
 
 def run(a) -> int:
     _check_args(a)
-    dirs, owner, cfg = _plan(a)
     file_sets = _file_sets(a)
+    dirs, owner, cfg = _plan(a)
     from .inputs import TargetSpecError, check_target_spec
     try:  # a hub id that does not exist or cannot be reached: one line now, not after a minute
         check_target_spec(cfg.model.target, probe_hub=True)
