@@ -181,19 +181,19 @@ def run(a) -> int:
     from .model.target import load_target
 
     e = cfg.eval
+    notes = []  # where the prompts came from, and leaks: said once the drafters are known to fit
     if file_sets:
         sets, warn = file_sets, None
         for ps in sets:
             src = ps.source
             said = (f"{ps.name} from {src['package']} ({len(ps.dialogs)} dialogs)" if src["kind"] == "bench" else
                     f"{src['path']} ({len(ps.dialogs)} dialogs; {src['skipped']} records without a prompt skipped)")
-            print(f"dflash eval: prompts: {said}", file=sys.stderr)
+            notes.append(f"dflash eval: prompts: {said}")
     else:
         ps, said, warn = _held_out_set(owner, cfg, a.prompts or e.prompts)
         sets = [ps]
-        print(f"dflash eval: prompts: {said}", file=sys.stderr)
-    for w in ([warn] if warn else []) + _leaks(dirs, sets):
-        print(f"dflash eval: warning: {w}", file=sys.stderr)
+        notes.append(f"dflash eval: prompts: {said}")
+    notes += [f"dflash eval: warning: {w}" for w in ([warn] if warn else []) + _leaks(dirs, sets)]
 
     # same device kind and dtype as the run's target: eval in the precision training used
     run_cfg = owner.run_config if owner is not None and owner.kind == "checkpoint" else {}
@@ -211,6 +211,8 @@ def run(a) -> int:
     results, baselines = [], {}  # baselines: (set, block size) -> prompt lookup's figures, at T=0 shared
     a.phase = "eval"
     with stop_on_signal() as stop:  # SIGTERM / Ctrl-C: stop within a verify step, report whole prompts
+        for line in notes:
+            print(line, file=sys.stderr)
         for d, drafter in zip(dirs, drafters):
             per_set = {}
             for ps in sets:
@@ -326,12 +328,13 @@ def _log_wandb(dirs, results) -> None:
     """One drafter: its tau, prompt lookup's and the per-position shares in the training run's
     W&B summary (sets: each set's too). Several: every drafter's figures under compare/<i>/...,
     in the first training run's summary."""
+    from .model.evaluate import tracker_keys
     from .wandb_bridge import log_eval
 
     ours = [d for d in dirs if d.kind == "checkpoint"]
     run_dir = ours[0].path.parent if ours else Path(dirs[0].path)
     if len(results) == 1:
-        log_eval(run_dir, results[0], summary=eval_keys(results[0]))
+        log_eval(run_dir, results[0], summary=tracker_keys(results[0]))
         return
     summary = {}
     for i, res in enumerate(results):
@@ -340,17 +343,3 @@ def _log_wandb(dirs, results) -> None:
         if res.get("baseline"):
             summary[f"compare/{i}/tau_baseline"] = res["baseline"]["acceptance_length"]
     log_eval(run_dir, results[0], summary=summary)
-
-
-def eval_keys(res: dict, prefix: str = "eval/") -> dict:
-    """Flat tracker keys of one eval result: prompt lookup's tau, per-position shares, sets."""
-    out = {}
-    if res.get("baseline"):
-        out[f"{prefix}tau_baseline"] = res["baseline"]["acceptance_length"]
-    for k, x in enumerate(res.get("per_position_acceptance") or [], start=1):
-        out[f"{prefix}accepted_at_position/{k}"] = x
-    for name, s in (res.get("sets") or {}).items():
-        out[f"{prefix}{name}/tau"] = s["acceptance_length"]
-        if s.get("baseline"):
-            out[f"{prefix}{name}/tau_baseline"] = s["baseline"]["acceptance_length"]
-    return out

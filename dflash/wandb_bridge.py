@@ -150,9 +150,9 @@ def run_summary(summary: dict, idle: dict | None, source: str) -> dict:
     for key, label in (("eval_after", "tau"), ("eval_before", "tau_before")):
         if isinstance(summary.get(key), dict) and "acceptance_length" in summary[key]:
             out[label] = summary[key]["acceptance_length"]
-    if isinstance(summary.get("eval_after"), dict):  # prompt lookup's tau, per-position shares (eval_command)
-        from .eval_command import eval_keys
-        out.update(eval_keys(summary["eval_after"], prefix=""))
+    if isinstance(summary.get("eval_after"), dict):  # prompt lookup's tau, per-position shares
+        from .model.evaluate import tracker_keys
+        out.update(tracker_keys(summary["eval_after"], prefix=""))
     return out
 
 

@@ -51,6 +51,21 @@ def per_position(hist: list[int] | dict, block_size: int) -> list[float]:
     return [round(sum(counts[k:]) / total, 4) if total else 0.0 for k in range(1, block_size)]
 
 
+def tracker_keys(res: dict, prefix: str = "eval/") -> dict:
+    """Flat tracker keys (W&B) of one eval result, beside its tau: prompt lookup's tau, the
+    per-position shares, and each set's figures."""
+    out = {}
+    if res.get("baseline"):
+        out[f"{prefix}tau_baseline"] = res["baseline"]["acceptance_length"]
+    for k, x in enumerate(res.get("per_position_acceptance") or [], start=1):
+        out[f"{prefix}accepted_at_position/{k}"] = x
+    for name, s in (res.get("sets") or {}).items():
+        out[f"{prefix}{name}/tau"] = s["acceptance_length"]
+        if s.get("baseline"):
+            out[f"{prefix}{name}/tau_baseline"] = s["baseline"]["acceptance_length"]
+    return out
+
+
 class _Tally:
     """One method's figures over the dialogs decoded whole (a prompt cut short counts nowhere)."""
 
