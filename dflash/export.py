@@ -237,7 +237,8 @@ def run_figures(run_dir: Path) -> dict:
         return {}
     out = {}
     if isinstance(s.get("eval_after"), dict) and "acceptance_length" in s["eval_after"]:
-        out["after training"] = s["eval_after"]
+        served = " (the served drafter, bf16 weights)" if s["eval_after"].get("served") else ""
+        out["after training" + served] = s["eval_after"]
     last = (s.get("acceptance_estimate") or {}).get("last") or {}
     if "tau_no_copy" in last:
         out["_tau_no_copy_estimate"] = last["tau_no_copy"]
@@ -255,7 +256,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
     figures = run_figures(Path(checkpoint).resolve().parent)
     no_copy = figures.pop("_tau_no_copy_estimate", None)
     note = None
-    if raw.get("copy_head") and not (figures.get("after training") or {}).get("served"):
+    if raw.get("copy_head") and not any(isinstance(f, dict) and f.get("served") for f in figures.values()):
         figures = {}  # what the run measured included the copy head's proposals
         note = ("exported without its copy head (the format has no place for it); "
                 + (f"held-out acceptance estimate without it: tau {no_copy:.3f}" if no_copy is not None else
@@ -283,8 +284,9 @@ def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16", target_conf
                    "--without-copy-head")
             print(f"dflash train: no served export: {why}", file=sys.stderr)
             return {"skipped": why}
-        figures = {"after training": summary["eval_after"]} if "acceptance_length" in (
-            summary.get("eval_after") or {}) else None
+        after = summary.get("eval_after") or {}
+        figures = {"after training" + (f" (the served drafter, {dtype} weights)" if after.get("served") else ""): after} \
+            if "acceptance_length" in after else None
         tcfg = target_config if target_config is not None else ctx.target_config
         dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype, target=ctx.cfg.model.target,
                            figures=figures, prompts=held_out_prompts(ctx.cfg, ctx.eval_convs, ctx.out))

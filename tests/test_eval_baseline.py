@@ -299,3 +299,16 @@ def test_bench_humaneval_and_mt_bench_offline(trained):
         (sets["humaneval"]["acceptance_length"] + sets["mt-bench"]["acceptance_length"]) / 2, abs=1e-3)
     table = p.stdout
     assert "humaneval" in table and "mt-bench" in table and table.count("prompt lookup") == 2
+
+
+def test_with_a_copy_head_the_headline_is_still_the_served_drafter(tmp_path):
+    """train --eval with model.copy_head: eval_after is the drafter an engine serves (no copy
+    head) beside prompt lookup; the copy head gets its own figure, and the summary says both."""
+    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,
+                   "--set", "model.block_size=4", "--set", "model.copy_head=true", "--set", "eval.before=false",
+                   "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--eval", env={"OMP_NUM_THREADS": "1"})
+    s = json.loads((tmp_path / "summary.json").read_text())
+    after, copy = s["eval_after"], s["eval_after_copy_head"]
+    assert after["served"] and after["copy_head"] is False and "baseline" in after
+    assert copy["copy_head"] is True and "baseline" not in copy and copy["lossless"] is after["lossless"] is True
+    assert "served drafter" in p.stderr and "prompt lookup" in p.stderr and "tau, copy head" in p.stderr

@@ -33,10 +33,12 @@ from .summary import balance_from_files, rank_reports, summarize
 from .telemetry_setup import linger_for_scrape
 
 
-def run_eval(ctx: RunContext, label: str, *, served: bool = False) -> dict:
+def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict | None = None) -> dict:
     """tau of the drafter as it is (`served=False`: before training; a copy head, if on, included),
     or of the drafter a user serves (`served`: OUT/export's weights, no copy head) beside prompt
-    lookup on the same prompts (eval.baseline)."""
+    lookup on the same prompts (eval.baseline). `checked`: an eval of the same prompts whose
+    outputs were checked against the target's greedy decode: this one's are compared with
+    those instead of decoding the reference again (a greedy decode saved per prompt)."""
     from ..model.evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
@@ -49,7 +51,12 @@ def run_eval(ctx: RunContext, label: str, *, served: bool = False) -> dict:
     res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
                    temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed,
-                   baseline=e.baseline if served else "none")
+                   baseline=e.baseline if served else "none",
+                   check_lossless=not (checked and checked.get("lossless") is not None))
+    if checked and checked.get("lossless") is not None:  # equal outputs: lossless exactly when those were
+        same = [a["output_ids"] == b["output_ids"] for a, b in zip(res["per_prompt_steps"], checked["per_prompt_steps"])]
+        res["lossless"] = checked["lossless"] and all(same)
+        res["lossless_divergent_prompts"] = res["lossless_mismatches"] = same.count(False)
     if served:
         res["served"] = True  # OUT/export's drafter: no copy head, its export dtype's weights
     if drafter.copy is not None:
@@ -171,7 +178,8 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
         # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
         summary["eval_after"] = run_eval(ctx, "after training (served drafter)", served=True)
         if ctx.trainer.drafter.copying and not ctx.stop.is_set():  # the copy head's own figure
-            summary["eval_after_copy_head"] = run_eval(ctx, "after training, with the copy head")
+            summary["eval_after_copy_head"] = run_eval(ctx, "after training, with the copy head",
+                                                       checked=summary["eval_after"])
         if ctx.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
             summary["interrupted"] = True
             if ctx.rank == 0:
