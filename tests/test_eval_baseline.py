@@ -86,8 +86,9 @@ def test_prompt_lookup_through_the_speculative_loop_equals_lookup_on_the_greedy_
     lookup's output is the target's greedy output, and every step's acceptance is what the
     lookup computed from that output alone says."""
     model, tok = tiny if name == "tiny-qwen3" else T.load_target(name, seed=0)
-    n = 20
-    for prompt in _prompts(tok, ["one two three one two three one two", "a b a b a b a"]):
+    n = 20 if name == "tiny-qwen3" else 12  # the hybrid's pure-torch layers are slow on the CPU
+    texts = ["one two three one two three one two", "a b a b a b a"]
+    for prompt in _prompts(tok, texts if name == "tiny-qwen3" else texts[:1]):
         res = speculative_generate(model, PromptLookup(BK), prompt, max_new_tokens=n)
         out = greedy_generate(model, prompt, max_new_tokens=n + BK)
         assert res.tokens == out[:n]
