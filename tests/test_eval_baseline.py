@@ -182,11 +182,14 @@ def test_bench_sets_come_from_their_packages(monkeypatch):
 def test_overlap_finds_prompts_in_the_training_data():
     from dflash.data.prompt_sets import Dialog, overlap
 
+    template = "Tables: " + "CREATE TABLE t (id int, name varchar(255)); " * 8
     train = [[{"role": "user", "content": "What is  the capital of France, and why is it Paris?"},
-              {"role": "assistant", "content": "..."}], [{"role": "user", "content": "hi"}]]
+              {"role": "assistant", "content": "..."}], [{"role": "user", "content": "hi"}],
+             [{"role": "user", "content": template + "Which ids are even?"}]]
     dialogs = [Dialog("a", ["What is the capital of France, and why"]),  # a held-out prompt cut short
-               Dialog("b", ["hi"]), Dialog("c", ["something else entirely, not trained on"])]
-    assert overlap(dialogs, train) == ["a", "b"]
+               Dialog("b", ["hi"]), Dialog("c", ["something else entirely, not trained on"]),
+               Dialog("d", [template + "How many names?"])]                  # a near-duplicate
+    assert overlap(dialogs, train) == ["a", "b", "d"]
 
 
 @pytest.mark.parametrize("args,needle", [

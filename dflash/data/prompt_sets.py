@@ -214,15 +214,19 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
-def overlap(dialogs: list[Dialog], train_convs) -> list[str]:
+def overlap(dialogs: list[Dialog], train_convs, near: int = 200) -> list[str]:
     """Ids of the dialogs whose first user turn is also a user turn of a training
-    conversation (whitespace aside; a held-out prompt cut short counts when a training turn
-    starts with it): a drafter trained on a prompt's reply looks better on it than it is."""
+    conversation: the same text (whitespace aside), the same first `near` characters (a
+    near-duplicate: ShareGPT repeats long templated prompts, and a prompt cut to the eval's
+    length is then the very prompt trained on), or the start of one (a held-out prompt cut
+    short). A drafter trained on the target's reply to a prompt looks better on it than it is."""
     seen = {_norm(m["content"]) for c in train_convs for m in c if m["role"] == "user"}
+    heads = {s[:near] for s in seen}
     long = [s for s in seen if len(s) >= 32]
     out = []
     for d in dialogs:
         t = _norm(d.turns[0]) if d.turns else ""
-        if t and (t in seen or (len(t) >= 32 and any(s.startswith(t) for s in long))):
+        if t and (t[:near] in heads if len(t) >= near else t in seen or
+                  (len(t) >= 32 and any(s.startswith(t) for s in long))):
             out.append(d.id)
     return out
