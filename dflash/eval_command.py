@@ -56,14 +56,20 @@ def export_settings(d) -> dict | None:
     return read_json_object(d.path / EVAL_SETTINGS, f"--checkpoint {str(d.path)!r}", ConfigError)
 
 
-def _run_config(d) -> dict | None:
-    """What a drafter dir knows of the run that trained it (model, data, eval, train.seed)."""
+def _run_config(d, *, training_data: bool = False) -> dict | None:
+    """What a drafter dir knows of the run that trained it (model, data, eval, train.seed).
+    An export's prompts travel with it, so only the chat template of its run's data settings
+    is used to decode them (the run's data files may be elsewhere); `training_data`: all of
+    them, to check prompts against what it trained on."""
     if d.kind == "checkpoint":
         return d.run_config
     s = export_settings(d)
     if s is None:
         return None
-    return {"model": s.get("model") or {}, "data": s.get("data") or {}, "eval": s.get("eval") or {},
+    data = s.get("data") or {}
+    if not training_data:
+        data = {k: data[k] for k in ("chat_template", "chat_template_kwargs") if k in data}
+    return {"model": s.get("model") or {}, "data": data, "eval": s.get("eval") or {},
             "train": {"seed": s.get("seed", 0)}}
 
 
@@ -142,7 +148,7 @@ def _leaks(dirs, sets) -> list[str]:
 
     out = []
     for d in dirs:
-        rc = _run_config(d)
+        rc = _run_config(d, training_data=True)
         if rc is None:
             continue
         try:
