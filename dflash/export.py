@@ -71,7 +71,8 @@ def _eval_lines(figures: dict | None) -> list[str]:
                    f"(block {res.get('block_size')}, T={temp}, {res.get('dtype', '?')}, "
                    f"lossless={res.get('lossless')})"
                    + (f"; prompt lookup on the same prompts: tau {base['acceptance_length']:.3f}"
-                      if "acceptance_length" in base else ""))
+                      if "acceptance_length" in base else "")
+                   + (" [partial: the eval was interrupted]" if res.get("interrupted") else ""))
     return out or ["Not measured."]
 
 
