@@ -42,8 +42,9 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
                 legend = True
         if final:
             last = max([s for s, *_ in loss_history] + [s for s, *_ in estimate_history] + [0])
+            partial = " (partial)" if final.get("interrupted") else ""
             ax2.plot([last], [final["acceptance_length"]], marker="*", markersize=11, color="tab:green",
-                     linestyle="none", label=f"decoded, served drafter: {final['acceptance_length']:.3f}")
+                     linestyle="none", label=f"decoded, served drafter: {final['acceptance_length']:.3f}{partial}")
             base = final.get("baseline") or {}
             if "acceptance_length" in base:
                 ax2.axhline(base["acceptance_length"], color="tab:gray", linestyle="--", linewidth=1.2,
