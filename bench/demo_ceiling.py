@@ -33,13 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def lookup_draft(ids: list[int], p: int, length: int, max_n: int = 3) -> list[int]:
     """Tokens after the latest earlier occurrence of ids[p-n+1 : p+1], longest n first.
     Only tokens up to p are known when drafting at p: the copy stops there (a match at q
-    yields at most p - q tokens), as a real prompt-lookup decoder's would."""
-    for n in range(min(max_n, p + 1), 0, -1):
-        key = ids[p - n + 1:p + 1]
-        for q in range(p - 1, n - 2, -1):
-            if ids[q - n + 1:q + 1] == key:
-                return ids[q + 1:min(q + 1 + length, p + 1)]
-    return []
+    yields at most p - q tokens), as a real prompt-lookup decoder's would. The rule is
+    dflash/model/prompt_lookup.py's, the one `dflash eval`'s baseline decodes with."""
+    from dflash.model.prompt_lookup import propose
+
+    return propose(ids[:p + 1], length, max_n)
 
 
 def lookup_tau(samples, block: int) -> float:

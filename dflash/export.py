@@ -76,9 +76,13 @@ def _eval_lines(figures: dict | None) -> list[str]:
         if not isinstance(res, dict) or "acceptance_length" not in res:
             continue
         temp = res.get("temperature", 0.0)
+        base = res.get("baseline") or {}
         out.append(f"- {label}: tau {res['acceptance_length']:.3f} over {res.get('prompts')} prompts "
                    f"(block {res.get('block_size')}, T={temp}, {res.get('dtype', '?')}, "
-                   f"lossless={res.get('lossless')})")
+                   f"lossless={res.get('lossless')})"
+                   + (f"; prompt lookup on the same prompts: tau {base['acceptance_length']:.3f}"
+                      if "acceptance_length" in base else "")
+                   + (" [partial: the eval was interrupted]" if res.get("interrupted") else ""))
     return out or ["Not measured."]
 
 
@@ -131,10 +135,69 @@ def readme(dcfg, *, target: str, out: Path, dtype: str, figures: dict | None, no
     ])
 
 
+def served_drafter(drafter, device, dtype: str = "bfloat16"):
+    """A copy of `drafter` exactly as `dflash eval --checkpoint EXPORT` reads an export of it in
+    `dtype`: weights rounded to that dtype (back in float32 master weights), no copy head.
+    The after-training eval scores this one: the figure is the served drafter's."""
+    import copy
+
+    import torch
+
+    served = copy.deepcopy(drafter).to(device)
+    served.use_copy = False
+    with torch.no_grad():
+        for name, p in served.named_parameters():
+            if not name.startswith("copy."):
+                p.copy_(p.to(getattr(torch, dtype)).float())
+    return served
+
+
+def held_out_prompts(cfg, eval_convs, run_dir) -> tuple[list, dict] | None:
+    """The run's held-out prompts (their first turn, uncut: eval cuts them to eval.max_prompt_len
+    as it cuts the run's own) and the settings they are scored with, for an export to carry:
+    `dflash eval --checkpoint EXPORT` then scores it on the same prompt ids as the run checkpoint.
+    None when the run held none out (trained from captured features)."""
+    import dataclasses
+
+    from .data.prompt_sets import first_turns
+
+    if not eval_convs:
+        return None
+    settings = {
+        "about": (f"the held-out prompts of the run {run_dir} ({files.EVAL_PROMPTS}: system prompt and first user "
+                  "turn of each held-out conversation, in the order its eval takes them) and the eval settings "
+                  "it scored them with; `dflash eval --checkpoint THIS_DIR` uses both"),
+        "prompts": files.EVAL_PROMPTS,
+        "model": {"target": cfg.model.target, "target_seed": cfg.model.target_seed},
+        "eval": dataclasses.asdict(cfg.eval),
+        "data": dataclasses.asdict(cfg.data),  # what the run trained on: eval warns when prompts overlap it
+        "seed": cfg.train.seed,
+    }
+    return first_turns(eval_convs), settings
+
+
+def _run_held_out(run_cfg: dict, run_dir: Path):
+    """`dflash export` of a run checkpoint: its held-out prompts again, from its config (never fatal)."""
+    if (run_cfg.get("data") or {}).get("features"):
+        return None  # trained from captured features: the run held no conversations out
+    try:
+        from .config import load_config
+        from .prep.prepare import split
+
+        cfg = load_config(None, [], **{k: run_cfg[k] for k in ("model", "data", "eval") if k in run_cfg},
+                          **{"train.seed": (run_cfg.get("train") or {}).get("seed", 0), "model.init_from": ""})
+        return held_out_prompts(cfg, split(cfg)[1], run_dir)
+    except Exception as e:
+        print(f"dflash export: the run's held-out prompts are not carried ({type(e).__name__}: {e}); "
+              f"dflash eval of the export will say where its prompts come from", file=sys.stderr)
+        return None
+
+
 def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloat16", target: str = "",
-                 figures: dict | None = None, note: str | None = None) -> Path:
+                 figures: dict | None = None, note: str | None = None, prompts: tuple | None = None) -> Path:
     """Write `drafter` (ours, without a copy head in use) to `out` in the served format,
-    atomically (temp dir + rename, so a reader never sees half an export)."""
+    atomically (temp dir + rename, so a reader never sees half an export). `prompts`
+    (`held_out_prompts`): the run's held-out prompts and eval settings, carried beside it."""
     import torch
     from safetensors.torch import save_file
 
@@ -150,6 +213,10 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(readme(dcfg, target=target, out=dst, dtype=dtype, figures=figures, note=note))
+        if prompts is not None:
+            from .data.prompt_sets import write_jsonl
+            write_jsonl(prompts[0], tmp / files.EVAL_PROMPTS)
+            (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
         files.plain_modes(tmp)  # an engine running as another user must read it
         kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
@@ -186,7 +253,8 @@ def run_figures(run_dir: Path) -> dict:
         return {}
     out = {}
     if isinstance(s.get("eval_after"), dict) and "acceptance_length" in s["eval_after"]:
-        out["after training"] = s["eval_after"]
+        served = " (the served drafter, bf16 weights)" if s["eval_after"].get("served") else ""
+        out["after training" + served] = s["eval_after"]
     last = (s.get("acceptance_estimate") or {}).get("last") or {}
     if "tau_no_copy" in last:
         out["_tau_no_copy_estimate"] = last["tau_no_copy"]
@@ -205,7 +273,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
     figures = run_figures(Path(checkpoint).resolve().parent)
     no_copy = figures.pop("_tau_no_copy_estimate", None)
     note = None
-    if raw.get("copy_head"):
+    if raw.get("copy_head") and not any(isinstance(f, dict) and f.get("served") for f in figures.values()):
         figures = {}  # what the run measured included the copy head's proposals
         note = ("exported without its copy head (the format has no place for it); "
                 + (f"held-out acceptance estimate without it: tau {no_copy:.3f}" if no_copy is not None else
@@ -213,7 +281,9 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
     warn = fmt.rope_warning(tcfg)
     if warn:
         print(f"dflash export: warning: {warn}", file=sys.stderr)
-    dst = write_export(drafter, tcfg, out, dtype=dtype, target=target, figures=figures, note=note)
+    run_dir = Path(checkpoint).resolve().parent
+    dst = write_export(drafter, tcfg, out, dtype=dtype, target=target, figures=figures, note=note,
+                       prompts=_run_held_out(run_cfg, run_dir))
     size = (dst / "model.safetensors").stat().st_size
     return {"out": str(dst), "dtype": dtype, "bytes": size, "target": target,
             "without_copy_head": bool(raw.get("copy_head")), "tau_no_copy_estimate": no_copy,
@@ -231,11 +301,12 @@ def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16", target_conf
                    "--without-copy-head")
             print(f"dflash train: no served export: {why}", file=sys.stderr)
             return {"skipped": why}
-        figures = {"after training": summary["eval_after"]} if "acceptance_length" in (
-            summary.get("eval_after") or {}) else None
+        after = summary.get("eval_after") or {}
+        figures = {"after training" + (f" (the served drafter, {dtype} weights)" if after.get("served") else ""): after} \
+            if "acceptance_length" in after else None
         tcfg = target_config if target_config is not None else ctx.target_config
-        dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype,
-                           target=ctx.cfg.model.target, figures=figures)
+        dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype, target=ctx.cfg.model.target,
+                           figures=figures, prompts=held_out_prompts(ctx.cfg, ctx.eval_convs, ctx.out))
         return {"out": str(dst), "dtype": dtype, "bytes": (dst / "model.safetensors").stat().st_size}
     except Exception as e:  # reported in summary.json and on stderr
         print(f"dflash train: export to {ctx.out / 'export'} failed: {type(e).__name__}: {e}", file=sys.stderr)

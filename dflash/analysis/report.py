@@ -23,7 +23,8 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                       f"  (weighted block accuracy {_fmt(s.get('acc_last'))})")
     if s.get("nonfinite_steps"):
         t.add_row("skipped steps", f"{s['nonfinite_steps']} non-finite")
-    for label, key in (("tau before", "eval_before"), ("tau after", "eval_after")):
+    for label, key in (("tau before", "eval_before"), ("tau after", "eval_after"),
+                       ("tau, copy head", "eval_after_copy_head")):
         if key in s and "skipped" in s[key]:  # an interrupted run skips its after-training eval
             t.add_row(label, f"skipped ({s[key]['skipped']}); run: {s[key]['command']}")
         elif key in s:
@@ -31,8 +32,18 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             e = s[key]
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             partial = f"PARTIAL (interrupted; run: {e['command']}); " if e.get("interrupted") else ""
-            t.add_row(label, f"{e['acceptance_length']:.3f}  ({partial}block {e['block_size']}, {e['prompts']} "
+            served = "served drafter (OUT/export: no copy head), " if e.get("served") else ""
+            t.add_row(label, f"{e['acceptance_length']:.3f}  ({partial}{served}block {e['block_size']}, {e['prompts']} "
                              f"prompts, {describe_lossless(e)}; accepted+1 histogram {hist})")
+            b = e.get("baseline")
+            if b:  # the free baseline on the same prompts: a drafter is worth serving above it
+                verdict = "above" if e["acceptance_length"] > b["acceptance_length"] else "NOT above"
+                t.add_row("  prompt lookup", f"{b['acceptance_length']:.3f}  (same prompts, no training; the "
+                                             f"drafter is {verdict} it)")
+            if e.get("per_position_acceptance"):
+                pos = " ".join(f"{x:.2f}" for x in e["per_position_acceptance"])
+                base = " ".join(f"{x:.2f}" for x in (b or {}).get("per_position_acceptance") or [])
+                t.add_row("  accepted at 1..B-1", pos + (f"  (prompt lookup {base})" if base else ""))
     curve = s.get("acceptance_estimate") or {}
     est = curve.get("last")
     if est:

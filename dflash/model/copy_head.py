@@ -25,37 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_NGRAM = 3
+# the proposal rule is prompt lookup's, in one place for the baseline and the copy head
+from .prompt_lookup import MAX_NGRAM
+from .prompt_lookup import candidates as copy_candidates
+
 # The bias trains at this multiple of the learning rate (an optimizer param group, see
 # DrafterTrainer): Adam moves a parameter by about lr a step, and the copy weight's logit has
 # to travel several units within a few hundred steps at lr ~1e-3. A larger learning rate
 # rather than a scaled parameter keeps its gradient, and so the gradient-norm clip, fair.
 BIAS_LR_SCALE = 16.0
 PRIOR = -6.0   # the copy weight's logit at the start: c = 0.25%
-
-
-def copy_candidates(ids: torch.Tensor, anchors: torch.Tensor, span: int, max_n: int = MAX_NGRAM):
-    """ids [B, S]; anchors [B, A] (positions p). Returns (cand [B, A, span] token ids,
-    n [B, A] match length 0..max_n, ok [B, A, span] whether slot k has a proposal).
-
-    The match is the latest j < p with the longest common run of tokens ending at j and p."""
-    B, S = ids.shape
-    j = torch.arange(S, device=ids.device)
-    run = torch.ones(B, anchors.shape[1], S, dtype=torch.bool, device=ids.device)
-    length = torch.zeros(B, anchors.shape[1], S, dtype=torch.long, device=ids.device)
-    for m in range(max_n):
-        at_anchor = torch.gather(ids, 1, (anchors - m).clamp(min=0))           # token p-m
-        at_j = ids[:, (j - m).clamp(min=0)]                                     # token j-m
-        same = (at_anchor[..., None] == at_j[:, None, :]) & (anchors >= m)[..., None] & (j >= m)
-        run = run & same
-        length = length + run.long()
-    length = length * (j < anchors[..., None])                                  # strictly earlier
-    best = (length * S + j).argmax(-1)                                          # longest, then latest
-    n = torch.gather(length, 2, best[..., None])[..., 0]
-    cpos = best[..., None] + torch.arange(1, span + 1, device=ids.device)
-    cand = torch.gather(ids, 1, cpos.clamp(max=S - 1).view(B, -1)).view_as(cpos)
-    ok = (n[..., None] > 0) & (cpos <= anchors[..., None])
-    return cand, n, ok
 
 
 class CopyHead(nn.Module):

@@ -1,4 +1,9 @@
-"""Acceptance length (tau) of a drafter on held-out prompts, with a losslessness check.
+"""Acceptance length (tau) of a drafter on held-out prompts, with a losslessness check,
+beside the free baseline (prompt lookup) decoded through the same loop on the same prompts.
+
+tau = accepted + 1 per verify step, averaged per prompt, then over the prompts of each turn,
+then over turns (z-lab's protocol; single-turn prompts: the mean over prompts).
+`per_position_acceptance[k-1]` = the share of verify steps that accepted draft position k.
 
 "Lossless" means: for every prompt, the speculative output equals the target's own greedy
 decode computed by the same target object (same dtype, device and cache implementation;
@@ -15,6 +20,8 @@ import torch
 from tqdm import tqdm
 
 from ..data import dataset as data_mod
+from ..data.prompt_sets import Dialog, PromptSet, first_turns
+from .prompt_lookup import METHOD, RULE, PromptLookup
 from .spec_decode import first_divergence, greedy_generate, speculative_generate
 from .spec_sample import speculative_sample
 
@@ -32,79 +39,190 @@ def describe_lossless(res: dict) -> str:
     return f"lossless=False: {res['lossless_divergent_prompts']}/{res['prompts']} prompts diverged; first: {firsts}"
 
 
+BASELINES = ("prompt_lookup", "none")
+
+
+def per_position(hist: list[int] | dict, block_size: int) -> list[float]:
+    """Share of verify steps that accepted draft position k, k = 1 .. block_size - 1 (a step
+    that accepted a tokens accepted positions 1..a-1): non-increasing, in [0, 1]. Where it
+    drops is where a drafter gives up."""
+    counts = [int(hist[str(a)] if isinstance(hist, dict) else hist[a]) for a in range(1, block_size + 1)]
+    total = sum(counts)
+    return [round(sum(counts[k:]) / total, 4) if total else 0.0 for k in range(1, block_size)]
+
+
+class _Tally:
+    """One method's figures over the dialogs decoded whole (a prompt cut short counts nowhere)."""
+
+    def __init__(self, block_size: int):
+        self.B = block_size
+        self.hist = [0] * (block_size + 1)
+        self.turn_taus: dict[int, list[float]] = {}
+        self.dialog_taus: list[float] = []
+        self.steps: list[dict] = []
+        self.outputs: list[list[int]] = []
+        self.divergences: list[dict] = []
+        self.decode_s, self.generated = 0.0, 0
+
+    def add(self, turns: list[dict]) -> None:
+        """turns: [{"i", "id", "turn", "prompt_ids", "res", "s", "divergence"}] of one whole dialog."""
+        taus = []
+        for r in turns:
+            res = r["res"]
+            self.decode_s += r["s"]
+            self.generated += len(res.tokens)
+            self.outputs.append(res.tokens)
+            step = {"id": r["id"], "turn": r["turn"], "acceptance_lengths": list(res.acceptance),
+                    "output_ids": list(res.tokens)}
+            if r.get("prompt_ids") is not None:
+                step = {"prompt_ids": list(r["prompt_ids"])} | step
+            self.steps.append(step)
+            for a in res.acceptance:
+                self.hist[a] += 1
+            if res.acceptance:
+                taus.append(res.tau)
+                self.turn_taus.setdefault(r["turn"], []).append(res.tau)
+            if r.get("divergence") is not None:
+                self.divergences.append(r["divergence"])
+        if taus:
+            self.dialog_taus.append(sum(taus) / len(taus))
+
+    def divergent_prompts(self) -> int:
+        return len({d["prompt"] for d in self.divergences})
+
+    def figures(self) -> dict:
+        # z-lab's protocol: the mean within each turn, then across turns (one turn: the mean over prompts)
+        per_turn = [sum(v) / len(v) for _, v in sorted(self.turn_taus.items())]
+        return {
+            "acceptance_length": round(sum(per_turn) / max(1, len(per_turn)), 4),
+            "per_prompt": [round(t, 4) for t in self.dialog_taus],  # the spread says how noisy a few prompts are
+            "per_turn": [round(t, 4) for t in per_turn],
+            "histogram": {str(k): self.hist[k] for k in range(1, self.B + 1)},
+            "per_position_acceptance": per_position(self.hist, self.B),
+            "tokens_per_s": round(self.generated / self.decode_s, 2) if self.decode_s > 0 else None,  # decoding only
+        }
+
+
+def _turn_ids(tokenizer, d: Dialog, t: int, replies: list[str], max_prompt_len: int) -> list[int]:
+    """Turn t's prompt ids: the system prompt, the earlier turns with the target's replies, turn t."""
+    if t == 0 and d.ids is not None:
+        return list(d.ids)
+    msgs = [{"role": "system", "content": d.system}] if d.system is not None else []
+    for k in range(t):
+        msgs += [{"role": "user", "content": d.turns[k]}, {"role": "assistant", "content": replies[k]}]
+    msgs.append({"role": "user", "content": d.turns[t]})
+    if t == 0 and max_prompt_len:  # held-out prompts: cut as training's eval cuts them
+        return data_mod.truncated_prompt(tokenizer, msgs, max_prompt_len)[1]
+    return data_mod._prompt_ids(tokenizer, msgs)
+
+
 def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens: int,
              max_prompt_len: int, check_lossless: bool = True, progress: bool = True,
              stop=None, mode: str = "auto", keep_outputs: bool = False, temperature: float = 0.0,
-             top_p: float = 1.0, top_k: int = 0, seed: int = 0, prompt_ids: list | None = None) -> dict:
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, prompt_ids: list | None = None,
+             prompt_set: PromptSet | None = None, baseline: str = "none") -> dict:
     """`stop` (a threading.Event): when set, finish the current prompt and return what was
     measured so far, marked ``interrupted`` (a preempted job must exit within its grace period).
 
-    temperature > 0 samples (model/spec_sample.py; prompt i draws from a generator seeded
-    seed + i); "lossless" is then a property of the output distribution, which tests check,
-    not a per-prompt comparison: it is reported as not checked. `prompt_ids` replaces the
-    prompts taken from `convs` (a replayed eval)."""
-    ids = prompt_ids if prompt_ids is not None else \
-        data_mod.prompts_for_eval(tokenizer, convs, max_prompt_len=max_prompt_len)[:prompts]
+    Prompts: `prompt_set` (data/prompt_sets.py: dialogs of one or more user turns; a later
+    turn follows the target's own reply to the earlier one), else `prompt_ids` (a replayed
+    eval), else the first `prompts` of `convs` (held-out conversations: their first turn cut
+    to `max_prompt_len`).
+
+    `baseline="prompt_lookup"` decodes every prompt with prompt lookup too (model/prompt_lookup.py),
+    through the same speculative loop and target verify: result["baseline"].
+
+    temperature > 0 samples (model/spec_sample.py; dialog i draws from a generator seeded
+    seed + i, the baseline from its own with the same seed); "lossless" is then a property
+    of the output distribution, which tests check, not a per-prompt comparison: it is
+    reported as not checked. A later turn follows the drafter's reply (at T = 0 the
+    target's greedy one), so both methods see the same prompts."""
+    if baseline not in BASELINES:
+        raise ValueError(f"baseline {baseline!r}: expected one of {', '.join(BASELINES)}")
+    if prompt_set is None:
+        if prompt_ids is not None:
+            dialogs = [Dialog(f"held-out-{i}", [], ids=list(p)) for i, p in enumerate(prompt_ids)]
+        else:
+            dialogs = first_turns(convs)[:prompts]
+        prompt_set = PromptSet("held-out", dialogs, {"kind": "held_out"}, max_prompt_len)
     sampled = temperature > 0
     check_lossless = check_lossless and not sampled
     gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     eos = {t for t in eos | {tokenizer.eos_token_id} if t is not None}
     B = drafter.cfg.block_size
-    hist = [0] * (B + 1)
-    taus, divergences, done, outputs, replay = [], [], 0, [], []
-    decode_s, generated = 0.0, 0
+    methods = {"drafter": drafter} | ({"baseline": PromptLookup(B)} if baseline == "prompt_lookup" else {})
+    tallies = {name: _Tally(B) for name in methods}
+    done = 0
     t0 = time.perf_counter()
     drafter.eval()
-    for i, prompt in enumerate(tqdm(ids, desc="eval", disable=not progress, leave=False)):
-        if stop is not None and stop.is_set():
-            break
+
+    def decode(method, prompt, generator):
         t1 = time.perf_counter()
         if sampled:
-            res = speculative_sample(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                                     temperature=temperature, top_p=top_p, top_k=top_k,
-                                     generator=torch.Generator().manual_seed(seed + i), stop=stop)
+            res = speculative_sample(target, method, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                     temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
+                                     stop=stop)
         else:
-            res = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+            res = speculative_generate(target, method, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
                                        stop=stop)
-        decode_s += time.perf_counter() - t1
-        margins: list = []
-        ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                              margins=margins, stop=stop) if check_lossless else None
+        return res, time.perf_counter() - t1
+
+    def divergence(i, t, ref, out, margins):
+        pos = first_divergence(ref, out) if ref is not None else None
+        if pos is None:
+            return None
+        margin = margins[pos] if pos < len(margins) else float("nan")
+        return {"prompt": i, "turn": t, "position": pos, "margin": round(margin, 6)}
+
+    for i, dialog in enumerate(tqdm(prompt_set.dialogs, desc="eval", disable=not progress, leave=False)):
+        if stop is not None and stop.is_set():
+            break
+        gens = {name: torch.Generator().manual_seed(seed + i) if sampled else None for name in methods}
+        records = {name: [] for name in methods}
+        replies: list[str] = []
+        for t in range(len(dialog.turns) if dialog.ids is None else 1):
+            prompt = _turn_ids(tokenizer, dialog, t, replies, prompt_set.max_prompt_len)
+            runs = {name: decode(m, prompt, gens[name]) for name, m in methods.items()}
+            margins: list = []
+            ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
+                                  margins=margins, stop=stop) if check_lossless else None
+            if stop is not None and stop.is_set():
+                break
+            for name, (res, secs) in runs.items():
+                records[name].append({"id": dialog.id, "turn": t, "res": res, "s": secs,
+                                      "prompt_ids": prompt if name == "drafter" else None,
+                                      "divergence": divergence(i, t, ref, res.tokens, margins)})
+            out = runs["drafter"][0].tokens
+            replies.append(tokenizer.decode([x for x in out if x not in eos], skip_special_tokens=True))
         if stop is not None and stop.is_set():
             break  # a prompt cut short is not counted: every figure below is over whole prompts
-        generated += len(res.tokens)
-        outputs.append(res.tokens)
-        # enough for any other decoder to replay this prompt and compare step by step
-        replay.append({"prompt_ids": list(prompt), "acceptance_lengths": list(res.acceptance),
-                       "output_ids": list(res.tokens)})
-        if res.acceptance:
-            taus.append(res.tau)
-        for a in res.acceptance:
-            hist[a] += 1
-        if ref is not None:
-            pos = first_divergence(ref, res.tokens)
-            if pos is not None:
-                margin = margins[pos] if pos < len(margins) else float("nan")
-                divergences.append({"prompt": i, "position": pos, "margin": round(margin, 6)})
+        for name in methods:
+            tallies[name].add(records[name])
         done += 1
-    extra = {"outputs": outputs} if keep_outputs else {}
-    return extra | {
-        "acceptance_length": round(sum(taus) / max(1, len(taus)), 4),
-        "per_prompt": [round(t, 4) for t in taus],  # the spread says how noisy a few prompts are
+    main = tallies["drafter"]
+    extra = {"outputs": main.outputs} if keep_outputs else {}
+    lossless = (lambda tally: (not tally.divergences) if check_lossless and done else None)
+    res = extra | main.figures() | {
         "block_size": B,
         "prompts": done,
-        "histogram": {str(k): hist[k] for k in range(1, B + 1)},
-        "lossless": (not divergences) if check_lossless and done else None,
-        "lossless_divergent_prompts": len(divergences),
-        "lossless_mismatches": len(divergences),  # older name of the same count
-        "lossless_divergences": divergences,      # [{prompt, position (first differing token), margin}]
+        "prompt_set": prompt_set.name,
+        "prompt_source": prompt_set.source,
+        "lossless": lossless(main),
+        "lossless_divergent_prompts": main.divergent_prompts(),
+        "lossless_mismatches": main.divergent_prompts(),  # older name of the same count
+        "lossless_divergences": main.divergences,      # [{prompt, turn, position (first differing token), margin}]
         "dtype": str(target.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "tokens_per_s": round(generated / decode_s, 2) if decode_s > 0 else None,  # decoding only
-        "per_prompt_steps": replay,  # [{prompt_ids, acceptance_lengths (accepted + 1 per step), output_ids}]
+        "per_prompt_steps": main.steps,  # [{prompt_ids, id, turn, acceptance_lengths (accepted + 1 per step), output_ids}]
         "stop_token_ids": sorted(eos),
         "interrupted": bool(stop is not None and stop.is_set()),
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+    if "baseline" in tallies:
+        b = tallies["baseline"]
+        res["baseline"] = {"method": METHOD, "rule": RULE} | b.figures() | {
+            "lossless": lossless(b), "lossless_divergent_prompts": b.divergent_prompts(),
+            "per_prompt_steps": b.steps}  # [{id, turn, acceptance_lengths, output_ids}]: prompts as above
+    return res

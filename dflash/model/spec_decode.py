@@ -43,8 +43,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from . import lazy_logits
+from . import lazy_logits, sampling
 from .drafter import DFlashDrafter
+from .prompt_lookup import PromptLookup
 
 try:  # transformers >= 5: hybrid caches keep linear-attention layers of this kind
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
@@ -65,7 +66,14 @@ class DecodeResult:
 
 
 def _features(out, layer_ids):
+    """The fused layers' hidden states; None for a drafter that reads none (prompt lookup)."""
+    if not layer_ids:
+        return None
     return torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _last(feats, n: int):
+    return None if feats is None else feats[0, -n:]
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,28 +153,28 @@ class _TargetRunner:
         n = len(new_tokens)
         if self.decoder is None:
             out = self._forward_model(new_tokens)
-            return out.logits[0, -n:].argmax(-1).tolist(), _features(out, self.layer_ids)[0, -n:]
+            return out.logits[0, -n:].argmax(-1).tolist(), _last(_features(out, self.layer_ids), n)
         if self.mode == "snapshot":
             self._saved = self._snapshot()
-        out = self._run_decoder(self.pending + new_tokens, hidden=True)
+        out = self._run_decoder(self.pending + new_tokens, hidden=bool(self.layer_ids))
         preds = lazy_logits.LazyArgmax(out.last_hidden_state[0, -n:], self.target.get_output_embeddings())
-        return preds, _features(out, self.layer_ids)[0, -n:]
+        return preds, _last(_features(out, self.layer_ids), n)
 
     def forward_logits(self, new_tokens: list[int]):
         """`forward`, but the logits of every new token ([n, V]) instead of their argmax:
         sampling reads whole distributions (model/spec_sample.py)."""
         n = len(new_tokens)
         out = self._forward_model(new_tokens)
-        return out.logits[0, -n:], _features(out, self.layer_ids)[0, -n:]
+        return out.logits[0, -n:], _last(_features(out, self.layer_ids), n)
 
     def _forward_model(self, new_tokens: list[int]):
         """The whole model (lm_head included) over the new tokens, through the cache if any."""
-        n = len(new_tokens)
+        n, hidden = len(new_tokens), bool(self.layer_ids)
         if self.cache is None:
-            return self._run(self.seq + new_tokens, hidden=True, keep=n)
+            return self._run(self.seq + new_tokens, hidden=hidden, keep=n)
         if self.mode == "snapshot":
             self._saved = self._snapshot()
-        return self._run(self.pending + new_tokens, hidden=True, keep=n)
+        return self._run(self.pending + new_tokens, hidden=hidden, keep=n)
 
     def commit(self, tokens: list[int], kept: int):
         """tokens were forwarded; only the first `kept` of them stay in the sequence."""
@@ -249,36 +257,80 @@ def copy_source(drafter, seq: list[int], anchor: int, dev) -> dict:
     return {"context_ids": torch.tensor([seq + [anchor]], device=dev)}
 
 
+class _DrafterSource:
+    """A verify step's draft from a DFlash drafter: its context keys/values grow by the
+    target features of the newly committed positions, then it fills one block."""
+
+    def __init__(self, drafter: DFlashDrafter, target):
+        self.drafter = drafter
+        self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        self.layer_ids, self.block_size = drafter.cfg.target_layer_ids, drafter.cfg.block_size
+        self.ctx_kv = None  # the drafter's per-layer context keys/values, grown by the new positions only
+
+    def _args(self, seq, anchor, new_feats):
+        n, dev = len(seq), new_feats.device
+        self.ctx_kv = grow_context(self.drafter, self.ctx_kv, new_feats, n, self.embed)
+        return (torch.tensor([anchor], device=dev), n, self.ctx_kv, self.embed, self.lm_head), \
+            copy_source(self.drafter, seq, anchor, dev)
+
+    def greedy(self, seq: list[int], anchor: int, new_feats) -> list[int]:
+        args, kw = self._args(seq, anchor, new_feats)
+        return self.drafter.draft(*args, **kw)[0].tolist()
+
+    def sample(self, seq: list[int], anchor: int, new_feats, dist, generator):
+        """(drafted tokens, q: the distribution they were drawn from, [K, V])."""
+        args, kw = self._args(seq, anchor, new_feats)
+        q = dist(self.drafter.draft_logits(*args, **kw)[0])
+        return sampling.draw(q, generator).tolist(), q
+
+
+class _LookupSource:
+    """A verify step's draft from prompt lookup (model/prompt_lookup.py): up to B - 1 tokens
+    of the committed sequence plus the anchor, none when nothing matches (the verify is then
+    a plain decode step). No target features are read."""
+
+    layer_ids: list = []
+
+    def __init__(self, lookup: PromptLookup):
+        self.lookup, self.block_size = lookup, lookup.block_size
+
+    def greedy(self, seq: list[int], anchor: int, new_feats) -> list[int]:
+        return self.lookup.propose(seq + [anchor])
+
+    def sample(self, seq: list[int], anchor: int, new_feats, dist, generator):
+        return self.greedy(seq, anchor, new_feats), None  # q None: a point mass on each draft token
+
+
+def draft_source(drafter, target):
+    """What drafts a verify step's block: a DFlash drafter or prompt lookup, one loop for both."""
+    return _LookupSource(drafter) if isinstance(drafter, PromptLookup) else _DrafterSource(drafter, target)
+
+
 @torch.no_grad()
-def speculative_generate(target, drafter: DFlashDrafter, prompt: list[int], *, max_new_tokens: int,
+def speculative_generate(target, drafter: DFlashDrafter | PromptLookup, prompt: list[int], *, max_new_tokens: int,
                          eos_ids: set[int] = frozenset(), mode: str = "auto", stop=None) -> DecodeResult:
-    """``stop`` (a threading.Event): set, the decode returns after the current verify step
-    (a signal must not wait for a long prompt to finish)."""
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    layer_ids = drafter.cfg.target_layer_ids
-    B = drafter.cfg.block_size
-    runner = _TargetRunner(target, layer_ids, mode, max_pending=B)
+    """``drafter``: a DFlash drafter or `PromptLookup` (the baseline): the same target
+    verify and acceptance rule either way. ``stop`` (a threading.Event): set, the decode
+    returns after the current verify step (a signal must not wait for a long prompt to finish)."""
+    source = draft_source(drafter, target)
+    B = source.block_size
+    runner = _TargetRunner(target, source.layer_ids, mode, max_pending=B)
 
     preds, feats = runner.forward(prompt)
     runner.commit(prompt, len(prompt))
     new_feats = feats  # features of committed positions not yet in the drafter's context cache
-    ctx_kv = None      # the drafter's per-layer context keys/values, grown by the new positions only
     out: list[int] = [int(preds[-1])]
     acceptance: list[int] = []
     while len(out) < max_new_tokens and out[-1] not in eos_ids and not (stop is not None and stop.is_set()):
-        n = len(runner.seq)
         anchor = out[-1]
-        dev = new_feats.device
-        ctx_kv = grow_context(drafter, ctx_kv, new_feats, n, embed)
-        draft = drafter.draft(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head,
-                              **copy_source(drafter, runner.seq, anchor, dev))[0].tolist()
+        draft = source.greedy(runner.seq, anchor, new_feats)  # B - 1 tokens (prompt lookup: up to)
         block = [anchor] + draft
         preds, feats = runner.forward(block)  # ids read as far as the drafts hold (lazily on the CPU)
         accepted = 0
-        while accepted < B - 1 and draft[accepted] == preds[accepted]:
+        while accepted < len(draft) and draft[accepted] == preds[accepted]:
             accepted += 1
         runner.commit(block, accepted + 1)
-        new_feats = feats[: accepted + 1]
+        new_feats = None if feats is None else feats[: accepted + 1]
         new = draft[:accepted] + [preds[accepted]]
         acceptance.append(accepted + 1)
         for t in new:  # stop exactly where plain greedy decoding would

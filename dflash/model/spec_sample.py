@@ -14,18 +14,21 @@ import torch
 
 from . import sampling
 from .drafter import DFlashDrafter
-from .spec_decode import DecodeResult, _TargetRunner, copy_source, grow_context
+from .prompt_lookup import PromptLookup
+from .spec_decode import DecodeResult, _TargetRunner, draft_source
 
 
 @torch.no_grad()
-def speculative_sample(target, drafter: DFlashDrafter, prompt: list[int], *, max_new_tokens: int,
+def speculative_sample(target, drafter: DFlashDrafter | PromptLookup, prompt: list[int], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, top_k: int = 0,
                        eos_ids: set[int] = frozenset(), mode: str = "auto",
                        generator: torch.Generator | None = None, stop=None) -> DecodeResult:
-    """``stop`` (a threading.Event): set, return after the current verify step."""
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    B = drafter.cfg.block_size
-    runner = _TargetRunner(target, drafter.cfg.target_layer_ids, mode, max_pending=B)
+    """``drafter``: a DFlash drafter, or `PromptLookup` whose proposal is a point mass (q =
+    one-hot: accepted with probability p(x)). ``stop`` (a threading.Event): set, return
+    after the current verify step."""
+    source = draft_source(drafter, target)
+    B = source.block_size
+    runner = _TargetRunner(target, source.layer_ids, mode, max_pending=B)
 
     def dist(logits):  # on the CPU: the generator and the rule's host reads live there
         return sampling.probs(logits.float().cpu(), temperature, top_p, top_k)
@@ -34,18 +37,14 @@ def speculative_sample(target, drafter: DFlashDrafter, prompt: list[int], *, max
     runner.commit(prompt, len(prompt))
     out = [int(sampling.draw(dist(logits[-1]), generator))]
     acceptance: list[int] = []
-    ctx_kv = None
     while len(out) < max_new_tokens and out[-1] not in eos_ids and not (stop is not None and stop.is_set()):
-        n, anchor, dev = len(runner.seq), out[-1], new_feats.device
-        ctx_kv = grow_context(drafter, ctx_kv, new_feats, n, embed)
-        q = dist(drafter.draft_logits(torch.tensor([anchor], device=dev), n, ctx_kv, embed, lm_head,
-                                      **copy_source(drafter, runner.seq, anchor, dev))[0])
-        draft = sampling.draw(q, generator).tolist()
+        anchor = out[-1]
+        draft, q = source.sample(runner.seq, anchor, new_feats, dist, generator)
         block = [anchor] + draft
         logits, feats = runner.forward_logits(block)
         accepted, nxt = sampling.accept_block(draft, dist(logits), q, generator)
         runner.commit(block, accepted + 1)
-        new_feats = feats[: accepted + 1]
+        new_feats = None if feats is None else feats[: accepted + 1]
         acceptance.append(accepted + 1)
         for t in draft[:accepted] + [nxt]:  # stop exactly where plain sampling would
             out.append(t)

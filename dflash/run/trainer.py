@@ -33,18 +33,38 @@ from .summary import balance_from_files, rank_reports, summarize
 from .telemetry_setup import linger_for_scrape
 
 
-def run_eval(ctx: RunContext, label: str) -> dict:
+def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict | None = None) -> dict:
+    """tau of the drafter as it is (`served=False`: before training; a copy head, if on, included),
+    or of the drafter a user serves (`served`: OUT/export's weights, no copy head) beside prompt
+    lookup on the same prompts (eval.baseline). `checked`: an eval of the same prompts whose
+    outputs were checked against the target's greedy decode: this one's are compared with
+    those instead of decoding the reference again (a greedy decode saved per prompt)."""
     from ..model.evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
     drafter = ctx.trainer.drafter
-    if next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
+    if served:
+        from ..export import served_drafter
+        drafter = served_drafter(drafter, ctx.target.device)
+    elif next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
     res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed)
+                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed,
+                   baseline=e.baseline if served else "none",
+                   check_lossless=not (checked and checked.get("lossless") is not None))
+    if checked and checked.get("lossless") is not None:  # equal outputs: lossless exactly when those were
+        same = [a["output_ids"] == b["output_ids"] for a, b in zip(res["per_prompt_steps"], checked["per_prompt_steps"])]
+        res["lossless"] = checked["lossless"] and all(same)
+        res["lossless_divergent_prompts"] = res["lossless_mismatches"] = same.count(False)
+    if served:
+        res["served"] = True  # OUT/export's drafter: no copy head, its export dtype's weights
+    if drafter.copy is not None:
+        res["copy_head"] = drafter.copying
+    base = res.get("baseline")
     print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
+          + (f"; prompt lookup on the same prompts: {base['acceptance_length']:.3f}" if base else "")
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
     if ctx.stop.is_set():  # cut short by a signal: marked, with the command that redoes it
         res.update(interrupted=True, command=eval_command(ctx.cfg))
@@ -147,11 +167,6 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
             ctx.trainer.embed.weight, ctx.trainer.lm_head.weight)}.values())
     if ctx.estimate is not None:
         summary["acceptance_estimate"] = ctx.estimate.summary()
-    if ctx.is_lead and ctx.history:
-        from ..analysis.learning_curve import write_png
-        where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
-        write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
-                  cfg.model.block_size, f"{cfg.model.target}: drafter training{where}")
     if ctx.warmup_s is not None:
         summary["warmup_s"] = round(ctx.warmup_s, 2)
     if ctx.writer is not None:  # off the drafter's path, but worth knowing
@@ -162,12 +177,21 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
         if ctx.rank == 0:
             print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}", file=sys.stderr)
     elif eval_before_after:
-        summary["eval_after"] = run_eval(ctx, "after training")
+        # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
+        summary["eval_after"] = run_eval(ctx, "after training (served drafter)", served=True)
+        if ctx.trainer.drafter.copying and not ctx.stop.is_set():  # the copy head's own figure
+            summary["eval_after_copy_head"] = run_eval(ctx, "after training, with the copy head",
+                                                       checked=summary["eval_after"])
         if ctx.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
             summary["interrupted"] = True
             if ctx.rank == 0:
                 print(f"eval after training interrupted: tau above is partial; run it whole with: "
                       f"{eval_command(cfg)}", file=sys.stderr)
+    if ctx.is_lead and ctx.history:  # after the eval: the picture shows its served tau beside prompt lookup's
+        from ..analysis.learning_curve import write_png
+        where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
+        write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
+                  cfg.model.block_size, f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
     if ctx.is_lead:  # a servable copy: OUT/export/ (or why not)
         from ..export import export_after_run
         summary["export"] = export_after_run(ctx, summary)

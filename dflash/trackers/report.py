@@ -99,6 +99,9 @@ def run_summary(summary: dict, idle: dict | None, source: str) -> dict:
     for key, label in (("eval_after", "tau"), ("eval_before", "tau_before")):
         if isinstance(summary.get(key), dict) and "acceptance_length" in summary[key]:
             out[label] = summary[key]["acceptance_length"]
+    if isinstance(summary.get("eval_after"), dict):  # prompt lookup's tau, per-position shares, sets
+        out |= {k: v for k, v in eval_metrics(summary["eval_after"]).items()
+                if k.startswith(("baseline/", "per_position_acceptance/", "sets/"))}
     return out
 
 
@@ -122,7 +125,8 @@ def eval_metrics(res: dict, extra: dict | None = None) -> dict:
     """`dflash eval`'s result -> tracker keys. Generic, so new figures flow through without
     this code knowing them: `tau`; every number (and yes/no) at the result's top level as
     `eval/<key>`; the baseline's numbers as `baseline/<key>`; per-position acceptance as
-    `per_position_acceptance/<k>` (a list's first item is position 1). `extra`: more keys
+    `per_position_acceptance/<k>` (a list's first item is position 1); each set's tau (and its
+    baseline's) as `sets/<name>/tau`. `extra`: more keys
     (a side-by-side eval's `compare/<i>/...`). None values are left out."""
     out = {"tau": res.get("acceptance_length")}
     for k, v in res.items():
@@ -136,6 +140,11 @@ def eval_metrics(res: dict, extra: dict | None = None) -> dict:
         out |= {f"per_position_acceptance/{k}": v for k, v in ppa.items() if _number(v)}
     elif isinstance(ppa, (list, tuple)):
         out |= {f"per_position_acceptance/{i}": v for i, v in enumerate(ppa, 1) if _number(v)}
+    for name, st in (res.get("sets") or {}).items():  # --bench / --prompts-from: one row each
+        if isinstance(st, dict):
+            out[f"sets/{name}/tau"] = st.get("acceptance_length")
+            if isinstance(st.get("baseline"), dict):
+                out[f"sets/{name}/baseline_tau"] = st["baseline"].get("acceptance_length")
     out |= extra or {}
     return {k: v for k, v in out.items() if v is not None}
 
