@@ -201,4 +201,6 @@ def _setup_targets(ctx, target, resume: bool, features) -> None:
 def _setup_estimate(ctx) -> None:
     if ctx.held_out:
         from .acceptance_estimate import AcceptanceEstimate
+        from .best import BestKeeper
         ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, ctx.cfg.train.estimate_every)
+        ctx.estimate.keeper = BestKeeper(ctx, resume=ctx.start_step > 0)

@@ -145,6 +145,9 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
             ctx.trainer.embed.weight, ctx.trainer.lm_head.weight)}.values())
     if ctx.estimate is not None:
         summary["acceptance_estimate"] = ctx.estimate.summary()
+        best = ctx.estimate.keeper.finish() if ctx.estimate.keeper is not None else None
+        if best is not None:  # OUT/best/checkpoint + OUT/best/export: which step, and its estimate
+            summary["best"] = best
     if ctx.is_lead and ctx.history:
         from ..analysis.learning_curve import write_png
         where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
