@@ -71,6 +71,14 @@ class TrainConfig:
     feature_cache: bool = False          # keep every training sequence's target features in memory after its
                                          # first forward, so later epochs skip the (frozen) target: for small
                                          # data sets that fit (demo: ~120 seqs x 160 tokens x 3 layers, ~130 MB)
+    loss: str = "ce"                     # ce (the target's greedy token) | kl (forward KL to the target's
+                                         # distribution) | lk (LK hybrid: KL -> acceptance); model/losses.py
+    loss_weights: str = "decay"          # per-slot weights: decay (fixed, loss_gamma) | dpace (from the
+                                         # drafter's own confidence, D-PACE); model/losses.py
+    kl_topk: int = 64                    # kl / lk: the target's k most likely tokens + one bucket for the rest;
+                                         # 0: the whole distribution (online only). Captures keep k per token
+    dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a
+    lk_eta: float = 3.0                  # lk: lam = exp(-eta * acceptance) blends KL into 1 - acceptance
 
 
 @dataclass
@@ -306,6 +314,9 @@ RANGES: dict[str, Range] = {
     "train.estimate_every": Range(0, note="0: off"),
     "train.estimate_samples": Range(1),
     "train.loss_vocab": Range(0, note="0: the whole vocabulary"),
+    "train.kl_topk": Range(0, note="0: the whole distribution"),
+    "train.dpace_alpha": Range(0, 1, lo_open=True),
+    "train.lk_eta": Range(0),
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.max_prompt_len": Range(1),
@@ -371,6 +382,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dtype={m.dtype!r}: expected auto, float32 or bfloat16")
     if d.max_len < 2 * m.block_size + 1:
         raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
+    t = cfg.train
+    if t.loss not in ("ce", "kl", "lk"):
+        raise ConfigError(f"train.loss={t.loss!r}: expected ce, kl or lk")
+    if t.loss_weights not in ("decay", "dpace"):
+        raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected decay or dpace")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
     if d.features:

@@ -153,9 +153,14 @@ def clear_earlier_run(p: Path) -> None:
         for f in p.glob(pattern):
             if f.is_file():
                 f.unlink()
-    for name in ("checkpoint", "checkpoint.old"):
+    for name in ("checkpoint", "checkpoint.old", "best/checkpoint", "best/checkpoint.old"):
         remove_written(p / name)
     remove_written(p / "export", EXPORT_WRITTEN)
+    remove_written(p / "best" / "export", EXPORT_WRITTEN)
+    try:
+        (p / "best").rmdir()  # only when empty
+    except OSError:
+        pass
     store = sorted(p.glob("mlflow/artifacts/**"), key=lambda d: -len(d.parts)) + [p / "mlflow"]
     for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"] + sorted(
             p.glob("tensorboard/*")) + [p / "tensorboard"] + store:

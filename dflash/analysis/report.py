@@ -53,6 +53,10 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
         t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}held-out replies, one forward, "
                                   f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} "
                                   f"...{own})")
+    if s.get("best"):
+        b = s["best"]
+        t.add_row("best", f"step {b['step']} by the held-out estimate (tau {b['tau_estimate']:.3f}): "
+                          f"{b['checkpoint']}" + (f", served: {b['export']}" if isinstance(b.get("export"), str) else ""))
     for w in (s.get("telemetry") or {}).get("workers", []):
         top = w.get("top_idle_cause") or "-"
         share = w["idle_s"].get(top, 0) / w["wall_s"] if w.get("wall_s") and top != "-" else 0

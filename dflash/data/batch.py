@@ -15,6 +15,8 @@ class Batch:
     loss_mask: torch.Tensor
     lengths: list[int]         # valid tokens per sequence (host ints: packing needs no sync)
     features: torch.Tensor | None = None  # [B, S, F] read from a capture by data_load (train --features)
+    kl_topk: tuple | None = None          # (log-probs [B, S, k], token ids [B, S, k]): the target's top-k
+                                          # next-token distribution at each position, from a capture (train.loss=kl)
 
     @property
     def tokens(self) -> int:

@@ -12,8 +12,9 @@ import torch
 
 from ..config import TrainConfig
 from ..data.batch import Batch
-from .drafter import DFlashDrafter, loss_weights, sample_anchors, weighted_block_loss
+from .drafter import DFlashDrafter, compute_precision, loss_weights, sample_anchors, weighted_block_loss
 from .loss_vocab import RowsHead, batch_vocab, frequent_tokens
+from .losses import block_loss, needs_target_distribution, sparse_targets, target_slot_dist
 from .lr_schedule import cosine_with_warmup
 
 
@@ -41,6 +42,9 @@ class DrafterTrainer:
         self.weights = loss_weights(block_size, train.loss_gamma or None).to(self.device)[1:]
         self.step = 0
         self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
+        # CE + the fixed decay is the default, kept as it always was (tests/test_loss_guard.py)
+        self.default_loss = train.loss == "ce" and train.loss_weights == "decay"
+        self.target_dist = needs_target_distribution(train.loss)
 
     def use_loss_vocab(self, samples) -> None:
         """With `train.loss_vocab=K`, score the loss over the K most frequent tokens of these
@@ -49,7 +53,13 @@ class DrafterTrainer:
             self.loss_vocab = frequent_tokens(samples, self.train.loss_vocab)
 
     def forward(self, features: torch.Tensor, batch: Batch):
-        """drafter_forward: returns (loss, accuracy) device tensors."""
+        """drafter_forward: returns (loss, accuracy) device tensors. With train.loss=kl|lk the
+        features end with the target's last hidden state (model/losses.py `feature_ids`),
+        unless the batch brings its top-k distribution from a capture."""
+        last = None
+        if self.target_dist and batch.kl_topk is None:
+            n = self.drafter.fc.in_features
+            features, last = features[..., :n], features[..., n:]
         ids = batch.input_ids.to(self.device, non_blocking=True)
         lm = batch.loss_mask.to(self.device, non_blocking=True)
         # anchors depend only on (seed, batch id): the same whichever worker or loop runs it
@@ -68,7 +78,37 @@ class DrafterTrainer:
         Bk = self.block_size
         pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
         label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)
-        return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
+        if self.default_loss:
+            return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
+        targets = self.slot_targets(last, batch, anchors, head) if self.target_dist else None
+        t = self.train
+        return block_loss(logits, labels, valid, label_mask.float(), self.weights, loss=t.loss,
+                          weighting=t.loss_weights, targets=targets, dpace_alpha=t.dpace_alpha, lk_eta=t.lk_eta)
+
+    def slot_targets(self, last, batch: Batch, anchors, head):
+        """The target's next-token distribution for every slot (slot k of the block at p is
+        token p+k, which the target predicts from position p+k-1), on the loss's columns:
+        from its lm_head on the carried last hidden state ``last`` [B, S, H], or from the
+        batch's captured top-k."""
+        Bsz, A = anchors.shape
+        K = self.block_size - 1
+        S = batch.input_ids.shape[1]
+        prev = (anchors[..., None] + torch.arange(K, device=self.device)).clamp(max=S - 1).view(Bsz, -1)
+        rows_ids = head.ids if isinstance(head, RowsHead) else None
+
+        def at(x):  # [B, S, C] -> [B, A, K, C] at the slots' predicting positions
+            x = x.to(self.device, non_blocking=True)
+            return torch.gather(x, 1, prev[..., None].expand(-1, -1, x.shape[-1])).view(Bsz, A, K, -1)
+
+        if batch.kl_topk is not None:
+            logp, tok = batch.kl_topk
+            k = self.train.kl_topk or logp.shape[-1]
+            return sparse_targets(at(logp[..., :k]).float(), at(tok[..., :k]), rows_ids)
+        with torch.no_grad(), compute_precision(self.embed.weight):
+            h = at(last).to(self.embed.weight.dtype)
+            tl = self.lm_head(h.reshape(-1, h.shape[-1]))
+        logp = torch.log_softmax(tl.float(), dim=-1).view(Bsz, A, K, -1)
+        return target_slot_dist(logp, self.train.kl_topk, rows_ids)
 
     def backward(self, loss: torch.Tensor):
         loss.backward()

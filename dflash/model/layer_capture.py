@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .target import num_layers
+from .target import FINAL, num_layers
 
 
 def decoder_layers(model) -> nn.ModuleList:
@@ -26,8 +26,17 @@ def decoder_layers(model) -> nn.ModuleList:
     raise ValueError(f"no list of {L} decoder layers found in {type(model).__name__}")
 
 
+def final_norm(model):
+    """The module whose output is the last hidden state the lm_head reads (``FINAL``), or None."""
+    norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
+    return norm if isinstance(norm, nn.Module) else None
+
+
 def can_capture(model, layer_ids) -> bool:
-    return bool(layer_ids) and all(0 <= i < num_layers(model) - 1 for i in layer_ids)
+    """Layers below the last (whose ``hidden_states`` entry is the final norm's output, not
+    the layer's), and ``FINAL`` itself, read off the final norm."""
+    return bool(layer_ids) and all(0 <= i < num_layers(model) - 1 or (i == FINAL and final_norm(model) is not None)
+                                   for i in layer_ids)
 
 
 class LayerCapture:
@@ -39,6 +48,7 @@ class LayerCapture:
         if not can_capture(model, layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)}: capture needs layers below the last one")
         self.layers = decoder_layers(model)
+        self._model = model
         self.layer_ids = list(layer_ids)
         self.calls: list[torch.Tensor] = []
         self._pending: dict[int, torch.Tensor] = {}
@@ -57,7 +67,8 @@ class LayerCapture:
         # one hook per entry: default_layer_ids may repeat a layer on tiny targets, and each
         # entry fills its own slot of the concatenation
         for k, i in enumerate(self.layer_ids):
-            self._hooks.append(self.layers[i].register_forward_hook(self._hook(k)))
+            mod = final_norm(self._model) if i == FINAL else self.layers[i]  # FINAL runs after every layer
+            self._hooks.append(mod.register_forward_hook(self._hook(k)))
         return self
 
     def __exit__(self, *exc) -> None:

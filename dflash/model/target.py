@@ -246,15 +246,22 @@ def num_layers(model) -> int:
     return model.config.get_text_config().num_hidden_layers
 
 
+# A feature id that is no decoder layer: the target's last hidden state after its final
+# norm, what its lm_head reads (``hidden_states[-1]``). `train.loss=kl` carries it beside the
+# fused layers' features, so the drafter's side can compute the target's distribution.
+FINAL = -1
+
+
 def capture_hidden(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
     """One forward; the selected layers' outputs concatenated: ``[B, S, len(layer_ids) * H]``.
 
-    Feature of layer ``i`` = ``hidden_states[i + 1]`` (entry 0 is the embedding output).
+    Feature of layer ``i`` = ``hidden_states[i + 1]`` (entry 0 is the embedding output);
+    of ``FINAL``, the last entry (the final norm's output).
     Runs under ``no_grad`` (not ``inference_mode``: inference tensors cannot feed a drafter's
     autograd graph later).
     """
     L = num_layers(model)
-    if not layer_ids or any(not 0 <= i < L for i in layer_ids):
+    if not layer_ids or any(not (0 <= i < L or i == FINAL) for i in layer_ids):
         raise ValueError(f"layer ids {list(layer_ids)} out of range for a {L}-layer target")
     backbone = model.base_model  # skips the lm_head entirely when the model has a backbone
     kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
@@ -262,7 +269,7 @@ def capture_hidden(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
         kwargs["logits_to_keep"] = 1
     with torch.no_grad():
         hs = backbone(**kwargs).hidden_states
-    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+    return torch.cat([hs[i + 1] if i != FINAL else hs[-1] for i in layer_ids], dim=-1)
 
 
 def embedding(model) -> torch.nn.Embedding:

@@ -62,6 +62,9 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
            "arch": arch_hash(target.config)[:16],
            "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
+    topk = kl_topk(cfg)
+    if topk:  # only then: an earlier capture's id is unchanged
+        key["kl_topk"] = topk
     cid = capture_id(key)
     # rank 0 alone reads what is on disk, before any rank writes, and every rank gets its
     # answer: ranks that listed the dir themselves could see each other's new shards
@@ -76,15 +79,21 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
         print(f"resuming the capture in {out}: {len(done)} of {len(samples)} samples are on disk in {len(kept)} "
               f"shard(s); capturing the other {len(todo)}", file=sys.stderr)
     bs = max(1, cfg.train.batch_size)
+    H = target.config.get_text_config().hidden_size
     first = 1 + max((s["number"] for s in kept if s["rank"] == rank), default=-1)
     writer = ShardWriter(out, rank, shard_bytes, capture=cid, first=first)
     t1 = time.perf_counter()
     for b in range(0, len(mine), bs):
         idx = mine[b:b + bs]
         batch = data_mod.collate([samples[i] for i in idx], tok.pad_token_id, b // bs)
-        feats = target_features(target, batch, layer_ids, device).to("cpu")
+        if topk:  # the last hidden state too, for the target's top-k next-token log-probs
+            feats = target_features(target, batch, list(layer_ids) + [target_mod.FINAL], device)
+            feats, dist = feats[..., :-H], top_logprobs(target, feats[..., -H:], topk)
+            dist = (dist[0].to("cpu"), dist[1].to("cpu"))
+        feats = feats.to("cpu")
         for k, i in enumerate(idx):
-            writer.add(i, samples[i], feats[k, :batch.lengths[k]])
+            n = batch.lengths[k]
+            writer.add(i, samples[i], feats[k, :n], kl=(dist[0][k, :n], dist[1][k, :n]) if topk else None)
     shards = writer.finish()
     took = time.perf_counter() - t1
     tokens = sum(s["tokens"] for s in shards)
@@ -105,6 +114,8 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
              "feature_dim": F, "num_target_layers": L, "samples": len(samples), "tokens": total_tokens,
              "bytes": disk, "bytes_per_token": round(disk / max(total_tokens, 1), 1),
              "feature_bytes_per_token": F * torch.tensor([], dtype=dtype).element_size(),
+             # train.loss=kl: the target's top-k next-token log-probs (fp16) and ids (int32) per token
+             "kl_topk": topk, "kl_bytes_per_token": topk * (2 + 4),
              "world_size": world, "shards": all_shards, "resumed_with": len(done),
              "data": {k: getattr(cfg.data, k) for k in ("path", "num_conversations", "max_len", "regenerate",
                                                         "regen_max_new_tokens", "regen_max_prompt_len")}
@@ -115,6 +126,30 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     tmp.write_text(json.dumps(index, indent=1) + "\n")
     os.replace(tmp, out / INDEX)  # last: a dir with an index is a finished capture
     return index
+
+
+def kl_topk(cfg: Config) -> int:
+    """How many of the target's most likely next tokens a capture keeps per token: the run's
+    `train.kl_topk` when its loss needs the target's distribution, else none."""
+    from ..model.losses import needs_target_distribution
+    return cfg.train.kl_topk if needs_target_distribution(cfg.train.loss) else 0
+
+
+def top_logprobs(target, last: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's top-k next-token log-probs (fp16) and ids (int32) at every position of
+    ``last`` [B, S, H] (its final hidden state), a chunk of positions at a time: the full
+    rows ([positions x vocabulary]) are never all in memory."""
+    head = target.get_output_embeddings()
+    flat = last.reshape(-1, last.shape[-1])
+    vals, ids = [], []
+    with torch.no_grad():
+        for a in range(0, flat.shape[0], chunk):
+            logp = torch.log_softmax(head(flat[a:a + chunk]).float(), dim=-1)
+            v, i = logp.topk(k, dim=-1)
+            vals.append(v.to(torch.float16))
+            ids.append(i.to(torch.int32))
+    shape = (*last.shape[:-1], k)
+    return torch.cat(vals).view(shape), torch.cat(ids).view(shape)
 
 
 def _kept_shards(out: Path, cid: str, samples: int) -> tuple[list[dict], str | None]:

@@ -42,6 +42,10 @@ def run(a) -> int:
                                           "pipeline.target_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
+    if cfg.train.loss in ("kl", "lk") and not cfg.train.kl_topk:
+        raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
+                          "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
+                          "set train.kl_topk=K (6 bytes a token each)")
     check_torchrun_env()
     check_inputs(cfg)
     if a.resume:
@@ -112,6 +116,15 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
         raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
                           f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
     key = idx["key"]
+    t = asked.train
+    if t.loss in ("kl", "lk"):  # the target's distribution comes from the capture: enough of it?
+        have = idx.get("kl_topk") or 0
+        if not have:
+            raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "
+                              f"distribution; capture again with --set train.loss={t.loss} (train.kl_topk=K)")
+        if not t.kl_topk or t.kl_topk > have:
+            raise ConfigError(f"--features {path}: train.kl_topk={t.kl_topk}: the capture kept the top {have} "
+                              f"log-probs per token; set train.kl_topk to 1..{have}")
     if asked.data.max_len != idx["data"]["max_len"]:
         print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
               file=sys.stderr)

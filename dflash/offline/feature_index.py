@@ -130,7 +130,8 @@ _SHARD_NAME = re.compile(r"shard-r(\d+)-(\d+)\.safetensors")
 def read_shard(f: Path, where: str, *, feature_dim: int | None = None, dtype: str | None = None) -> dict:
     """One shard, checked without torch: its header tells the truth (inputs.read_safetensors_header),
     it holds exactly features [T, F], input_ids [T] int32, loss_mask [T] uint8, offsets [n+1]
-    int64 rising from 0 to T, sample [n] int64 (distinct, >= 0). Returns what the index keeps
+    int64 rising from 0 to T, sample [n] int64 (distinct, >= 0), and for a KL capture kl_logp
+    [T, k] float16 with kl_ids [T, k] int32. Returns what the index keeps
     of it plus ``rank``, ``number``, ``capture`` (its capture id, None if written before ids)
     and ``positions``. One line (FeaturesError) for anything else."""
     name = f"{where}: {f.name}"
@@ -140,9 +141,10 @@ def read_shard(f: Path, where: str, *, feature_dim: int | None = None, dtype: st
         raise FeaturesError(f"{name} is not a whole shard ({e})") from None
     except OSError as e:
         raise FeaturesError(f"{name} is unreadable ({e.strerror or e})") from None
-    if set(tensors) != {"features", *_SHARD_TENSORS}:
+    kl = {"kl_logp", "kl_ids"} & set(tensors)  # train.loss=kl captures: the target's top-k per token
+    if set(tensors) - kl != {"features", *_SHARD_TENSORS} or kl and len(kl) != 2:
         raise FeaturesError(f"{name} is not a features shard (tensors {sorted(tensors)[:8]}; expected features, "
-                            f"{', '.join(_SHARD_TENSORS)})")
+                            f"{', '.join(_SHARD_TENSORS)}, and kl_logp with kl_ids or neither)")
     for t, want in _SHARD_TENSORS.items():
         if tensors[t][0] != want or len(tensors[t][1]) != 1:
             raise FeaturesError(f"{name}: {t} is {tensors[t][0]} {list(tensors[t][1])}, expected a 1-d {want}")
@@ -157,6 +159,11 @@ def read_shard(f: Path, where: str, *, feature_dim: int | None = None, dtype: st
         raise FeaturesError(f"{name}: shapes disagree (features {T} rows, input_ids {tensors['input_ids'][1][0]}, "
                             f"loss_mask {tensors['loss_mask'][1][0]}, offsets {tensors['offsets'][1][0]} for "
                             f"{n} samples)")
+    if kl:
+        (ldt, lshape, _), (idt, ishape, _) = tensors["kl_logp"], tensors["kl_ids"]
+        if ldt != "F16" or idt != "I32" or len(lshape) != 2 or list(lshape) != list(ishape) or lshape[0] != T:
+            raise FeaturesError(f"{name}: kl_logp {ldt} {list(lshape)} / kl_ids {idt} {list(ishape)}, expected "
+                                f"[{T}, k] of F16 / I32")
     offsets, positions = _int64s(f, start, tensors["offsets"][2]), _int64s(f, start, tensors["sample"][2])
     if offsets[0] != 0 or offsets[-1] != T or any(a > b for a, b in zip(offsets, offsets[1:])):
         raise FeaturesError(f"{name}: offsets do not rise from 0 to its {T} rows")

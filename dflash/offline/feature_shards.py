@@ -66,12 +66,18 @@ class ShardWriter:
 
     def _reset(self):
         self._feats, self._ids, self._mask, self._pos, self._bytes = [], [], [], [], 0
+        self._kl_logp, self._kl_ids = [], []
 
-    def add(self, position: int, sample: Sample, feats: torch.Tensor) -> None:
-        """``feats``: [len, F] on the host, the sample's rows of a forward."""
+    def add(self, position: int, sample: Sample, feats: torch.Tensor, kl: tuple | None = None) -> None:
+        """``feats``: [len, F] on the host, the sample's rows of a forward; ``kl``: the
+        target's top-k next-token (log-probs [len, k] fp16, ids [len, k] int32), if kept."""
         n = len(sample)
         if feats.shape[0] != n:
             raise ValueError(f"sample {position}: {feats.shape[0]} feature rows for {n} tokens")
+        if kl is not None:
+            self._kl_logp.append(kl[0].contiguous())
+            self._kl_ids.append(kl[1].contiguous())
+            self._bytes += sum(t.numel() * t.element_size() for t in kl)
         self._feats.append(feats.contiguous())
         self._ids.append(torch.from_numpy(sample.ids.copy()))  # int32
         self._mask.append(torch.from_numpy(sample.mask.copy()))  # uint8
@@ -87,6 +93,8 @@ class ShardWriter:
         tensors = {"features": torch.cat(self._feats), "input_ids": torch.cat(self._ids),
                    "loss_mask": torch.cat(self._mask), "offsets": torch.cumsum(lengths, 0),
                    "sample": torch.tensor(self._pos, dtype=torch.long)}
+        if self._kl_logp:  # train.loss=kl: the target's top-k next-token distribution per token
+            tensors |= {"kl_logp": torch.cat(self._kl_logp), "kl_ids": torch.cat(self._kl_ids)}
         name = f"shard-r{self.rank}-{self.first + len(self.shards):05d}.safetensors"
         tmp = self.out / f".{name}.tmp{os.getpid()}"
         save_file(tensors, str(tmp), metadata={"format": FORMAT, "version": str(VERSION), "capture": self.capture})
@@ -141,7 +149,8 @@ class FeatureStore:
         forward's are after pack/unpack)."""
         if not self._where:
             self.samples()
-        out = None
+        out = logp = ids = None
+        kl = bool(self.index.get("kl_topk"))
         for i, n in enumerate(batch.lengths):
             where = self._where.get(sequence_key(batch.input_ids[i, :n]))
             if where is None:
@@ -151,5 +160,14 @@ class FeatureStore:
             if out is None:
                 out = x.new_zeros(len(batch.lengths), batch.padded_len, x.shape[-1])
             out[i, :x.shape[0]] = x
+            if kl:  # padding rows: never read (no slot predicts from them)
+                lp = self._shard(k).get_slice("kl_logp")[a:a + min(rows, n)]
+                ti = self._shard(k).get_slice("kl_ids")[a:a + min(rows, n)]
+                if logp is None:
+                    logp = lp.new_zeros(len(batch.lengths), batch.padded_len, lp.shape[-1])
+                    ids = ti.new_zeros(len(batch.lengths), batch.padded_len, ti.shape[-1])
+                logp[i, :lp.shape[0]], ids[i, :ti.shape[0]] = lp, ti
         batch.features = out
+        if kl:
+            batch.kl_topk = (logp, ids)
         return batch

@@ -49,6 +49,7 @@ class AcceptanceEstimate:
                                      ).view_as(pos).bool() & self.valid[..., None]
         self.readback = DeferredScalars()
         self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1], tau without copies)
+        self.keeper = None               # run/best.py: keeps the best checkpoint by this estimate
         self.block_size = Bk
 
     def due(self, step: int) -> bool:
@@ -70,6 +71,8 @@ class AcceptanceEstimate:
         tau, per_slot = self._score(logits, labels)
         extra = {"tau_no_copy": self._score(own, labels)[0]} if model.copying else {}
         self.readback.put(step, tau=tau, **extra, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
+        if self.keeper is not None:  # the weights this estimate judges, until its value is known
+            self.keeper.queued(step)
         self.collect()
 
     def _score(self, logits, labels):
@@ -87,6 +90,8 @@ class AcceptanceEstimate:
         for s, v in done:
             self.history.append((s, v["tau"], [v[f"acc{k}"] for k in range(1, self.block_size)],
                                  v.get("tau_no_copy")))
+            if self.keeper is not None:  # judged as served: without a copy head's proposals
+                self.keeper.result(s, v["tau_no_copy"] if v.get("tau_no_copy") is not None else v["tau"])
         return done
 
     def latest(self):

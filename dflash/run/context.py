@@ -69,6 +69,13 @@ class RunContext:
         return self.placement.worker
 
     @property
+    def feature_ids(self) -> list[int]:
+        """What the target side captures per token: `layer_ids`, plus the target's last hidden
+        state when the loss needs its distribution (model/losses.py `feature_ids`)."""
+        from ..model.losses import feature_ids
+        return feature_ids(self.cfg.train, self.layer_ids, self.feature_store is not None)
+
+    @property
     def target(self):
         return self.targets[0] if self.targets else None
 

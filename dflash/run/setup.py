@@ -53,7 +53,9 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
                                quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-        prep = _prepare_data(cfg, place, groups, target, tok, resume, layer_ids)
+        from ..model.losses import feature_ids
+        # what regeneration keeps for the feature cache: what the target side would compute
+        prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
     ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
                      samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
                      warmup_s=warmup_s, target_config=target.config, feature_store=store,
@@ -180,7 +182,7 @@ def _setup_targets(ctx, target, resume: bool, features) -> None:
     replicas = {str(target.device): target}
     caches = {}
     if cfg.train.feature_cache and not resume:
-        caches[str(target.device)] = FeatureCache(ctx.layer_ids, target.device)
+        caches[str(target.device)] = FeatureCache(ctx.feature_ids, target.device)
         caches[str(target.device)].preload(features, cfg.data.max_len)  # regeneration's: no forward in epoch 1
     from ..model.warmup import warm_up
     for d in place.target_devices:
@@ -199,4 +201,6 @@ def _setup_targets(ctx, target, resume: bool, features) -> None:
 def _setup_estimate(ctx) -> None:
     if ctx.held_out:
         from .acceptance_estimate import AcceptanceEstimate
+        from .best import BestKeeper
         ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, ctx.cfg.train.estimate_every)
+        ctx.estimate.keeper = BestKeeper(ctx, resume=ctx.start_step > 0)

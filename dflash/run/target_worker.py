@@ -28,7 +28,7 @@ class TargetWorker:
         self.side = self.pool = None
         if channel.waits:  # a queue: on CUDA, a side stream and (across devices) pinned staging
             self.side = torch.cuda.Stream(self.dev) if self.cuda else None
-            H = target.config.get_text_config().hidden_size * len(ctx.layer_ids)
+            H = target.config.get_text_config().hidden_size * len(ctx.feature_ids)
             t = ctx.cfg.train
             self.pool = channel.staging(self.dev, t.batch_size * ctx.cfg.data.max_len * H, target.dtype)
         self.batches = self.tokens = 0
@@ -44,7 +44,7 @@ class TargetWorker:
         step = a["step"]
         cur = torch.cuda.current_stream(self.dev) if self.cuda else None
         with ctx.tel.stage("model_forward", trace=key, stream=cur, **a):
-            feats = target_features(self.target, b, ctx.layer_ids, self.dev, cache=self.cache)
+            feats = target_features(self.target, b, ctx.feature_ids, self.dev, cache=self.cache)
             inject(ctx.cfg.pipeline, "model_forward", step)
         with ctx.tel.stage("pack_hidden", trace=key, stream=cur, **a):
             packed = pack(feats, b.lengths)

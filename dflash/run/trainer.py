@@ -167,6 +167,9 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
             ctx.trainer.embed.weight, ctx.trainer.lm_head.weight)}.values())
     if ctx.estimate is not None:
         summary["acceptance_estimate"] = ctx.estimate.summary()
+        best = ctx.estimate.keeper.finish() if ctx.estimate.keeper is not None else None
+        if best is not None:  # OUT/best/checkpoint + OUT/best/export: which step, and its estimate
+            summary["best"] = best
     if ctx.warmup_s is not None:
         summary["warmup_s"] = round(ctx.warmup_s, 2)
     if ctx.writer is not None:  # off the drafter's path, but worth knowing
