@@ -90,6 +90,8 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
             feats = target_features(target, batch, list(layer_ids) + [target_mod.FINAL], device)
             feats, dist = feats[..., :-H], top_logprobs(target, feats[..., -H:], topk)
             dist = (dist[0].to("cpu"), dist[1].to("cpu"))
+        else:
+            feats = target_features(target, batch, layer_ids, device)
         feats = feats.to("cpu")
         for k, i in enumerate(idx):
             n = batch.lengths[k]
