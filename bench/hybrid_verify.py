@@ -17,7 +17,7 @@ the first draft is rejected) and ~10 the four Gated-DeltaNet layers' torch chunk
 (~2.6 ms a call for 1 to 64 tokens; the recurrent rule is slower from ~8 tokens on, so it
 is not used for blocks), and the drafter's own step (~35 ms) is the same on both paths.
 Measured (one thread, shared machine): eval 1.82x at 44-58-token prompts + 32 new tokens,
-3.63x at 256 + 64, 5.66x at 512 + 96 (README, *Measured*). With flash-linear-attention on
+3.63x at 256 + 64, 5.66x at 512 + 96 (docs/measurements.md). With flash-linear-attention on
 a GPU the cost follows the length. `--compare-full-logits` also times the cached path with
 every row's logits (lazy_logits off) in the same rotation; `--threads 1` steadies the
 figures on a shared machine. Last line: one JSON object.

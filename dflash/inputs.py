@@ -21,7 +21,7 @@ def _env_mib(name: str, default: int) -> int:
     return int(v) * 2**20 if v.isdigit() and int(v) > 0 else default * 2**20
 
 
-# Bounds on what a file from elsewhere can make us do (README "Failures and bad input").
+# Bounds on what a file from elsewhere can make us do (docs/failures.md).
 # Work and memory follow what was asked for, never the size of the input.
 MAX_RECORD_BYTES = _env_mib("DFLASH_MAX_RECORD_MB", 64)   # one data record / JSON line; larger: `too_large`
 # Parsed JSON takes up to ~100x its text in Python objects (`[{},{},...]`: 36 bytes of dict per

@@ -1,4 +1,4 @@
-"""Files from elsewhere (README, "Failures and bad input: the rules"): a target, tokenizer,
+"""Files from elsewhere (docs/failures.md): a target, tokenizer,
 features or drafter dir someone else wrote never runs code; what dflash writes never
 replaces what a user owns, and is readable by others; a drafter config is checked
 against bounds and its safetensors header before anything is built. Each test uses the
