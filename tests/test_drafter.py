@@ -114,7 +114,8 @@ def test_nonfinite_step_is_skipped_on_device():
     d, embed, head = make(layers=1)
     d = d.float()
     cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0,
-                                                grad_clip=1.0, seed=0, loss_gamma=0.0),
+                                                grad_clip=1.0, seed=0, loss_gamma=0.0, loss="ce",
+                                                    loss_weights="decay"),
                           model=SimpleNamespace(block_size=BK))
     st = DrafterTrainer(cfg.train, cfg.model.block_size, d, embed.float(), head.float(), "cpu")
     before = {k: v.clone() for k, v in d.state_dict().items()}

@@ -25,19 +25,21 @@ def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, dev
 
 
 def test_regenerate_batches_are_sorted_by_length(monkeypatch):
+    """The real regeneration on tiny-qwen3, with a spy that records each batch's prompt
+    lengths on the way to the real batched generate."""
     from dflash.model import target as T
 
-    tok = T.load_tokenizer("tiny-qwen3")
-    widths = []
+    model, tok = T.load_target("tiny-qwen3", seed=0)
+    widths, real = [], regen_mod._generate_left_padded
 
-    def fake_generate(model, prompts, pad, eos, max_new_tokens, device, layer_ids=None):
+    def spy(model, prompts, *a, **kw):
         widths.append([len(p) for p in prompts])
-        return [[1] for _ in prompts], None
+        return real(model, prompts, *a, **kw)
 
-    monkeypatch.setattr(regen_mod, "_generate_left_padded", fake_generate)
-    model = SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=tok.eos_token_id))
+    monkeypatch.setattr(regen_mod, "_generate_left_padded", spy)
     convs = [[{"role": "user", "content": "word " * n}] for n in (30, 2, 17, 9, 25, 4, 11)]
-    regen_mod.regenerate(model, tok, convs, max_new_tokens=4, batch_size=3)
+    out = regen_mod.regenerate(model, tok, convs, max_new_tokens=1, batch_size=3)
+    assert len(out) == len(convs) and all(c[-1]["role"] == "assistant" for c in out)
     assert [len(w) for w in widths] == [3, 3, 1]
     flat = [x for w in widths for x in w]
     assert flat == sorted(flat), "batches must go shortest to longest (little left padding)"
