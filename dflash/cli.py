@@ -86,13 +86,13 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("--overwrite", action="store_true",
                    help="replace an earlier dflash export in --out (never a drafter dflash did not write)")
 
-    from .cli_analysis import add_analysis_commands
+    from .commands.stalls import add_analysis_commands
     add_analysis_commands(sub)  # stalls, timeline
     from .trackers.watch import add_command as add_watch_command
     add_watch_command(sub)  # watch
-    from .data_inspect import add_command as add_data_command
+    from .data.inspect import add_command as add_data_command
     add_data_command(sub)  # data inspect
-    from .offline.capture_command import add_command as add_capture_command
+    from .commands.capture import add_command as add_capture_command
     add_capture_command(sub)  # capture
     return p
 
@@ -113,11 +113,11 @@ def _train(a) -> int:
         flags["telemetry.trackers"] = parse(a.tracker)
         check_installed(flags["telemetry.trackers"])
     if a.init_from:
-        from .init_from import init_flags
+        from .checkpoint.init_from import init_flags
         flags |= init_flags(a.init_from)
     features = a.features or load_config(a.config, a.set, **flags).data.features
     if features:  # the capture decides target, its seed and the layer ids
-        from .offline.capture_command import train_flags
+        from .commands.capture import train_flags
         flags |= train_flags(features, load_config(a.config, a.set, **flags), target_flag=a.target,
                              eval_flag=a.eval)
     cfg = load_config(a.config, a.set, **flags)
@@ -126,19 +126,19 @@ def _train(a) -> int:
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
-    from .launch_checks import check_inputs, check_torchrun_env
+    from .preflight.launch_checks import check_inputs, check_torchrun_env
     check_torchrun_env()
     check_inputs(cfg, data=not cfg.data.features)
     if a.resume:
         _check_resume(cfg)
-    from . import run_dir
+    from .preflight import run_dir
     out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
     a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
     if os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock tidies up
         if a.overwrite:
             run_dir.clear_earlier_run(out)
         if a.resume:
-            from .checkpoint_files import clean_stale_temps
+            from .checkpoint.files import clean_stale_temps
             clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
     from .run.trainer import train  # torch and transformers: only once the input is known to be good
@@ -153,9 +153,9 @@ def _train(a) -> int:
 def _check_resume(cfg) -> None:
     """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
     from its config.json before torch loads."""
-    from .checkpoint_files import CheckpointError, check_readable, resume_mismatch
+    from .preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
     from .config import ConfigError
-    from .inputs import target_num_layers
+    from .preflight.inputs import target_num_layers
 
     try:
         _, raw = check_readable(os.path.join(cfg.out, "checkpoint"))
@@ -191,12 +191,12 @@ def _check_layout_launch(cfg, eval_flag: bool) -> None:
 
 
 def _eval(a) -> int:
-    from .eval_command import run
+    from .commands.eval import run
     return run(a)
 
 
 def _export(a) -> int:
-    from .export import check_request, export_checkpoint
+    from .checkpoint.export import check_request, export_checkpoint
 
     check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head, overwrite=a.overwrite)  # before torch
     res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head,
@@ -218,7 +218,7 @@ def _command_line(a) -> str:
 
 
 def main(argv=None) -> int:
-    from .signals import raise_on_sigterm
+    from .errors import raise_on_sigterm
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
@@ -227,9 +227,9 @@ def main(argv=None) -> int:
     # regeneration): stop now with 130 and say how to go on, not die silently with 143
     raise_on_sigterm()
     try:
-        from .cli_analysis import COMMANDS
-        from .data_inspect import run as data_inspect
-        from .offline.capture_command import run as capture
+        from .commands.stalls import COMMANDS
+        from .data.inspect import run as data_inspect
+        from .commands.capture import run as capture
         from .trackers.watch import run as watch
         return ({"train": _train, "eval": _eval, "export": _export, "data": data_inspect, "capture": capture,
                  "watch": watch} | COMMANDS)[a.cmd](a)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import yaml
 
-from .inputs import short_repr as _short
+from .preflight.inputs import short_repr as _short
 
 
 class ConfigError(ValueError):
@@ -196,7 +196,7 @@ def _coerce(value, typ, key: str):
 def _yaml(text: str, where: str, what: str = "valid YAML"):
     """YAML from the user (a config file, a --set value), aliases bounded (inputs.yaml_load):
     a malformed document, an alias bomb or a document nested too deeply is one line."""
-    from .inputs import YAMLTooLarge, yaml_load
+    from .preflight.inputs import YAMLTooLarge, yaml_load
 
     try:
         return yaml_load(text)
@@ -235,7 +235,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
     """Build and validate the config. flags are dotted keys from dedicated CLI options."""
     cfg = Config()
     if path:
-        from .inputs import read_text_file
+        from .preflight.inputs import read_text_file
 
         text = read_text_file(path, f"config file {path!r}", "a YAML file", ConfigError)
         data = _yaml(text, f"config file {path!r}") or {}
@@ -366,7 +366,7 @@ def _check_ranges(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
-    from . import inputs
+    from .preflight import inputs
     from .data import chat_template
 
     m, d, p = cfg.model, cfg.data, cfg.pipeline

@@ -138,8 +138,8 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     and that layer's weights, plus the final norm, are the target's."""
     from dflash.config import Config
     from dflash.model import target as target_mod
-    from dflash.model.drafter_build import build_drafter
-    from dflash.model.drafter_init import init_from_target
+    from dflash.model.build import build_drafter
+    from dflash.model.build import init_from_target
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"

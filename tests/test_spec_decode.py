@@ -5,7 +5,7 @@ import torch
 from dflash.model import target as T
 from dflash.data.dataset import prompts_for_eval
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.spec_decode import greedy_generate, speculative_generate
+from dflash.decode.spec_decode import greedy_generate, speculative_generate
 
 BK = 6
 

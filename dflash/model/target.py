@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ..data.dataset import template_ids
-from ..layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
-from ..inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
+from ..preflight.layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
+from ..preflight.inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
     SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
 
 

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..data.dataset import truncated_prompt
-from ..model.layer_capture import LayerCapture
+from ..model.features import LayerCapture
 from .regen_cache import prompt_key
 from .regen_shard import SOLO, Shard
 

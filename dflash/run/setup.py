@@ -12,9 +12,9 @@ import torch
 
 from ..config import Config, resolve_dtype
 from ..data import chat_template
-from ..model import checkpoint as ckpt
+from ..checkpoint import checkpoint as ckpt
 from ..model import target as target_mod
-from ..model.drafter_build import build_drafter, drafter_config
+from ..model.build import build_drafter, drafter_config
 from ..model.drafter_trainer import DrafterTrainer
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
@@ -146,7 +146,7 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
         ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids), ctx.out / "checkpoint")
         tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
     elif cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
-        from ..init_from import load_into_run
+        from ..checkpoint.init_from import load_into_run
         torch.manual_seed(cfg.train.seed)
         drafter = load_into_run(cfg, target).to(ddev)
     else:

@@ -26,12 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-from .config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
-from .signals import stop_on_signal
+from ..config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
+from ..errors import stop_on_signal
 
 
 def _check_args(a) -> None:
-    from . import trackers
+    from .. import trackers
     named = trackers.parse(getattr(a, "tracker", None))
     trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
     a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
@@ -42,20 +42,20 @@ def _check_args(a) -> None:
         raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
-    from .data import prompt_sets
+    from ..data import prompt_sets
 
     a.bench_names = prompt_sets.bench_names(a.bench) if getattr(a, "bench", None) is not None else []
     for name in a.bench_names:
         prompt_sets.bench_file(name)  # installed? one line naming the package if not
     if getattr(a, "prompts_from", None):
-        from .inputs import check_dataset_path
+        from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
 
 
 def export_settings(d) -> dict | None:
     """The eval settings an export of ours carries beside its held-out prompts, or None."""
-    from .checkpoint_files import EVAL_PROMPTS, EVAL_SETTINGS
-    from .inputs import read_json_object
+    from ..preflight.checkpoint_files import EVAL_PROMPTS, EVAL_SETTINGS
+    from ..preflight.inputs import read_json_object
 
     if d.kind != "export" or not (d.path / EVAL_PROMPTS).is_file() or not (d.path / EVAL_SETTINGS).is_file():
         return None
@@ -82,7 +82,7 @@ def _run_config(d, *, training_data: bool = False) -> dict | None:
 def _plan(a):
     """The drafter dirs, the one whose prompts and eval settings eval borrows (the first run
     checkpoint, else the first export that carries its run's), and the config built from it."""
-    from .model.drafter_dirs import inspect
+    from ..checkpoint.drafter_dirs import inspect
 
     dirs = [inspect(p) for p in a.checkpoint]
     owner = next((d for d in dirs if d.kind == "checkpoint"), None) or \
@@ -110,7 +110,7 @@ def _notice_other_targets(dirs, target: str) -> None:
     """A drafter evaluated on a target other than the one it was trained for decodes, but
     its tau says little about either: say so, naming both (a notice, not an error: a
     fine-tuned or renamed copy of the same model is a fair use)."""
-    from .checkpoint_files import _same_target
+    from ..preflight.checkpoint_files import _same_target
 
     for d in dirs:
         own = d.target
@@ -121,7 +121,7 @@ def _notice_other_targets(dirs, target: str) -> None:
 
 def _file_sets(a) -> list:
     """--bench and --prompts-from: read before torch loads (a bad file is one line)."""
-    from .data import prompt_sets
+    from ..data import prompt_sets
 
     sets = [prompt_sets.read_bench(n).capped(a.prompts) for n in a.bench_names]
     if getattr(a, "prompts_from", None):
@@ -134,8 +134,8 @@ def _file_sets(a) -> list:
 
 def _held_out_set(owner, cfg, n: int):
     """The default prompts, and the line that says where they came from."""
-    from .checkpoint_files import EVAL_PROMPTS
-    from .data import prompt_sets
+    from ..preflight.checkpoint_files import EVAL_PROMPTS
+    from ..data import prompt_sets
 
     e = cfg.eval
     if owner is not None and owner.kind == "export":
@@ -144,7 +144,7 @@ def _held_out_set(owner, cfg, n: int):
         ps.source = {"kind": "export", "path": str(owner.path / EVAL_PROMPTS)}
         return ps.capped(n), (f"{owner.path / EVAL_PROMPTS}: the held-out prompts of the run it was exported "
                               f"from ({min(n, len(ps.dialogs))} of {len(ps.dialogs)})"), None
-    from .prep.prepare import split
+    from ..prep.prepare import split
 
     _, eval_convs = split(cfg)
     data = cfg.data.path or "the embedded ShareGPT"
@@ -163,8 +163,8 @@ def _held_out_set(owner, cfg, n: int):
 
 def _leaks(dirs, sets) -> list[str]:
     """Warnings for prompts that a drafter's own training data holds."""
-    from .data import prompt_sets
-    from .prep.prepare import split
+    from ..data import prompt_sets
+    from ..prep.prepare import split
 
     out = []
     for d in dirs:
@@ -192,7 +192,7 @@ def run(a) -> int:
     _check_args(a)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
-    from .inputs import TargetSpecError, check_target_spec
+    from ..preflight.inputs import TargetSpecError, check_target_spec
     try:  # a hub id that does not exist or cannot be reached: one line now, not after a minute
         check_target_spec(cfg.model.target, probe_hub=True)
     except TargetSpecError as e:
@@ -200,11 +200,11 @@ def run(a) -> int:
     a.phase = "eval set-up"
     import torch
 
-    from .config import resolve_dtype
-    from .data import chat_template
-    from .model import drafter_dirs
-    from .model.evaluate import evaluate
-    from .model.target import load_target
+    from ..config import resolve_dtype
+    from ..data import chat_template
+    from ..checkpoint import drafter_dirs
+    from ..decode.evaluate import evaluate
+    from ..model.target import load_target
 
     e = cfg.eval
     notes = []  # where the prompts came from, and leaks: said once the drafters are known to fit
@@ -354,7 +354,7 @@ def log_trackers(dirs, results, names) -> None:
     """One drafter: its figures (tau, prompt lookup's, the per-position shares, each set's)
     into the training run's trackers. Several: every drafter's figures under compare/<i>/...,
     into the first training run's trackers."""
-    from . import trackers
+    from .. import trackers
 
     ours = [d for d in dirs if d.kind == "checkpoint"]
     run_dir = ours[0].path.parent if ours else Path(dirs[0].path)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from .config import ConfigError
+from ..config import ConfigError
 
 BINS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -35,9 +35,9 @@ def add_command(sub) -> None:
 
 
 def run(a) -> int:
-    from .data import chat_template
-    from .data import conversations as C
-    from .inputs import DatasetError, TargetSpecError, check_dataset_path, check_target_spec, data_files
+    from . import chat_template
+    from . import conversations as C
+    from ..preflight.inputs import DatasetError, TargetSpecError, check_dataset_path, check_target_spec, data_files
 
     for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
         if v < lo:
@@ -62,7 +62,7 @@ def run(a) -> int:
 def _template_kwargs(text: str) -> dict:
     if not text.strip():
         return {}
-    from .inputs import json_loads, short_repr as _short
+    from ..preflight.inputs import json_loads, short_repr as _short
 
     try:
         return json_loads(text)
@@ -80,10 +80,10 @@ def _take(it, n):
 
 def inspect(records: list, target: str, *, max_len: int, examples: int, chat_template: str = "",
             chat_template_kwargs: dict | None = None) -> dict:
-    from .data import chat_template as T
-    from .data import conversations as C
-    from .data.dataset import tokenize_conversation
-    from .model.target import load_tokenizer
+    from . import chat_template as T
+    from . import conversations as C
+    from .dataset import tokenize_conversation
+    from ..model.target import load_tokenizer
 
     tok = T.configure(load_tokenizer(target), chat_template, chat_template_kwargs)
     dropped = {r: 0 for r in (*C.DROP_REASONS, "over_length")}

@@ -35,7 +35,7 @@ class DrafterDir:
 def inspect(path: str | Path) -> DrafterDir:
     """Which kind a directory is, from its config.json, and that its files are whole (a
     corrupt config, a truncated safetensors: one line); nothing heavy is imported."""
-    from .. import checkpoint_files as files
+    from ..preflight import checkpoint_files as files
 
     try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
         p = files.resolve(path)
@@ -73,14 +73,14 @@ def load(d: DrafterDir, device="cpu"):
         return drafter
     from safetensors.torch import load_file
 
-    from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
+    from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
 
     fields = fmt.drafter_config_fields(d.raw, str(d.path))
     files = sorted(d.path.glob("*.safetensors"))
     if not files:
         raise DrafterDirError(f"--checkpoint {str(d.path)!r}: no *.safetensors weights beside config.json")
     cfg = DrafterConfig(**fields, target=d.raw.get("target", ""))
-    from .. import checkpoint_files
+    from ..preflight import checkpoint_files
     try:
         headers = {f.name: checkpoint_files.check_safetensors(f) for f in files}
     except checkpoint_files.CheckpointError as e:
@@ -116,7 +116,7 @@ def fields(d: DrafterDir) -> dict:
 def check_fits(d: DrafterDir, target, where: str) -> None:
     """Raise DrafterDirError (one line) when the drafter's shapes do not fit the target;
     from config.json, so before its weights are read."""
-    from .target import num_layers
+    from ..model.target import num_layers
 
     tc = target.config.get_text_config()
     err = fmt.fit_error(fields(d), hidden_size=tc.hidden_size, num_layers=num_layers(target),

@@ -21,9 +21,9 @@ from tqdm import tqdm
 
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
-from .prompt_lookup import METHOD, RULE, PromptLookup
+from ..model.prompt_lookup import METHOD, RULE, PromptLookup
 from .spec_decode import first_divergence, greedy_generate, speculative_generate
-from .spec_sample import speculative_sample
+from .spec_decode import speculative_sample
 
 
 def describe_lossless(res: dict) -> str:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from .feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
+from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 
 def add_command(sub) -> None:
@@ -30,8 +30,8 @@ def add_command(sub) -> None:
 
 
 def run(a) -> int:
-    from .. import run_dir
-    from ..launch_checks import check_inputs, check_torchrun_env
+    from ..preflight import run_dir
+    from ..preflight.launch_checks import check_inputs, check_torchrun_env
     from ..config import load_config
 
     if a.shard_mb < 1:
@@ -57,7 +57,7 @@ def run(a) -> int:
         elif a.resume:
             _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
     a.phase = "capture"
-    from .capture import capture
+    from ..offline.capture import capture
 
     index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume)
     if index:
@@ -75,7 +75,7 @@ def check_resumable(out: str) -> None:
                           f"dflash train --features {out}, or capture again with --overwrite")
     if not p.is_dir() or not any(p.glob(SHARD_GLOB)):
         raise ConfigError(f"--resume: no shards in {out} to continue from; run dflash capture without --resume")
-    from .feature_index import FeaturesError, shards_on_disk
+    from ..offline.feature_index import FeaturesError, shards_on_disk
 
     try:  # every shard that would be kept, checked now: not after capturing all the rest
         shards_on_disk(p, f"--resume {out}")
@@ -103,7 +103,7 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
     """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
     capture's index; what the user asked (``asked``: the config before them) must not
     contradict it. One line before torch loads."""
-    from .feature_index import FeaturesError, mismatch, read_index
+    from ..offline.feature_index import FeaturesError, mismatch, read_index
 
     try:
         idx = read_index(path)

@@ -31,8 +31,8 @@ def add_analysis_commands(sub) -> None:
 
 
 def _stalls(a) -> int:
-    from .config import ConfigError
-    from .analysis.stalls import analyze, format_report, load, parse_window
+    from ..config import ConfigError
+    from ..analysis.stalls import analyze, format_report, load, parse_window
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")
@@ -48,9 +48,9 @@ def _stalls(a) -> int:
 
 
 def _timeline(a) -> int:
-    from .config import ConfigError
-    from .analysis.stalls import load, parse_window
-    from .analysis.timeline import check_output, write_perfetto, write_png
+    from ..config import ConfigError
+    from ..analysis.stalls import load, parse_window
+    from ..analysis.timeline import check_output, write_perfetto, write_png
 
     if not a.png and not a.perfetto:
         raise ConfigError("nothing to write: give --png FILE and/or --perfetto FILE")
