@@ -5,6 +5,7 @@ fails in milliseconds with one line naming the value (ConfigError -> exit code 2
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -250,6 +251,18 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
             raise ConfigError(f"--set {item!r}: expected key=value")
         k, v = item.split("=", 1)
         _set(cfg, k.strip(), v, from_text=True)
+    for k, v in flags.items():
+        if v is not None:
+            _set(cfg, k, v, from_text=False)
+    validate(cfg)
+    return cfg
+
+
+def override(cfg: Config, **flags) -> Config:
+    """A copy of a loaded config with more dotted keys set, validated again: what
+    `load_config(..., **flags)` with them among its flags gives, without reading the files
+    again (`dflash train --features`: the capture's settings replace the asked ones)."""
+    cfg = copy.deepcopy(cfg)
     for k, v in flags.items():
         if v is not None:
             _set(cfg, k, v, from_text=False)

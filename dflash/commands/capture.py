@@ -13,7 +13,7 @@ from ..config import ConfigError
 from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 
-def add_command(sub) -> None:
+def add_parser(sub) -> None:
     c = sub.add_parser("capture", help="run the target once over the prepared data and keep its features on disk "
                                        "(then: dflash train --features FEATS, as often as you like)")
     c.add_argument("--out", required=True, metavar="FEATS", help="the directory to write (shards + index.json)")
@@ -65,6 +65,19 @@ def run(a) -> int:
               f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
               f"{index['key']['dtype']}) -> {out}\ntrain from it: dflash train --features {out} --out RUN")
     return 0
+
+
+def what_next(a) -> str | None:
+    """Ctrl-C during the capture: its whole shards are kept, and --resume continues."""
+    import shlex
+
+    if getattr(a, "phase", "") != "capture":
+        return None
+    feats = Path(a.out).expanduser()
+    if any(feats.glob(SHARD_GLOB)) and not (feats / INDEX).is_file():  # its whole shards are kept
+        again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
+        return f"the shards on disk are kept; continue with: dflash {shlex.join(again + ['--resume'])}"
+    return None
 
 
 def check_resumable(out: str) -> None:

@@ -30,6 +30,33 @@ from ..config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
 from ..errors import stop_on_signal
 
 
+def add_parser(sub) -> None:
+    e = sub.add_parser("eval", help="acceptance length of a trained drafter (several: side by side)")
+    e.add_argument("--checkpoint", required=True, action="append",
+                   help="RUN/checkpoint or a served-format DFlash drafter dir; repeat to compare on the same prompts")
+    e.add_argument("--target", help="the target to draft for (default: the first training checkpoint's)")
+    e.add_argument("--temperature", type=float, help="> 0: speculative sampling at this temperature (default 0)")
+    e.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
+    e.add_argument("--top-k", type=int, help="with --temperature: the k most likely tokens only")
+    e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
+    e.add_argument("--prompts", type=int)
+    e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--json", action="store_true", help="last line: one JSON object")
+    e.add_argument("--no-lossless-check", action="store_true")
+    e.add_argument("--no-copy-head", action="store_true",
+                   help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
+    e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
+    e.add_argument("--tracker", metavar="NAMES",
+                   help="add tau, the baseline and per-position acceptance to the training run's trackers "
+                        "(a comma list of wandb, tensorboard, mlflow)")
+    e.add_argument("--baseline", choices=("prompt_lookup", "none"),
+                   help="also decode every prompt with prompt lookup, the free baseline (default: eval.baseline)")
+    e.add_argument("--prompts-from", metavar="PATH",
+                   help="prompts from a file (anything data.path takes): each record's user turns (docs/eval.md)")
+    e.add_argument("--bench", metavar="NAME[,NAME]",
+                   help="standard sets shipped in PyPI packages: humaneval, mt-bench (one row each; --prompts caps each)")
+
+
 def _check_args(a) -> None:
     from .. import trackers
     named = trackers.parse(getattr(a, "tracker", None))

@@ -1,21 +1,20 @@
-"""`dflash stalls | timeline`: the analysis subcommands. Registered by dflash.cli; they
-read telemetry only (no torch import, no model), and bad input is a ConfigError (exit 2)."""
+"""`dflash stalls`: why workers were idle, from a run's telemetry or a Jaeger query API.
+Reads telemetry only (no torch import, no model); bad input is a ConfigError (exit 2)."""
 from __future__ import annotations
 
 import json
-import os
 
 
-def _source_args(p, run_required=True):
+def add_source_args(p, run_required=True):
     p.add_argument("run_dir", metavar="RUN_DIR", nargs=None if run_required else "?",
                    help="run directory (reads RUN_DIR/telemetry/**/traces.jsonl)")
     p.add_argument("--run-id", help="which run, when the source holds several (default: the latest)")
     p.add_argument("--window", metavar="START:END", help="seconds from run start, e.g. 2:5 or 3:")
 
 
-def add_analysis_commands(sub) -> None:
+def add_parser(sub) -> None:
     s = sub.add_parser("stalls", help="why workers were idle: busy fraction, idle by cause, top stalls")
-    _source_args(s, run_required=False)
+    add_source_args(s, run_required=False)
     s.add_argument("--json", action="store_true", help="last line: one JSON object")
     s.add_argument("--jaeger", metavar="URL", help="read spans from a Jaeger query API, e.g. http://127.0.0.1:16686")
     s.add_argument("--service", default="dflash", help="service name to query in Jaeger (default dflash)")
@@ -24,13 +23,8 @@ def add_analysis_commands(sub) -> None:
                    help="Jaeger query range: the last HOURS (default 48)")
     s.add_argument("--top", type=int, default=10, metavar="N", help="stalls to list (default 10)")
 
-    t = sub.add_parser("timeline", help="per-worker Gantt of stages and stalls (PNG, Perfetto JSON)")
-    _source_args(t)
-    t.add_argument("--png", metavar="FILE", help="write a PNG picture")
-    t.add_argument("--perfetto", metavar="FILE", help="write Chrome/Perfetto trace-event JSON (ui.perfetto.dev)")
 
-
-def _stalls(a) -> int:
+def run(a) -> int:
     from ..config import ConfigError
     from ..analysis.stalls import analyze, format_report, load, parse_window
 
@@ -45,29 +39,3 @@ def _stalls(a) -> int:
     if a.json:
         print(json.dumps(rep))
     return 0
-
-
-def _timeline(a) -> int:
-    from ..config import ConfigError
-    from ..analysis.stalls import load, parse_window
-    from ..analysis.timeline import check_output, write_perfetto, write_png
-
-    if not a.png and not a.perfetto:
-        raise ConfigError("nothing to write: give --png FILE and/or --perfetto FILE")
-    for flag, path, suffix in (("--png", a.png, ".png"), ("--perfetto", a.perfetto, ".json")):
-        if path:  # before reading anything: never onto the run's files, nor anyone else's
-            check_output(path, flag=flag, suffix=suffix, run_dir=a.run_dir)
-    if a.png and a.perfetto and os.path.abspath(a.png) == os.path.abspath(a.perfetto):
-        raise ConfigError(f"--png and --perfetto name the same file {a.png!r}")
-    window = parse_window(a.window)
-    rid, spans, source = load(a.run_dir, run_id=a.run_id)
-    if a.png:
-        write_png(spans, a.png, window=window, run_id=rid)
-        print(f"wrote {a.png}")
-    if a.perfetto:
-        n = write_perfetto(spans, a.perfetto, window=window, run_id=rid)
-        print(f"wrote {a.perfetto} ({n} events; open in https://ui.perfetto.dev)")
-    return 0
-
-
-COMMANDS = {"stalls": _stalls, "timeline": _timeline}
