@@ -15,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
+from .errors import UserError
 from .preflight.inputs import short_repr as _short
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """Bad user input: one line, names the value and what was expected."""
 
 
@@ -270,6 +271,35 @@ def override(cfg: Config, **flags) -> Config:
     return cfg
 
 
+# -- pipeline.layout ------------------------------------------------------------------------
+# the string's format; what it means for ranks and batches is run/roles/layout.py's Layout
+TARGET, DRAFTER = "target", "drafter"
+
+
+class LayoutError(ConfigError):
+    """A layout string that cannot be run; the message names the value."""
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """'target:5,drafter:3' (either order, spaces allowed) -> (target ranks, drafter ranks)."""
+    counts: dict[str, int] = {}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        role, sep, n = part.partition(":")
+        role = role.strip()
+        if not sep or role not in (TARGET, DRAFTER) or role in counts:
+            raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' "
+                              f"(each role once, N and M positive integers)")
+        try:
+            counts[role] = int(n)
+        except ValueError:
+            raise LayoutError(f"pipeline.layout={text!r}: {n.strip()!r} is not an integer") from None
+        if counts[role] < 1:
+            raise LayoutError(f"pipeline.layout={text!r}: each role needs at least one rank")
+    if set(counts) != {TARGET, DRAFTER}:
+        raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' with both roles")
+    return counts[TARGET], counts[DRAFTER]
+
+
 # -- ranges ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Range:
@@ -405,11 +435,7 @@ def validate(cfg: Config) -> None:
     if d.features:
         _check_features(cfg)
     if p.layout:
-        from .run.roles.layout import Layout, LayoutError
-        try:
-            Layout.parse(p.layout)
-        except LayoutError as e:
-            raise ConfigError(str(e)) from None
+        parse_layout(p.layout)
         if cfg.train.estimate_every:
             raise ConfigError(f"train.estimate_every={cfg.train.estimate_every} with pipeline.layout={p.layout!r}: "
                               "no rank holds both the target and the drafter; set train.estimate_every=0")
@@ -441,14 +467,11 @@ def validate(cfg: Config) -> None:
     cfg.telemetry.trackers = check_trackers(cfg.telemetry.trackers, "telemetry.trackers=")
     if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
         raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
-    try:
-        inputs.check_target_spec(m.target)
-        if d.path:
-            inputs.check_dataset_path(d.path)
-        chat_template.check(d.chat_template, d.chat_template_kwargs)
-        layers = inputs.target_num_layers(m.target)
-    except (inputs.TargetSpecError, inputs.DatasetError) as e:
-        raise ConfigError(str(e)) from None
+    inputs.check_target_spec(m.target)
+    if d.path:
+        inputs.check_dataset_path(d.path)
+    chat_template.check(d.chat_template, d.chat_template_kwargs)
+    layers = inputs.target_num_layers(m.target)
     # the layer count is known without loading the model for tiny targets, smollm2, a local dir
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "

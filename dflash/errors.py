@@ -1,13 +1,18 @@
 """How a failure reaches the user.
 
-- Bad input (``ConfigError``, ``DatasetError``, ``TargetSpecError``): one line naming the
-  value, exit code 2. Nothing to debug, so no traceback.
+- Bad input (a ``UserError``: ``ConfigError``, ``DatasetError``, ``TargetSpecError``,
+  ``CheckpointError``, ``LayoutError``): one line naming the value, exit code 2. Nothing to
+  debug, so no traceback.
 - Anything else is a bug or a broken environment: the full traceback (a worker's own,
   chained under the ``WorkerError`` that ended the run), the worker and the stage it came
   from, also written to ``OUT/error.txt``; exit code 1.
 
 The stage is known because an exception leaving `tel.stage(...)` carries that stage's name
 (otel sets it, the innermost stage wins, with telemetry on or off).
+
+Signals are here too: SIGTERM reaches the commands as Ctrl-C does (`raise_on_sigterm`,
+`stop_on_signal`), and how an interrupted command ends is part of how a run stops.
+Torch-free, and light: config.py imports it for UserError.
 """
 from __future__ import annotations
 
@@ -18,7 +23,10 @@ import threading
 import traceback
 from pathlib import Path
 
-from otel import STAGE_ATTRIBUTE
+
+class UserError(ValueError):
+    """Bad input: a one-line message that names the value and what was expected; the
+    command exits 2 with it, no traceback. Every bad-input error derives from it."""
 
 
 class WorkerError(RuntimeError):
@@ -38,21 +46,15 @@ class WorkerError(RuntimeError):
 def stage_of(err: BaseException) -> str | None:
     """The stage an exception escaped from (None: it was raised outside every stage). The
     telemetry's Stage names it on the exception, enabled or not (otel.STAGE_ATTRIBUTE)."""
+    from otel import STAGE_ATTRIBUTE  # here, not at the top: config.py imports this module
+
     return getattr(err, STAGE_ATTRIBUTE, None)
-
-
-def is_user_error(err: BaseException) -> bool:
-    from .preflight.checkpoint_files import CheckpointError
-    from .config import ConfigError
-    from .preflight.inputs import DatasetError, TargetSpecError
-
-    return isinstance(err, (ConfigError, DatasetError, TargetSpecError, CheckpointError))
 
 
 def user_error(err: BaseException) -> BaseException | None:
     """The bad-input error behind ``err`` (itself, or what a worker raised), else None."""
     for e in (err, err.__cause__ if isinstance(err, WorkerError) else None):
-        if e is not None and is_user_error(e):
+        if isinstance(e, UserError):
             return e
     return None
 

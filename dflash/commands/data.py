@@ -28,19 +28,17 @@ def run(a) -> int:
     from ..data import chat_template
     from ..data import conversations as C
     from ..data.inspect import format_report, inspect
-    from ..preflight.inputs import DatasetError, TargetSpecError, check_dataset_path, check_target_spec, data_files
+    from ..preflight.inputs import check_dataset_path, check_target_spec, data_files
 
     for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
         if v < lo:
             raise ConfigError(f"{name}={v}: expected an integer >= {lo}")
     kwargs = _template_kwargs(a.chat_template_kwargs)
-    try:  # before the tokenizer (and torch) loads
-        chat_template.check(a.chat_template, kwargs)
-        check_dataset_path(a.path)
-        check_target_spec(a.target, probe_hub=True)
-        records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
-    except (DatasetError, TargetSpecError) as e:
-        raise ConfigError(str(e)) from None
+    # before the tokenizer (and torch) loads
+    chat_template.check(a.chat_template, kwargs)
+    check_dataset_path(a.path)
+    check_target_spec(a.target, probe_hub=True)
+    records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
     report = inspect(records, a.target, max_len=a.max_len, examples=a.examples,
                      chat_template=a.chat_template, chat_template_kwargs=kwargs)
     report["path"] = a.path

@@ -114,18 +114,15 @@ def _check_resume(cfg) -> None:
 def _check_layout_launch(cfg, eval_flag: bool) -> None:
     """A layout needs torchrun with exactly its number of ranks, and has no eval step."""
     from ..config import ConfigError
-    from ..run.roles.layout import Layout, LayoutError
+    from ..run.roles.layout import Layout
 
     world = os.environ.get("WORLD_SIZE")
     if world is None:
         raise ConfigError(f"--layout {cfg.pipeline.layout}: roles are given to torchrun's ranks; launch with "
                           f"torchrun --nproc_per_node N -m dflash train ... (N = ranks on this node)")
-    try:
-        if not world.strip().isdigit():
-            raise ConfigError(f"WORLD_SIZE={world!r}: expected a non-negative integer (torchrun sets it)")
-        Layout.parse(cfg.pipeline.layout).check_world(int(world))
-    except LayoutError as e:
-        raise ConfigError(str(e)) from None
+    if not world.strip().isdigit():
+        raise ConfigError(f"WORLD_SIZE={world!r}: expected a non-negative integer (torchrun sets it)")
+    Layout.parse(cfg.pipeline.layout).check_world(int(world))
     if eval_flag:
         raise ConfigError(f"--eval with --layout {cfg.pipeline.layout}: no rank holds both the target and the "
                           f"drafter; after training run: dflash eval --checkpoint {cfg.out}/checkpoint")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import UserError
 from .inputs import MAX_JSON_FILE_BYTES, SafetensorsHeaderError, read_json_object, read_safetensors_header
 from .layer_ids import default_layer_ids
 
@@ -27,7 +28,7 @@ EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
 EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER)  # what `dflash export` writes
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: one line naming it and what is wrong (exit 2)."""
 
 
