@@ -235,18 +235,3 @@ def load_training_state(path) -> tuple[dict, dict]:
             "this one was not written by dflash train: train into a new --out instead") from None
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: {files.LEGACY_STATE} unreadable ({type(e).__name__})") from None
-
-
-# the fields that decide whether a drafter's weights fit a target (the rest are labels)
-_FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-               "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
-
-
-def check_fits(have: DrafterConfig, want: DrafterConfig, path) -> None:
-    """One line naming the first field in which a loaded drafter differs from the one this
-    run would build for its target (the CLI checked the run config; this checks shapes)."""
-    for f in _FIT_FIELDS:
-        a, b = getattr(have, f), getattr(want, f)
-        if a != b:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {f}={a!r} does not fit this run's target "
-                                  f"(expected {b!r})")

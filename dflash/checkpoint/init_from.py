@@ -27,7 +27,7 @@ def load_into_run(cfg, target):
     from ..model.drafter import DFlashDrafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
-    drafter_dirs.check_fits(d, target, f"--init-from {cfg.model.init_from!r}")
+    drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target)
     # set in a YAML file rather than by --init-from, the run's shape may disagree with DIR's
     for key, want in init_flags(cfg.model.init_from).items():
         have = getattr(cfg.model, key.split(".")[1])

@@ -13,6 +13,7 @@ import torch
 from ..config import Config, resolve_dtype
 from ..data import chat_template
 from ..checkpoint import checkpoint as ckpt
+from ..checkpoint.drafter_dirs import check_fits
 from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
 from ..model.drafter_trainer import DrafterTrainer
@@ -143,7 +144,8 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
     tstate = jstate = None
     if resume:
         drafter, _ = ckpt.load_drafter(ctx.out / "checkpoint", device=ddev, dtype=torch.float32)
-        ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids), ctx.out / "checkpoint")
+        check_fits(drafter.cfg.to_dict(), f"checkpoint {str(ctx.out / 'checkpoint')!r}",
+                   built=drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids))
         tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
     elif cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
         from ..checkpoint.init_from import load_into_run
