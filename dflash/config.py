@@ -34,7 +34,7 @@ class ModelConfig:
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
     copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
-    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; init_from.py)
+    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; checkpoint/init_from.py)
 
 
 @dataclass
@@ -90,7 +90,7 @@ class EvalConfig:
     max_prompt_len: int = 128
     before: bool = True                  # with `train --eval`: also measure the untrained drafter (tau ~1.0);
                                          # off, the learning curve's step-0 estimate is the baseline
-    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (model/sampling.py)
+    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (decode/sampling.py)
     top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
     top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
     baseline: str = "prompt_lookup"      # also decode every prompt with prompt lookup (the free baseline) | none
@@ -409,8 +409,8 @@ def _check_ranges(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
-    from .preflight import inputs
     from .data import chat_template
+    from .preflight import inputs
 
     m, d, p = cfg.model, cfg.data, cfg.pipeline
     if cfg.eval.baseline not in ("prompt_lookup", "none"):

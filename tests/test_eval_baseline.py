@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash.data.dataset import prompts_for_eval
+from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from dflash.model import target as T
 from dflash.model.prompt_lookup import PromptLookup, propose
-from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from helpers import TINY, cli_before_torch, last_json, run_dflash
 
 BK = 4
@@ -110,8 +110,8 @@ def test_prompt_lookup_at_temperature_is_a_point_mass_draft(tiny):
 
 def test_evaluate_reports_the_baseline_and_follows_a_reply_into_the_next_turn(tiny):
     from dflash.data.prompt_sets import Dialog, PromptSet
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.decode.evaluate import evaluate
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
     model, tok = tiny
     torch.manual_seed(0)

@@ -67,8 +67,8 @@ def test_a_tokenizer_config_auto_map_is_refused_by_name(tmp_path):
     """A target whose model type is real but whose tokenizer_config.json names its own class."""
     from transformers import AutoTokenizer
 
-    from dflash.preflight.inputs import TargetSpecError
     from dflash.model.target import _smollm2_tokenizer_dir, from_pretrained
+    from dflash.preflight.inputs import TargetSpecError
 
     mark = tmp_path / "PWNED"
     d = tmp_path / "target"
@@ -288,8 +288,8 @@ def test_smaller_bad_values_are_one_line(args, needle):
 
 
 def test_eval_on_another_target_than_the_drafters_own_says_so(capsys, tmp_path):
-    from dflash.commands.eval import _notice_other_targets
     from dflash.checkpoint.drafter_dirs import DrafterDir
+    from dflash.commands.eval import _notice_other_targets
 
     d = DrafterDir(tmp_path, "checkpoint", {}, {"model": {"target": "tiny-qwen3"}})
     _notice_other_targets([d], "tiny-qwen3")

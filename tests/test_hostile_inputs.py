@@ -616,9 +616,9 @@ def test_training_state_files_that_lie_are_one_line(tmp_path):
     traceback from deep inside the decoder."""
     import torch
 
-    from dflash.preflight.checkpoint_files import CheckpointError
     from dflash.checkpoint import state_tree
     from dflash.checkpoint.checkpoint import load_training_state
+    from dflash.preflight.checkpoint_files import CheckpointError
 
     ck = tmp_path / "checkpoint"
     ck.mkdir()
@@ -647,8 +647,8 @@ def test_a_weight_map_that_leaves_the_model_dir_is_refused(tmp_path):
     import torch
     from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.preflight.inputs import TargetSpecError
     from dflash.offline.head_only import load_head_only
+    from dflash.preflight.inputs import TargetSpecError
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

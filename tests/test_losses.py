@@ -214,8 +214,8 @@ def test_slot_targets_are_the_targets_next_token_distribution(tiny):
 
 
 def test_capture_top_logprobs(tiny):
-    from dflash.offline.capture import top_logprobs
     from dflash.model import target as T
+    from dflash.offline.capture import top_logprobs
     model, _ = tiny
     b = _batch(n=1, S=9)
     last = T.capture_hidden(model, b.input_ids, b.attention_mask, [T.FINAL])

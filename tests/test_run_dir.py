@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from dflash.checkpoint.files import remove_written
+from dflash.config import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
-from dflash.config import ConfigError
 from helpers import ROOT, run_dflash
 
 

@@ -102,8 +102,8 @@ def test_export_without_copy_head_and_a_misfit_drafter(tmp_path):
 
 def test_side_by_side_wandb_summary_names_every_drafter(monkeypatch, tmp_path):
     from dflash import trackers
-    from dflash.commands import eval as eval_command
     from dflash.checkpoint.drafter_dirs import DrafterDir
+    from dflash.commands import eval as eval_command
 
     calls = []
     monkeypatch.setattr(trackers, "log_eval", lambda run_dir, res, names, **kw: calls.append((run_dir, res, kw)))

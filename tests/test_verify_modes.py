@@ -4,10 +4,10 @@ Also: a divergence from the greedy reference is reported with where it happened.
 import pytest
 import torch
 
-from dflash.model import target as T
 from dflash.data.dataset import prompts_for_eval
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.decode.spec_decode import _TargetRunner, cache_mode, greedy_generate, speculative_generate
+from dflash.model import target as T
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 BK = 6
 QUESTIONS = ["Tell me about rivers.", "Write a haiku about the sea", "What is 12 times 7?"]

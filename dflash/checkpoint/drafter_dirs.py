@@ -2,7 +2,7 @@
 
 - ours: `RUN/checkpoint/` written by `dflash train` (architectures ["DFlashDrafter"], the run
   config under "dflash_run", training state for --resume);
-- served: the z-lab format (model/export_format.py) that `dflash export` writes, z-lab
+- served: the z-lab format (checkpoint/export_format.py) that `dflash export` writes, z-lab
   publishes and SpecForge exports. It carries no run config: the target comes from --target.
 
 The kind is told by config.json alone (`export_format.is_export_config`).

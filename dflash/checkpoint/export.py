@@ -1,6 +1,6 @@
 """`dflash export`: write a trained drafter in the format SGLang, vLLM and the reference read.
 
-The format itself (names, config keys) is model/export_format.py; this file writes a
+The format itself (names, config keys) is export_format.py; this file writes a
 directory in it: config.json, model.safetensors and a README.md that says what the
 drafter is for and how to serve it. The copy head (model/copy_head.py) has no place in
 the format: exporting a drafter that has one is refused unless the user asks for the

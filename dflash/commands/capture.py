@@ -30,9 +30,9 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
+    from ..config import load_config
     from ..preflight import run_dir
     from ..preflight.launch_checks import check_inputs, check_torchrun_env
-    from ..config import load_config
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")

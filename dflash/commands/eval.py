@@ -2,7 +2,7 @@
 free baseline (prompt lookup) on the same prompts.
 
 Every --checkpoint is either a `dflash train` checkpoint or a directory in the served DFlash
-format (model/drafter_dirs.py): a published drafter, a SpecForge export, our own export.
+format (checkpoint/drafter_dirs.py): a published drafter, a SpecForge export, our own export.
 All of them run on one target (--target, else the first training checkpoint's) and on the
 same prompts, so "ours vs the published one, on our prompts" is one command. Bad input
 (a missing dir, sampling settings out of range, an unknown --bench set, a --prompts-from file
@@ -161,8 +161,8 @@ def _file_sets(a) -> list:
 
 def _held_out_set(owner, cfg, n: int):
     """The default prompts, and the line that says where they came from."""
-    from ..preflight.checkpoint_files import EVAL_PROMPTS
     from ..data import prompt_sets
+    from ..preflight.checkpoint_files import EVAL_PROMPTS
 
     e = cfg.eval
     if owner is not None and owner.kind == "export":
@@ -226,9 +226,9 @@ def run(a) -> int:
     a.phase = "eval set-up"
     import torch
 
+    from ..checkpoint import drafter_dirs
     from ..config import resolve_dtype
     from ..data import chat_template
-    from ..checkpoint import drafter_dirs
     from ..decode.evaluate import evaluate
     from ..model.target import load_target
 

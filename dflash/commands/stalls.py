@@ -25,8 +25,8 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..config import ConfigError
     from ..analysis.stalls import analyze, format_report, load, parse_window
+    from ..config import ConfigError
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")

@@ -94,8 +94,8 @@ def run(a) -> int:
 def _check_resume(cfg) -> None:
     """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
     from its config.json before torch loads."""
-    from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
     from ..config import ConfigError
+    from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
     from ..preflight.inputs import target_num_layers
 
     try:

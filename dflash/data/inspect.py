@@ -18,10 +18,10 @@ BINS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 def inspect(records: list, target: str, *, max_len: int, examples: int, chat_template: str = "",
             chat_template_kwargs: dict | None = None) -> dict:
+    from ..model.target import load_tokenizer
     from . import chat_template as T
     from . import conversations as C
     from .dataset import tokenize_conversation
-    from ..model.target import load_tokenizer
 
     tok = T.configure(load_tokenizer(target), chat_template, chat_template_kwargs)
     dropped = {r: 0 for r in (*C.DROP_REASONS, "over_length")}

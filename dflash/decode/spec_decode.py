@@ -44,10 +44,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from . import sampling
 from ..model import lazy_logits
 from ..model.drafter import DFlashDrafter
 from ..model.prompt_lookup import PromptLookup
+from . import sampling
 
 try:  # transformers >= 5: hybrid caches keep linear-attention layers of this kind
     from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin

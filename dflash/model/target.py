@@ -7,7 +7,7 @@ Target specs (``--target``):
   and cached as an ordinary Hugging Face model dir (safetensors) under ``$DFLASH_CACHE``
   (default ``~/.cache/dflash``), so later runs load in about a second. The cache entries
   (model and tokenizer) are keyed by the package version and the GGUF's size, so a fresh
-  venv finds them; without the package, a carried-over entry is used (``inputs.py``).
+  venv finds them; without the package, a carried-over entry is used (``preflight/inputs.py``).
 - ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5`` -- random-initialised models built from a
   config alone (deterministic for a given seed) with SmolLM2's tokenizer and chat template, for
   tests and CPU demos. ``tiny-qwen3.5`` is the hybrid Gated-DeltaNet text model

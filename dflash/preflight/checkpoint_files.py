@@ -71,7 +71,7 @@ def check_safetensors(f: Path) -> dict:
 
 def check_drafter_bounds(path, raw: dict) -> None:
     """A checkpoint config.json that no drafter can have (100000 layers, zero heads, a
-    trillion-wide MLP): one line before anything is built (model/export_format.BOUNDS)."""
+    trillion-wide MLP): one line before anything is built (checkpoint/export_format.BOUNDS)."""
     from ..checkpoint.export_format import bounds_error
 
     err = bounds_error(raw, f"checkpoint {str(path)!r}: config.json")

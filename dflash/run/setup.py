@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, resolve_dtype
-from ..data import chat_template
 from ..checkpoint import checkpoint as ckpt
 from ..checkpoint.drafter_dirs import check_fits
+from ..config import Config, resolve_dtype
+from ..data import chat_template
 from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
 from ..model.drafter_trainer import DrafterTrainer

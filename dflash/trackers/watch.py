@@ -111,7 +111,7 @@ def serve(a) -> int:
         print(f"dflash watch: {name} exited with {proc.returncode} (log: {logs / (name.lower() + '.log')})",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.signals): the normal way to stop
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.errors): the normal way to stop
         return 0
     finally:
         for _, proc, *_ in procs:
