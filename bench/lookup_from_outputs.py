@@ -49,8 +49,8 @@ def steps(prompt: list[int], out: list[int], max_new: int, block: int, eos: set,
 
 
 def main() -> int:
+    from dflash.decode.spec_decode import greedy_generate
     from dflash.model import target as T
-    from dflash.model.spec_decode import greedy_generate
 
     res = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
     if res.get("temperature"):

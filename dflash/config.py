@@ -5,6 +5,7 @@ fails in milliseconds with one line naming the value (ConfigError -> exit code 2
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -14,10 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from .inputs import short_repr as _short
+from .errors import UserError
+from .preflight.inputs import short_repr as _short
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """Bad user input: one line, names the value and what was expected."""
 
 
@@ -32,7 +34,7 @@ class ModelConfig:
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
     copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
-    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; init_from.py)
+    init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; checkpoint/init_from.py)
 
 
 @dataclass
@@ -88,7 +90,7 @@ class EvalConfig:
     max_prompt_len: int = 128
     before: bool = True                  # with `train --eval`: also measure the untrained drafter (tau ~1.0);
                                          # off, the learning curve's step-0 estimate is the baseline
-    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (model/sampling.py)
+    temperature: float = 0.0             # 0: greedy (lossless per prompt); > 0: speculative sampling (decode/sampling.py)
     top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
     top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
     baseline: str = "prompt_lookup"      # also decode every prompt with prompt lookup (the free baseline) | none
@@ -196,7 +198,7 @@ def _coerce(value, typ, key: str):
 def _yaml(text: str, where: str, what: str = "valid YAML"):
     """YAML from the user (a config file, a --set value), aliases bounded (inputs.yaml_load):
     a malformed document, an alias bomb or a document nested too deeply is one line."""
-    from .inputs import YAMLTooLarge, yaml_load
+    from .preflight.inputs import YAMLTooLarge, yaml_load
 
     try:
         return yaml_load(text)
@@ -235,7 +237,7 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
     """Build and validate the config. flags are dotted keys from dedicated CLI options."""
     cfg = Config()
     if path:
-        from .inputs import read_text_file
+        from .preflight.inputs import read_text_file
 
         text = read_text_file(path, f"config file {path!r}", "a YAML file", ConfigError)
         data = _yaml(text, f"config file {path!r}") or {}
@@ -255,6 +257,47 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
             _set(cfg, k, v, from_text=False)
     validate(cfg)
     return cfg
+
+
+def override(cfg: Config, **flags) -> Config:
+    """A copy of a loaded config with more dotted keys set, validated again: what
+    `load_config(..., **flags)` with them among its flags gives, without reading the files
+    again (`dflash train --features`: the capture's settings replace the asked ones)."""
+    cfg = copy.deepcopy(cfg)
+    for k, v in flags.items():
+        if v is not None:
+            _set(cfg, k, v, from_text=False)
+    validate(cfg)
+    return cfg
+
+
+# -- pipeline.layout ------------------------------------------------------------------------
+# the string's format; what it means for ranks and batches is run/roles/layout.py's Layout
+TARGET, DRAFTER = "target", "drafter"
+
+
+class LayoutError(ConfigError):
+    """A layout string that cannot be run; the message names the value."""
+
+
+def parse_layout(text: str) -> tuple[int, int]:
+    """'target:5,drafter:3' (either order, spaces allowed) -> (target ranks, drafter ranks)."""
+    counts: dict[str, int] = {}
+    for part in (p.strip() for p in str(text).split(",") if p.strip()):
+        role, sep, n = part.partition(":")
+        role = role.strip()
+        if not sep or role not in (TARGET, DRAFTER) or role in counts:
+            raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' "
+                              f"(each role once, N and M positive integers)")
+        try:
+            counts[role] = int(n)
+        except ValueError:
+            raise LayoutError(f"pipeline.layout={text!r}: {n.strip()!r} is not an integer") from None
+        if counts[role] < 1:
+            raise LayoutError(f"pipeline.layout={text!r}: each role needs at least one rank")
+    if set(counts) != {TARGET, DRAFTER}:
+        raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' with both roles")
+    return counts[TARGET], counts[DRAFTER]
 
 
 # -- ranges ---------------------------------------------------------------------------------
@@ -366,8 +409,8 @@ def _check_ranges(cfg: Config) -> None:
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
-    from . import inputs
     from .data import chat_template
+    from .preflight import inputs
 
     m, d, p = cfg.model, cfg.data, cfg.pipeline
     if cfg.eval.baseline not in ("prompt_lookup", "none"):
@@ -392,11 +435,7 @@ def validate(cfg: Config) -> None:
     if d.features:
         _check_features(cfg)
     if p.layout:
-        from .run.roles.layout import Layout, LayoutError
-        try:
-            Layout.parse(p.layout)
-        except LayoutError as e:
-            raise ConfigError(str(e)) from None
+        parse_layout(p.layout)
         if cfg.train.estimate_every:
             raise ConfigError(f"train.estimate_every={cfg.train.estimate_every} with pipeline.layout={p.layout!r}: "
                               "no rank holds both the target and the drafter; set train.estimate_every=0")
@@ -428,14 +467,11 @@ def validate(cfg: Config) -> None:
     cfg.telemetry.trackers = check_trackers(cfg.telemetry.trackers, "telemetry.trackers=")
     if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
         raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
-    try:
-        inputs.check_target_spec(m.target)
-        if d.path:
-            inputs.check_dataset_path(d.path)
-        chat_template.check(d.chat_template, d.chat_template_kwargs)
-        layers = inputs.target_num_layers(m.target)
-    except (inputs.TargetSpecError, inputs.DatasetError) as e:
-        raise ConfigError(str(e)) from None
+    inputs.check_target_spec(m.target)
+    if d.path:
+        inputs.check_dataset_path(d.path)
+    chat_template.check(d.chat_template, d.chat_template_kwargs)
+    layers = inputs.target_num_layers(m.target)
     # the layer count is known without loading the model for tiny targets, smollm2, a local dir
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "

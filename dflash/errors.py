@@ -1,21 +1,32 @@
 """How a failure reaches the user.
 
-- Bad input (``ConfigError``, ``DatasetError``, ``TargetSpecError``): one line naming the
-  value, exit code 2. Nothing to debug, so no traceback.
+- Bad input (a ``UserError``: ``ConfigError``, ``DatasetError``, ``TargetSpecError``,
+  ``CheckpointError``, ``LayoutError``): one line naming the value, exit code 2. Nothing to
+  debug, so no traceback.
 - Anything else is a bug or a broken environment: the full traceback (a worker's own,
   chained under the ``WorkerError`` that ended the run), the worker and the stage it came
   from, also written to ``OUT/error.txt``; exit code 1.
 
 The stage is known because an exception leaving `tel.stage(...)` carries that stage's name
 (otel sets it, the innermost stage wins, with telemetry on or off).
+
+Signals are here too: SIGTERM reaches the commands as Ctrl-C does (`raise_on_sigterm`,
+`stop_on_signal`), and how an interrupted command ends is part of how a run stops.
+Torch-free, and light: config.py imports it for UserError.
 """
 from __future__ import annotations
 
 import os
+import signal
+import sys
+import threading
 import traceback
 from pathlib import Path
 
-from otel import STAGE_ATTRIBUTE
+
+class UserError(ValueError):
+    """Bad input: a one-line message that names the value and what was expected; the
+    command exits 2 with it, no traceback. Every bad-input error derives from it."""
 
 
 class WorkerError(RuntimeError):
@@ -35,21 +46,15 @@ class WorkerError(RuntimeError):
 def stage_of(err: BaseException) -> str | None:
     """The stage an exception escaped from (None: it was raised outside every stage). The
     telemetry's Stage names it on the exception, enabled or not (otel.STAGE_ATTRIBUTE)."""
+    from otel import STAGE_ATTRIBUTE  # here, not at the top: config.py imports this module
+
     return getattr(err, STAGE_ATTRIBUTE, None)
-
-
-def is_user_error(err: BaseException) -> bool:
-    from .checkpoint_files import CheckpointError
-    from .config import ConfigError
-    from .inputs import DatasetError, TargetSpecError
-
-    return isinstance(err, (ConfigError, DatasetError, TargetSpecError, CheckpointError))
 
 
 def user_error(err: BaseException) -> BaseException | None:
     """The bad-input error behind ``err`` (itself, or what a worker raised), else None."""
     for e in (err, err.__cause__ if isinstance(err, WorkerError) else None):
-        if e is not None and is_user_error(e):
+        if isinstance(e, UserError):
             return e
     return None
 
@@ -77,3 +82,52 @@ def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path
     except OSError:
         return text, None
     return text, path
+
+
+# -- signals -------------------------------------------------------------------------------
+# Signals for the commands, in one place (torch-free).
+#
+# - `raise_on_sigterm`: SIGTERM (what job runners send) raises like Ctrl-C does, so a set-up
+#   phase (model load, regeneration) stops at once with 130 and a line saying how to go on,
+#   rather than dying silently with 143;
+# - `stop_on_signal`: inside a loop that can stop cleanly (an eval between verify steps),
+#   SIGTERM / SIGINT set an event instead; a second one raises.
+# The training loop has its own graceful handler (run/trainer.py): finish the step, save.
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, delivered as Ctrl-C is."""
+
+
+def _raise(signum, frame):
+    raise Interrupted()
+
+
+def raise_on_sigterm() -> None:
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise)
+
+
+class stop_on_signal:
+    def __init__(self, what: str = "the current prompt"):
+        self.what = what
+
+    def __enter__(self) -> threading.Event:
+        self.stop = threading.Event()
+        self.prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def on_signal(signum, frame):
+            if self.stop.is_set():
+                raise Interrupted()
+            print(f"\ninterrupt: finishing {self.what}, then reporting what was measured", file=sys.stderr)
+            self.stop.set()
+
+        if threading.current_thread() is threading.main_thread():
+            for s in self.prev:
+                signal.signal(s, on_signal)
+        return self.stop
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread():
+            for s, h in self.prev.items():
+                signal.signal(s, h)
+        return False

@@ -12,7 +12,7 @@ import sys
 import time
 import zipfile
 
-from dflash.inputs import cache_dir
+from dflash.preflight.inputs import cache_dir
 
 VERSION = "0.1.0"
 WHEEL = f"dflash-{VERSION}-py3-none-any.whl"

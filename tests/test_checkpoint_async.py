@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from dflash.model import checkpoint as ckpt
+from dflash.checkpoint import checkpoint as ckpt
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from dflash.data import conversations as C
-from dflash.inputs import DatasetError, check_dataset_path
+from dflash.preflight.inputs import DatasetError, check_dataset_path
 from helpers import ROOT, TINY
 
 CHAT = [

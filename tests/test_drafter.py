@@ -138,8 +138,8 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     and that layer's weights, plus the final norm, are the target's."""
     from dflash.config import Config
     from dflash.model import target as target_mod
-    from dflash.model.drafter_build import build_drafter
-    from dflash.model.drafter_init import init_from_target
+    from dflash.model.build import build_drafter
+    from dflash.model.build import init_from_target
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"
@@ -165,8 +165,8 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     """train.feature_cache: a batch of sequences seen before is assembled from the cache
     (no target forward), with the features a forward gives on the valid tokens and zeros
     on padding; a batch with one new sequence runs the forward."""
-    from dflash.model import target as target_mod
     from dflash.data.batch import Batch
+    from dflash.model import target as target_mod
     from dflash.model.feature_cache import FeatureCache
     from dflash.model.features import target_features
 

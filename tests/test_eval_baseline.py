@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash.data.dataset import prompts_for_eval
+from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from dflash.model import target as T
 from dflash.model.prompt_lookup import PromptLookup, propose
-from dflash.model.spec_decode import greedy_generate, speculative_generate
 from helpers import TINY, cli_before_torch, last_json, run_dflash
 
 BK = 4
@@ -64,7 +64,7 @@ def test_propose_is_the_latest_longest_match_of_known_tokens():
 
 
 def test_per_position_shares_from_the_histogram():
-    from dflash.model.evaluate import per_position
+    from dflash.decode.evaluate import per_position
 
     # 4 steps accepting 0, 0, 1 and 3 drafts: position 1 in 2 of them, 2 and 3 in one
     assert per_position({"1": 2, "2": 1, "3": 0, "4": 1}, 4) == [0.5, 0.25, 0.25]
@@ -97,7 +97,7 @@ def test_prompt_lookup_through_the_speculative_loop_equals_lookup_on_the_greedy_
 
 
 def test_prompt_lookup_at_temperature_is_a_point_mass_draft(tiny):
-    from dflash.model.spec_sample import speculative_sample
+    from dflash.decode.spec_decode import speculative_sample
 
     model, tok = tiny
     prompt = _prompts(tok, ["count: 1 2 3 1 2 3"])[0]
@@ -110,8 +110,8 @@ def test_prompt_lookup_at_temperature_is_a_point_mass_draft(tiny):
 
 def test_evaluate_reports_the_baseline_and_follows_a_reply_into_the_next_turn(tiny):
     from dflash.data.prompt_sets import Dialog, PromptSet
+    from dflash.decode.evaluate import evaluate
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.model.evaluate import evaluate
 
     model, tok = tiny
     torch.manual_seed(0)

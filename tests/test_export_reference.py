@@ -83,7 +83,7 @@ def _reference_steps(ref, model, target, steps, stop_ids, max_new):
 
 def _drafts_ours(drafter, target, steps, res):
     """Every block our decode drafted, per prompt."""
-    from dflash.model.spec_decode import speculative_generate
+    from dflash.decode.spec_decode import speculative_generate
 
     out, seen = [], []
     plain = drafter.draft
@@ -127,7 +127,7 @@ def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
     """The trained drafter of a repetitive tiny target drafts one token everywhere; a random
     drafter with a strong context path drafts a different token at every slot, so a wrong
     name, layer id or rotary setting in the export changes its drafts."""
-    from dflash.export import write_export
+    from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter
     from dflash.model.target import load_target
 
@@ -168,7 +168,7 @@ def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
         ref_taus.append(sum(acc) / len(acc))
     assert total > 3 and served["acceptance_length"] > 1
     # a repetitive tiny target lets different drafters accept alike: compare every draft too
-    from dflash.model import checkpoint as ckpt
+    from dflash.checkpoint import checkpoint as ckpt
     _same_drafts(_drafts_ours(ckpt.load_drafter(run / "checkpoint")[0].eval(), target, steps, served),
                  _drafts_ref(ref, model, target, steps, served))
     print(f"\nreference: {agreed}/{total} verify steps agreed; tau ours {served['acceptance_length']:.4f}, "
@@ -204,7 +204,7 @@ def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
         assert acc[:-1] == s["acceptance_lengths"][:-1], (acc, s["acceptance_lengths"])
         assert out == s["output_ids"]
     # and block by block, what our loader made of its weights drafts what it drafts
-    from dflash.model import drafter_dirs
+    from dflash.checkpoint import drafter_dirs
     ours = drafter_dirs.load(drafter_dirs.inspect(tmp_path / "ref-drafter")).eval()
     _same_drafts(_drafts_ours(ours, target, steps, res), _drafts_ref(ref, model, target, steps, res))
 
@@ -225,7 +225,7 @@ def test_a_drafter_that_does_not_fit_the_target_is_one_line(trained, tmp_path):
 def test_reference_forward_equals_ours_on_one_block(ref, trained):
     """Below the decode: the same context and block give the same drafter hidden states
     (a wrong name, layer id or rotary setting shows here even where greedy tokens agree)."""
-    from dflash.model import checkpoint as ckpt
+    from dflash.checkpoint import checkpoint as ckpt
     from dflash.model.target import load_target
 
     run, exp, _, _ = trained

@@ -23,7 +23,7 @@ def _speculators_or_skip():
 
 def test_speculators_converter_reads_our_export(tmp_path):
     DFlashConverter = _speculators_or_skip()
-    from dflash.export import write_export
+    from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import load_target
 

@@ -67,8 +67,8 @@ def test_a_tokenizer_config_auto_map_is_refused_by_name(tmp_path):
     """A target whose model type is real but whose tokenizer_config.json names its own class."""
     from transformers import AutoTokenizer
 
-    from dflash.inputs import TargetSpecError
     from dflash.model.target import _smollm2_tokenizer_dir, from_pretrained
+    from dflash.preflight.inputs import TargetSpecError
 
     mark = tmp_path / "PWNED"
     d = tmp_path / "target"
@@ -89,7 +89,7 @@ def test_a_tokenizer_config_auto_map_is_refused_by_name(tmp_path):
 def test_a_served_drafter_with_an_auto_map_is_read_as_data(tmp_path):
     """z-lab's published drafters carry an auto_map for their own loader; ours reads the
     weights itself, so a crafted one is inert: the module is never imported."""
-    from dflash.model import drafter_dirs
+    from dflash.checkpoint import drafter_dirs
 
     exp = _served(tmp_path / "exp")
     mark = tmp_path / "PWNED"
@@ -109,7 +109,7 @@ def test_a_served_drafter_with_an_auto_map_is_read_as_data(tmp_path):
 def _served(path: Path, **kw) -> Path:
     import torch
 
-    from dflash.export import write_export
+    from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import _tiny_config, load_tokenizer
 
@@ -166,7 +166,7 @@ def test_a_config_that_disagrees_with_its_safetensors_header_is_one_line_before_
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dflash.model import drafter_dirs
+    from dflash.checkpoint import drafter_dirs
 
     d = Path(shutil.copytree(served, tmp_path / "d"))
     if lie == "wider":
@@ -288,8 +288,8 @@ def test_smaller_bad_values_are_one_line(args, needle):
 
 
 def test_eval_on_another_target_than_the_drafters_own_says_so(capsys, tmp_path):
-    from dflash.eval_command import _notice_other_targets
-    from dflash.model.drafter_dirs import DrafterDir
+    from dflash.checkpoint.drafter_dirs import DrafterDir
+    from dflash.commands.eval import _notice_other_targets
 
     d = DrafterDir(tmp_path, "checkpoint", {}, {"model": {"target": "tiny-qwen3"}})
     _notice_other_targets([d], "tiny-qwen3")

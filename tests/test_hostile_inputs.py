@@ -127,7 +127,7 @@ def test_a_saved_dataset_with_a_corrupt_arrow_file_is_one_line(tmp_path):
     """Past the cheap checks: arrow itself fails while rows are read; one line naming the dir."""
     datasets = pytest.importorskip("datasets")
     from dflash.data import conversations as C
-    from dflash.inputs import DatasetError
+    from dflash.preflight.inputs import DatasetError
 
     path = tmp_path / "saved"
     datasets.Dataset.from_list([json.loads(_rec(i)) for i in range(3)]).save_to_disk(str(path))
@@ -241,7 +241,7 @@ def test_a_chat_template_that_loops_or_grows_is_one_line(tmp_path, kind, needle)
 def test_a_tokenizer_whose_own_template_loops_is_one_line(tmp_path):
     """The template that comes with a target dir is rendered by transformers: its compile
     step builds it in the budgeted sandbox, so the probe at load time stops it and names it."""
-    from dflash.inputs import smollm2_cache_entry
+    from dflash.preflight.inputs import smollm2_cache_entry
 
     tok_dir = smollm2_cache_entry("-tokenizer")
     if tok_dir is None or not tok_dir.is_dir():
@@ -480,7 +480,7 @@ def test_crafted_shards_on_capture_resume_are_refused_up_front(tmp_path, case, n
 def test_checkpoint_safetensors_headers_that_lie_are_one_line(tmp_path):
     """`dflash eval --checkpoint` on a drafter whose model.safetensors header lies (overlapping
     offsets, a shape its bytes do not hold): one line, before torch."""
-    from dflash.checkpoint_files import CheckpointError, check_safetensors
+    from dflash.preflight.checkpoint_files import CheckpointError, check_safetensors
 
     import torch
     from safetensors.torch import save_file
@@ -616,9 +616,9 @@ def test_training_state_files_that_lie_are_one_line(tmp_path):
     traceback from deep inside the decoder."""
     import torch
 
-    from dflash.checkpoint_files import CheckpointError
-    from dflash.model import state_tree
-    from dflash.model.checkpoint import load_training_state
+    from dflash.checkpoint import state_tree
+    from dflash.checkpoint.checkpoint import load_training_state
+    from dflash.preflight.checkpoint_files import CheckpointError
 
     ck = tmp_path / "checkpoint"
     ck.mkdir()
@@ -647,8 +647,8 @@ def test_a_weight_map_that_leaves_the_model_dir_is_refused(tmp_path):
     import torch
     from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash.inputs import TargetSpecError
     from dflash.offline.head_only import load_head_only
+    from dflash.preflight.inputs import TargetSpecError
 
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

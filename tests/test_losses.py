@@ -159,7 +159,7 @@ def test_final_feature_is_what_the_lm_head_reads(tiny):
         logits = model(input_ids=ids, attention_mask=am).logits
     assert torch.allclose(model.get_output_embeddings()(feats[..., H:]), logits, atol=1e-5)
     # captured during generation (regeneration keeps it for the feature cache): the same rows
-    from dflash.model.layer_capture import LayerCapture, can_capture
+    from dflash.model.features import LayerCapture, can_capture
     assert can_capture(model, [1, T.FINAL])
     with LayerCapture(model, [1, T.FINAL]) as cap, torch.no_grad():
         model(input_ids=ids, attention_mask=am)
@@ -214,8 +214,8 @@ def test_slot_targets_are_the_targets_next_token_distribution(tiny):
 
 
 def test_capture_top_logprobs(tiny):
-    from dflash.offline.capture import top_logprobs
     from dflash.model import target as T
+    from dflash.offline.capture import top_logprobs
     model, _ = tiny
     b = _batch(n=1, S=9)
     last = T.capture_hidden(model, b.input_ids, b.attention_mask, [T.FINAL])

@@ -6,7 +6,7 @@ import re
 
 from helpers import ROOT
 from dflash.config import load_config
-from dflash.layer_ids import default_layer_ids
+from dflash.preflight.layer_ids import default_layer_ids
 
 PAPER = ROOT / "configs" / "paper-b16.yaml"
 

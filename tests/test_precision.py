@@ -15,7 +15,7 @@ def bf16_target():
 
 def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
     from dflash.data.batch import Batch
-    from dflash.model.drafter_build import build_drafter
+    from dflash.model.build import build_drafter
     from dflash.model.drafter_trainer import DrafterTrainer
 
     from dflash.config import load_config
@@ -87,7 +87,7 @@ def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
     assert first["steps"] == 2 and first["nonfinite_steps"] == 0
     weights = load_file(str(run / "checkpoint" / "model.safetensors"))
     assert {v.dtype for v in weights.values()} == {torch.float32}, "checkpoints hold the fp32 master weights"
-    from dflash.model.checkpoint import load_training_state
+    from dflash.checkpoint.checkpoint import load_training_state
     state, _ = load_training_state(run / "checkpoint")
     assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
 

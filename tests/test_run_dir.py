@@ -8,9 +8,10 @@ import sys
 
 import pytest
 
-from dflash import checkpoint_files as files
-from dflash import run_dir
+from dflash.checkpoint.files import remove_written
 from dflash.config import ConfigError
+from dflash.preflight import checkpoint_files as files
+from dflash.preflight import run_dir
 from helpers import ROOT, run_dflash
 
 
@@ -91,7 +92,7 @@ def test_a_checkpoint_dir_holding_a_users_file_is_refused(tmp_path):
 
 _HOLD = """
 import sys
-from dflash import run_dir
+from dflash.preflight import run_dir
 run_dir.claim(sys.argv[1], resume=False, overwrite=False)
 print("held", flush=True)
 sys.stdin.read()
@@ -131,17 +132,17 @@ def test_replacing_a_checkpoint_never_deletes_a_file_dflash_did_not_write(tmp_pa
     for name in files.WRITTEN:
         (d / name).write_text("ours")
     (d / "thesis.tex").write_text("theirs")
-    kept = files.remove_written(d)
+    kept = remove_written(d)
     assert not d.exists() and kept is not None
     assert sorted(os.listdir(kept)) == ["thesis.tex"]
     empty = tmp_path / "c2"
     empty.mkdir()
     (empty / files.CONFIG).write_text("{}")
-    assert files.remove_written(empty) is None and not empty.exists()
+    assert remove_written(empty) is None and not empty.exists()
 
 
 def test_a_killed_saves_temp_dirs_are_removed_by_the_next_save(tmp_path):
-    from dflash.model import checkpoint as ckpt
+    from dflash.checkpoint import checkpoint as ckpt
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
     dst = tmp_path / "checkpoint"

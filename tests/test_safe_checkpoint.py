@@ -23,7 +23,7 @@ def _safetensors(path, *, cut: int = 0):
 
 def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1, 2, 3)):
     """A run dir as dflash train leaves it, written by hand (no torch needed)."""
-    from dflash import run_dir
+    from dflash.preflight import run_dir
     run_dir.claim(str(out), resume=False, overwrite=False)
     ck = out / "checkpoint"
     ck.mkdir()
@@ -130,7 +130,7 @@ def test_an_earlier_versions_plain_training_state_still_resumes(trained, tmp_pat
 
     import torch
 
-    from dflash.model import state_tree
+    from dflash.checkpoint import state_tree
     run = tmp_path / "old"
     shutil.copytree(trained, run)
     ck = run / "checkpoint"
@@ -147,7 +147,7 @@ def test_state_tree_round_trips_what_an_optimizer_holds(tmp_path):
 
     import torch
 
-    from dflash.model import state_tree
+    from dflash.checkpoint import state_tree
     tree = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
                           "param_groups": [{"betas": (0.9, 0.999), "params": [0], "foreach": None}]},
             "rng": torch.get_rng_state(), "x": [float("inf"), float("-inf"), 1.5], "__odd": {"__tensor__": 1}}

@@ -14,7 +14,7 @@ def _probe(*args):
 
 def _write_served(path, *, block_size=4, layers=2):
     """A random drafter for tiny-qwen3 in the served format (what a download would be)."""
-    from dflash.export import write_export
+    from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
     from dflash.model.target import _tiny_config, load_tokenizer
 
@@ -101,8 +101,9 @@ def test_export_without_copy_head_and_a_misfit_drafter(tmp_path):
 
 
 def test_side_by_side_wandb_summary_names_every_drafter(monkeypatch, tmp_path):
-    from dflash import eval_command, trackers
-    from dflash.model.drafter_dirs import DrafterDir
+    from dflash import trackers
+    from dflash.checkpoint.drafter_dirs import DrafterDir
+    from dflash.commands import eval as eval_command
 
     calls = []
     monkeypatch.setattr(trackers, "log_eval", lambda run_dir, res, names, **kw: calls.append((run_dir, res, kw)))

@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from dflash.model import target as T
 from dflash.data.dataset import prompts_for_eval
+from dflash.decode.spec_decode import greedy_generate, speculative_generate
+from dflash.model import target as T
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.spec_decode import greedy_generate, speculative_generate
 
 BK = 6
 

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash.model import sampling
+from dflash.decode import sampling
+from dflash.decode.spec_decode import speculative_sample
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.spec_sample import speculative_sample
 
 PROMPT = [3, 7, 1, 12, 5]
 N, FIRST, TOP_K, TEMP = 2000, 3, 3, 1.0

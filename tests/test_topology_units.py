@@ -83,7 +83,7 @@ def test_a_layout_that_cannot_run_is_one_line_and_exit_2(tmp_path, env, args, ex
 
 
 def test_the_wandb_summary_carries_the_balance_figure():
-    from dflash.wandb_bridge import run_summary
+    from dflash.trackers.report import run_summary
 
     b = answer({"target_s_per_batch": 0.180, "drafter_s_per_batch": 0.071, "targets": 5, "drafters": 3})
     out = run_summary({"steps": 3, "balance": b}, None, "spans")

@@ -244,7 +244,7 @@ def test_a_local_store_still_starting_at_the_end_gets_the_run_but_a_remote_one_d
 
 
 def test_overwrite_removes_what_the_trackers_wrote_and_nothing_else(tmp_path):
-    from dflash.run_dir import clear_earlier_run
+    from dflash.preflight.run_dir import clear_earlier_run
 
     written = ["tensorboard/run/events.out.tfevents.1.host.1.0", "mlflow/mlflow.db", "mlflow_run.json",
                "mlflow/artifacts/abc123/artifacts/learning_curve.png",

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dflash import inputs
+from dflash.preflight import inputs
 
 
 def _fake_package(root, version="0.1.2", size=1000):

@@ -4,10 +4,10 @@ Also: a divergence from the greedy reference is reported with where it happened.
 import pytest
 import torch
 
-from dflash.model import target as T
 from dflash.data.dataset import prompts_for_eval
+from dflash.decode.spec_decode import _TargetRunner, cache_mode, greedy_generate, speculative_generate
+from dflash.model import target as T
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
-from dflash.model.spec_decode import _TargetRunner, cache_mode, greedy_generate, speculative_generate
 
 BK = 6
 QUESTIONS = ["Tell me about rivers.", "Write a haiku about the sea", "What is 12 times 7?"]
@@ -133,8 +133,8 @@ def test_partial_accept_restores_states_and_continues_exactly(hybrid):
 
 def test_divergence_is_reported_with_its_position(monkeypatch):
     """A spec output that departs from the greedy reference is counted and located."""
-    from dflash.model import evaluate as E
-    from dflash.model.spec_decode import DecodeResult, first_divergence
+    from dflash.decode import evaluate as E
+    from dflash.decode.spec_decode import DecodeResult, first_divergence
 
     assert first_divergence([1, 2, 3], [1, 2, 3]) is None
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1

@@ -166,7 +166,7 @@ def test_hung_wandb_log_neither_slows_steps_nor_loses_the_summary(tmp_path, wand
 
     calls, hung_until, release = [], [], threading.Event()
     from wandb.sdk.wandb_run import Run
-    from dflash.wandb_bridge import WandbBridge
+    from dflash.trackers.bridge import Bridge as WandbBridge  # its default sinks: W&B alone
     real_log, real_close = Run.log, WandbBridge.close
 
     def hung_log(self, *a, **kw):  # fault injection: the network stops answering for 10 s
@@ -240,7 +240,7 @@ def test_failing_wandb_init_warns_once_and_falls_back_to_jsonl(tmp_path, wandb_e
 
 
 def test_config_and_messages_are_redacted(monkeypatch):
-    from dflash.wandb_bridge import redact, sanitize
+    from dflash.trackers.redaction import redact, sanitize
 
     monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
     cfg = sanitize({"train": {"lr": 1e-3}, "api_key": "x", "wandb_token": "y", "note": f"key={FAKE_KEY}"})
@@ -254,7 +254,8 @@ def test_missing_wandb_falls_back_without_training(tmp_path, monkeypatch, capfd)
     from types import SimpleNamespace
 
     from dflash.config import Config
-    from dflash.wandb_bridge import FALLBACK, WandbBridge
+    from dflash.trackers.bridge import Bridge as WandbBridge
+    from dflash.trackers.wandb_sink import FALLBACK
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` raises ImportError
     stages = {s: {"count": 2, "total_s": 0.2, "p50_s": 0.1, "p95_s": 0.1, "p99_s": 0.1, "max_s": 0.1, "share": 0.1}

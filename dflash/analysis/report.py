@@ -28,7 +28,7 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
         if key in s and "skipped" in s[key]:  # an interrupted run skips its after-training eval
             t.add_row(label, f"skipped ({s[key]['skipped']}); run: {s[key]['command']}")
         elif key in s:
-            from ..model.evaluate import describe_lossless
+            from ..decode.evaluate import describe_lossless
             e = s[key]
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             partial = f"PARTIAL (interrupted; run: {e['command']}); " if e.get("interrupted") else ""

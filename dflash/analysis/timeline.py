@@ -42,7 +42,7 @@ def check_output(path: str, *, flag: str, suffix: str, run_dir) -> None:
     from pathlib import Path
 
     from ..config import ConfigError
-    from ..run_dir import check_place
+    from ..preflight.run_dir import check_place
 
     p = check_place(path, flag=flag, want_dir=False, expected=f"a file name ending in {suffix}")
     if not p.name.lower().endswith(suffix):
@@ -64,7 +64,7 @@ def _replace_atomically(path, write) -> None:
     import tempfile
     from pathlib import Path
 
-    from ..checkpoint_files import plain_modes
+    from ..checkpoint.files import plain_modes
 
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)

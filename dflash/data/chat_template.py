@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ..inputs import short_repr
+from ..preflight.inputs import short_repr
 from . import template_budget
 from .template_budget import ChatTemplateError  # noqa: F401 (where callers have always imported it from)
 
@@ -50,7 +50,7 @@ def read_template(path: str) -> str:
     template that loops or grows without bound rendering a user/assistant exchange is refused
     here too, before torch loads (other render failures wait for the tokenizer's own probe:
     transformers adds globals such as `raise_exception` that this environment lacks)."""
-    from ..inputs import read_text_file
+    from ..preflight.inputs import read_text_file
 
     where = f"data.chat_template={path!r}"
     text = read_text_file(path, where, "a Jinja chat template file", ChatTemplateError)

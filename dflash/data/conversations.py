@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 from typing import Iterator
 
-from ..inputs import (MAX_RECORD_BYTES, MAX_RECORD_VALUES, DatasetError, cache_dir, check_dataset_path, data_files, is_hf_dataset_dir,
+from ..preflight.inputs import (MAX_RECORD_BYTES, MAX_RECORD_VALUES, DatasetError, cache_dir, check_dataset_path, data_files, is_hf_dataset_dir,
                       is_jsonl, json_loads, json_separators, open_binary, open_text, read_json)
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 # the torch-free part (reading the file), re-exported under the names it always had
-from ..inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401
+from ..preflight.inputs import DatasetError, cache_dir, check_dataset_path  # noqa: F401
 from .batch import Batch
 from .conversations import load_conversations, sharegpt_path  # noqa: F401
 from .sample import Sample  # loss mask: 1 on assistant tokens, including each turn's end-of-turn token

@@ -126,7 +126,7 @@ def dialog_of(rec, i: int) -> Dialog | None:
 
 def read_file(spec: str) -> PromptSet:
     """`--prompts-from PATH`: every usable record of the files PATH names, in order."""
-    from ..inputs import DatasetError, check_dataset_path, data_files
+    from ..preflight.inputs import DatasetError, check_dataset_path, data_files
     from .conversations import _iter_records
 
     check_dataset_path(spec)

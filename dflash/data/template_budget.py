@@ -34,7 +34,7 @@ import re
 import threading
 import time
 
-from ..inputs import MAX_RECORD_BYTES, DatasetError
+from ..preflight.inputs import MAX_RECORD_BYTES, DatasetError
 
 
 def _seconds(name: str, default: float) -> float:

@@ -6,9 +6,11 @@ Nothing here reads a device tensor on the host: lengths are host ints carried by
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from ..data.batch import Batch
 from . import target as target_mod
+from .target import FINAL, num_layers
 
 
 def target_features(target, batch: Batch, layer_ids, device, cache=None) -> torch.Tensor:
@@ -51,3 +53,75 @@ def replicate_target(target, device):
     import copy
 
     return copy.deepcopy(target).to(device)
+
+
+# -- features kept from generate() ---------------------------------------------------------
+# Keep the selected target layers' outputs from every forward a `generate()` call makes.
+#
+# Regeneration already runs the target over every token of a training sequence (the prompt
+# in the prefill, each reply token as the next step's input), so it can keep the features
+# the drafter trains on for free instead of a second, teacher-forced forward over the same
+# tokens later. On 2 CPU cores that second pass cost about as much as the decoding itself.
+#
+# Feature of layer ``i`` = the output of decoder layer ``i`` = ``hidden_states[i + 1]`` of a
+# plain forward (what `target.capture_hidden` returns), for every layer but the last, whose
+# ``hidden_states`` entry has the final norm applied: a capture that includes it is refused.
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The target's list of decoder layers (the ModuleList as long as the layer count)."""
+    L = num_layers(model)
+    for _, mod in model.named_modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) == L:
+            return mod
+    raise ValueError(f"no list of {L} decoder layers found in {type(model).__name__}")
+
+
+def final_norm(model):
+    """The module whose output is the last hidden state the lm_head reads (``FINAL``), or None."""
+    norm = getattr(model.get_decoder(), "norm", None) if hasattr(model, "get_decoder") else None
+    return norm if isinstance(norm, nn.Module) else None
+
+
+def can_capture(model, layer_ids) -> bool:
+    """Layers below the last (whose ``hidden_states`` entry is the final norm's output, not
+    the layer's), and ``FINAL`` itself, read off the final norm."""
+    return bool(layer_ids) and all(0 <= i < num_layers(model) - 1 or (i == FINAL and final_norm(model) is not None)
+                                   for i in layer_ids)
+
+
+class LayerCapture:
+    """Context manager: forward hooks on the selected layers; ``calls[c]`` is the features
+    of forward call ``c``, ``[B, T, n*H]`` on the model's device (the prefill first, then one
+    per decoding step). Nothing is copied to the host here: the caller moves what it keeps."""
+
+    def __init__(self, model, layer_ids):
+        if not can_capture(model, layer_ids):
+            raise ValueError(f"layer ids {list(layer_ids)}: capture needs layers below the last one")
+        self.layers = decoder_layers(model)
+        self._model = model
+        self.layer_ids = list(layer_ids)
+        self.calls: list[torch.Tensor] = []
+        self._pending: dict[int, torch.Tensor] = {}
+        self._hooks: list = []
+
+    def _hook(self, k: int):
+        def hook(_mod, _inp, out):
+            h = out[0] if isinstance(out, tuple) else out   # a tuple in older transformers
+            self._pending[k] = h.detach()
+            if len(self._pending) == len(self.layer_ids):  # the deepest selected layer has run
+                parts = [self._pending.pop(j) for j in range(len(self.layer_ids))]
+                self.calls.append(torch.cat(parts, dim=-1))
+        return hook
+
+    def __enter__(self) -> "LayerCapture":
+        # one hook per entry: default_layer_ids may repeat a layer on tiny targets, and each
+        # entry fills its own slot of the concatenation
+        for k, i in enumerate(self.layer_ids):
+            mod = final_norm(self._model) if i == FINAL else self.layers[i]  # FINAL runs after every layer
+            self._hooks.append(mod.register_forward_hook(self._hook(k)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -55,8 +55,8 @@ def propose(ids: list[int], length: int, max_n: int = MAX_NGRAM) -> list[int]:
 
 @dataclass
 class PromptLookup:
-    """The baseline as a drafter the speculative loops accept (model/spec_decode.py,
-    model/spec_sample.py): `block_size - 1` proposed tokens at most per verify step, taken
+    """The baseline as a drafter the speculative loops accept (decode/spec_decode.py,
+    greedy and sampled): `block_size - 1` proposed tokens at most per verify step, taken
     as a deterministic draft (a point mass: at T > 0 the speculative-sampling rule accepts
     a token x with probability p(x), and the output stays distributed as the target's)."""
     block_size: int

@@ -7,7 +7,7 @@ Target specs (``--target``):
   and cached as an ordinary Hugging Face model dir (safetensors) under ``$DFLASH_CACHE``
   (default ``~/.cache/dflash``), so later runs load in about a second. The cache entries
   (model and tokenizer) are keyed by the package version and the GGUF's size, so a fresh
-  venv finds them; without the package, a carried-over entry is used (``inputs.py``).
+  venv finds them; without the package, a carried-over entry is used (``preflight/inputs.py``).
 - ``tiny-llama``, ``tiny-qwen3``, ``tiny-qwen3.5`` -- random-initialised models built from a
   config alone (deterministic for a given seed) with SmolLM2's tokenizer and chat template, for
   tests and CPU demos. ``tiny-qwen3.5`` is the hybrid Gated-DeltaNet text model
@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ..data.dataset import template_ids
-from ..layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
-from ..inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
+from ..preflight.layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
+from ..preflight.inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
     SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
 
 

@@ -27,8 +27,8 @@ import torch
 from ..config import Config, ConfigError, resolve_dtype
 from ..data import chat_template
 from ..data import dataset as data_mod
-from ..inputs import arch_hash
 from ..model import target as target_mod
+from ..preflight.inputs import arch_hash
 from ..run.placement import local_device
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, check_positions
 from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk

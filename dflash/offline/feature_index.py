@@ -26,7 +26,7 @@ import re
 import sys
 from pathlib import Path
 
-from ..inputs import SafetensorsHeaderError, inside, read_json_object, read_safetensors_header
+from ..preflight.inputs import SafetensorsHeaderError, inside, read_json_object, read_safetensors_header
 
 FORMAT = "dflash-features"
 VERSION = 1

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint_files import plain_modes
+from ..checkpoint.files import plain_modes
 
 from ..data.batch import Batch
 from ..data.dataset import Sample

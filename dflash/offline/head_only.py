@@ -56,7 +56,7 @@ def load_head_only(spec: str, config, *, device="cpu", dtype=torch.float32, seed
     files = _files_holding(src, [embed_name, head_name], repo=None if Path(spec).is_dir() else spec)
     from safetensors import safe_open
 
-    from ..inputs import SafetensorsHeaderError, TargetSpecError, read_safetensors_header
+    from ..preflight.inputs import SafetensorsHeaderError, TargetSpecError, read_safetensors_header
 
     weights = {}
     for name, f in files.items():
@@ -103,7 +103,7 @@ def _module_names(config) -> tuple[str, str, bool]:
 def _files_holding(src: Path, names: list[str], repo: str | None = None) -> dict[str, Path]:
     idx = src / "model.safetensors.index.json"
     if idx.is_file():
-        from ..inputs import TargetSpecError, inside, read_json_object
+        from ..preflight.inputs import TargetSpecError, inside, read_json_object
 
         where = f"target {str(src)!r}"
         wmap = read_json_object(idx, where, TargetSpecError).get("weight_map")

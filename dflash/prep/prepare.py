@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..data import dataset as data_mod
-from ..inputs import cache_dir
+from ..preflight.inputs import cache_dir
 from .regen_cache import RegenCache
 from .regen_shard import SOLO, Shard
 from .regenerate import regenerate
@@ -66,7 +66,7 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard:
     Under torchrun ``shard`` says this rank's part of the regeneration and ``split_convs`` the
     (train, eval) conversations another rank read; None on a rank whose replies went to the
     shard's gather destination."""
-    from ..model.layer_capture import can_capture
+    from ..model.features import can_capture
 
     data_counts: dict = {}  # records dropped by reason, samples cut: reported once, below
     train_convs, eval_convs = split_convs if split_convs is not None else split(cfg, data_counts)

@@ -26,7 +26,7 @@ import socket
 import sys
 from pathlib import Path
 
-from ..inputs import arch_hash, inside, read_json
+from ..preflight.inputs import arch_hash, inside, read_json
 
 FORMAT = 2  # 1: one JSON file per (data set, settings), written only at the end
 _TMP = ".tmp-"

@@ -12,7 +12,7 @@ import time
 import torch
 
 from ..data.dataset import truncated_prompt
-from ..model.layer_capture import LayerCapture
+from ..model.features import LayerCapture
 from .regen_cache import prompt_key
 from .regen_shard import SOLO, Shard
 
@@ -41,7 +41,7 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     total (distinct prompts) / seconds.
 
     With ``layer_ids`` and a ``features`` dict, the selected layers' outputs of the generating
-    forwards are kept too (`model/layer_capture.py`): ``features[tuple(prompt_ids + reply_ids)]``
+    forwards are kept too (`model/features.py`): ``features[tuple(prompt_ids + reply_ids)]``
     is a CPU tensor ``[len, n*H]``, what `capture_hidden` gives for that sequence, except that
     the very last token (never fed back to the target) has a zero row. Nothing trains on that
     row: a block's context is the positions before its anchor, and an anchor needs a label.

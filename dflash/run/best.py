@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..model import checkpoint as ckpt
+from ..checkpoint import checkpoint as ckpt
 
 BEST = "best"
 
@@ -78,7 +78,7 @@ class BestKeeper:
     def _export(self) -> str | dict:
         """OUT/best/export from OUT/best/checkpoint (what is on disk: the same as was judged)."""
         try:
-            from ..export import write_export
+            from ..checkpoint.export import write_export
             drafter, _ = ckpt.load_drafter(self.dir)
             write_export(drafter, self.ctx.target_config, self.export_dir, target=self.ctx.cfg.model.target,
                          note=f"the best step of its run by the held-out acceptance estimate "

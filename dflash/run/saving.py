@@ -3,7 +3,7 @@ a background writer) and `wait_for_checkpoint` (end of run). Used by `train.py` 
 end-of-step path (`step_end.py`); imports neither."""
 from __future__ import annotations
 
-from ..model import checkpoint as ckpt
+from ..checkpoint import checkpoint as ckpt
 from . import distributed as dist_mod
 from .context import RunContext
 

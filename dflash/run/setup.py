@@ -10,11 +10,12 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import checkpoint as ckpt
+from ..checkpoint.drafter_dirs import check_fits
 from ..config import Config, resolve_dtype
 from ..data import chat_template
-from ..model import checkpoint as ckpt
 from ..model import target as target_mod
-from ..model.drafter_build import build_drafter, drafter_config
+from ..model.build import build_drafter, drafter_config
 from ..model.drafter_trainer import DrafterTrainer
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
@@ -143,10 +144,11 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
     tstate = jstate = None
     if resume:
         drafter, _ = ckpt.load_drafter(ctx.out / "checkpoint", device=ddev, dtype=torch.float32)
-        ckpt.check_fits(drafter.cfg, drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids), ctx.out / "checkpoint")
+        check_fits(drafter.cfg.to_dict(), f"checkpoint {str(ctx.out / 'checkpoint')!r}",
+                   built=drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids))
         tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
     elif cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
-        from ..init_from import load_into_run
+        from ..checkpoint.init_from import load_into_run
         torch.manual_seed(cfg.train.seed)
         drafter = load_into_run(cfg, target).to(ddev)
     else:

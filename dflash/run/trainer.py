@@ -39,12 +39,12 @@ def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict
     lookup on the same prompts (eval.baseline). `checked`: an eval of the same prompts whose
     outputs were checked against the target's greedy decode: this one's are compared with
     those instead of decoding the reference again (a greedy decode saved per prompt)."""
-    from ..model.evaluate import describe_lossless, evaluate
+    from ..decode.evaluate import describe_lossless, evaluate
 
     e = ctx.cfg.eval
     drafter = ctx.trainer.drafter
     if served:
-        from ..export import served_drafter
+        from ..checkpoint.export import served_drafter
         drafter = served_drafter(drafter, ctx.target.device)
     elif next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
         drafter = copy.deepcopy(drafter).to(ctx.target.device)
@@ -196,7 +196,7 @@ def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> N
         write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
                   cfg.model.block_size, f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
     if ctx.is_lead:  # a servable copy: OUT/export/ (or why not)
-        from ..export import export_after_run
+        from ..checkpoint.export import export_after_run
         summary["export"] = export_after_run(ctx, summary)
 
 

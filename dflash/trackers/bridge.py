@@ -54,8 +54,7 @@ def make_sink(name: str):
 class Bridge:
     """bridge = Bridge(ctx, ["tensorboard", "mlflow"]).start(); ...; bridge.close(summary)
 
-    `sinks` defaults to W&B alone: this is the W&B bridge it grew from
-    (`dflash.wandb_bridge.WandbBridge` is this class)."""
+    `sinks` defaults to W&B alone: this is the W&B bridge it grew from."""
 
     def __init__(self, ctx, sinks=("wandb",), interval_s: float | None = None, join_s: float = 2.0,
                  write_s: float = 5.0):

@@ -22,14 +22,6 @@ from ..config import ConfigError
 READY_S = 120.0  # a cold MLflow server imports for a while on a busy 2-core machine
 
 
-def add_command(sub) -> None:
-    w = sub.add_parser("watch", help="a run's curves in TensorBoard (and MLflow's UI) on 127.0.0.1")
-    w.add_argument("run_dir", metavar="RUN_DIR", help="a run trained with --tracker tensorboard and/or mlflow")
-    w.add_argument("--port", type=int, default=6006, help="TensorBoard's port (default 6006; taken: a free one; 0: any)")
-    w.add_argument("--mlflow-port", type=int, default=5000,
-                   help="MLflow UI's port for a local store (default 5000; taken: a free one; 0: any)")
-
-
 def _port(wanted: int) -> int:
     """wanted if it is free on 127.0.0.1, else one that is."""
     for p in ((wanted, 0) if wanted else (0,)):
@@ -82,7 +74,7 @@ def servers(run_dir: Path, port: int = 6006, mlflow_port: int = 5000) -> list[tu
     return out
 
 
-def run(a) -> int:
+def serve(a) -> int:
     import importlib.util
 
     run_dir = Path(a.run_dir).expanduser()
@@ -119,7 +111,7 @@ def run(a) -> int:
         print(f"dflash watch: {name} exited with {proc.returncode} (log: {logs / (name.lower() + '.log')})",
               file=sys.stderr)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.signals): the normal way to stop
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.errors): the normal way to stop
         return 0
     finally:
         for _, proc, *_ in procs:

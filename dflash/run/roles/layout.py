@@ -16,11 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TARGET, DRAFTER = "target", "drafter"
-
-
-class LayoutError(ValueError):
-    """A layout string that cannot be run; the message names the value."""
+from ...config import DRAFTER, TARGET, LayoutError, parse_layout
 
 
 @dataclass(frozen=True)
@@ -30,23 +26,8 @@ class Layout:
 
     @classmethod
     def parse(cls, text: str) -> "Layout":
-        """'target:5,drafter:3' (either order, spaces allowed)."""
-        counts: dict[str, int] = {}
-        for part in (p.strip() for p in str(text).split(",") if p.strip()):
-            role, sep, n = part.partition(":")
-            role = role.strip()
-            if not sep or role not in (TARGET, DRAFTER) or role in counts:
-                raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' "
-                                  f"(each role once, N and M positive integers)")
-            try:
-                counts[role] = int(n)
-            except ValueError:
-                raise LayoutError(f"pipeline.layout={text!r}: {n.strip()!r} is not an integer") from None
-            if counts[role] < 1:
-                raise LayoutError(f"pipeline.layout={text!r}: each role needs at least one rank")
-        if set(counts) != {TARGET, DRAFTER}:
-            raise LayoutError(f"pipeline.layout={text!r}: expected 'target:N,drafter:M' with both roles")
-        return cls(counts[TARGET], counts[DRAFTER])
+        """'target:5,drafter:3' (either order, spaces allowed): config.parse_layout."""
+        return cls(*parse_layout(text))
 
     def __str__(self) -> str:
         return f"target:{self.targets},drafter:{self.drafters}"

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 from ..config import ConfigError
-from .feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
+from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 
-def add_command(sub) -> None:
+def add_parser(sub) -> None:
     c = sub.add_parser("capture", help="run the target once over the prepared data and keep its features on disk "
                                        "(then: dflash train --features FEATS, as often as you like)")
     c.add_argument("--out", required=True, metavar="FEATS", help="the directory to write (shards + index.json)")
@@ -30,9 +30,9 @@ def add_command(sub) -> None:
 
 
 def run(a) -> int:
-    from .. import run_dir
-    from ..launch_checks import check_inputs, check_torchrun_env
     from ..config import load_config
+    from ..preflight import run_dir
+    from ..preflight.launch_checks import check_inputs, check_torchrun_env
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
@@ -57,7 +57,7 @@ def run(a) -> int:
         elif a.resume:
             _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
     a.phase = "capture"
-    from .capture import capture
+    from ..offline.capture import capture
 
     index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume)
     if index:
@@ -65,6 +65,19 @@ def run(a) -> int:
               f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
               f"{index['key']['dtype']}) -> {out}\ntrain from it: dflash train --features {out} --out RUN")
     return 0
+
+
+def what_next(a) -> str | None:
+    """Ctrl-C during the capture: its whole shards are kept, and --resume continues."""
+    import shlex
+
+    if getattr(a, "phase", "") != "capture":
+        return None
+    feats = Path(a.out).expanduser()
+    if any(feats.glob(SHARD_GLOB)) and not (feats / INDEX).is_file():  # its whole shards are kept
+        again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
+        return f"the shards on disk are kept; continue with: dflash {shlex.join(again + ['--resume'])}"
+    return None
 
 
 def check_resumable(out: str) -> None:
@@ -75,7 +88,7 @@ def check_resumable(out: str) -> None:
                           f"dflash train --features {out}, or capture again with --overwrite")
     if not p.is_dir() or not any(p.glob(SHARD_GLOB)):
         raise ConfigError(f"--resume: no shards in {out} to continue from; run dflash capture without --resume")
-    from .feature_index import FeaturesError, shards_on_disk
+    from ..offline.feature_index import FeaturesError, shards_on_disk
 
     try:  # every shard that would be kept, checked now: not after capturing all the rest
         shards_on_disk(p, f"--resume {out}")
@@ -103,7 +116,7 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
     """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
     capture's index; what the user asked (``asked``: the config before them) must not
     contradict it. One line before torch loads."""
-    from .feature_index import FeaturesError, mismatch, read_index
+    from ..offline.feature_index import FeaturesError, mismatch, read_index
 
     try:
         idx = read_index(path)

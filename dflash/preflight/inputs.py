@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import UserError
+
 TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
 
 
@@ -39,11 +41,11 @@ _EXPECTED = "expected smollm2, tiny-llama, tiny-qwen3, tiny-qwen3.5, a local Hug
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-class TargetSpecError(ValueError):
+class TargetSpecError(UserError):
     """A ``--target`` value that names no loadable model (one-line message)."""
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError):
     """An unreadable or malformed dataset (one-line message naming it)."""
 
 

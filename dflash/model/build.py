@@ -1,21 +1,48 @@
-"""Start the drafter from the target's own weights instead of random ones.
-
-With `model.drafter_init=target` the drafter begins as a continuation of the target at
-its deepest fused layer: the context enters the drafter's first layer as the keys and
-values that the target's next layer computes from that hidden state.
-- `fc` (n*H -> H) selects the deepest fused layer's features (identity on that block,
-  zero elsewhere), and `hidden_norm` takes the input norm of the target layer after it;
-- drafter layer i copies target decoder layer d+1+i, where the deepest fused feature is
-  `hidden_states[d+1]` (the input of layer d+1), clipped to the last layers; layers
-  without attention projections (a hybrid model's linear-attention layers) are skipped;
-- the drafter's final norm copies the target's (the lm_head is the target's anyway).
-Only tensors with the same role and shape are copied: attention projections, q/k norms
-where the target has them (Qwen3), the MLP and the layer norms. docs/demo-recipe.md
-measures what this buys.
-"""
+"""The drafter a run builds for its target: geometry from the target's config, the mask
+token from its tokenizer, optionally decoder layers from the target's own."""
 from __future__ import annotations
 
 import torch
+
+from ..config import Config
+from . import target as target_mod
+from .drafter import DFlashDrafter, DrafterConfig
+
+
+def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
+    """The drafter this run builds for this target: also what a resumed checkpoint must match."""
+    vocab_rows = target.get_input_embeddings().weight.shape[0]
+    mask_id, _ = target_mod.choose_mask_token_id(tokenizer, vocab_rows)
+    return DrafterConfig.from_target(
+        target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
+        num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
+        copy_head=cfg.model.copy_head)
+
+
+def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
+    dcfg = drafter_config(cfg, target, tokenizer, layer_ids)
+    torch.manual_seed(cfg.train.seed)
+    drafter = DFlashDrafter(dcfg)
+    if cfg.model.drafter_init == "target":
+        init_from_target(drafter, target)
+    return drafter
+
+
+# -- starting from the target's weights ----------------------------------------------------
+# Start the drafter from the target's own weights instead of random ones.
+#
+# With `model.drafter_init=target` the drafter begins as a continuation of the target at
+# its deepest fused layer: the context enters the drafter's first layer as the keys and
+# values that the target's next layer computes from that hidden state.
+# - `fc` (n*H -> H) selects the deepest fused layer's features (identity on that block,
+#   zero elsewhere), and `hidden_norm` takes the input norm of the target layer after it;
+# - drafter layer i copies target decoder layer d+1+i, where the deepest fused feature is
+#   `hidden_states[d+1]` (the input of layer d+1), clipped to the last layers; layers
+#   without attention projections (a hybrid model's linear-attention layers) are skipped;
+# - the drafter's final norm copies the target's (the lm_head is the target's anyway).
+# Only tensors with the same role and shape are copied: attention projections, q/k norms
+# where the target has them (Qwen3), the MLP and the layer norms. docs/demo-recipe.md
+# measures what this buys.
 
 # drafter parameter -> the target layer's parameter (Llama / Qwen3 / Qwen3.5 names)
 _LAYER_MAP = {

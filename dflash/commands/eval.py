@@ -2,7 +2,7 @@
 free baseline (prompt lookup) on the same prompts.
 
 Every --checkpoint is either a `dflash train` checkpoint or a directory in the served DFlash
-format (model/drafter_dirs.py): a published drafter, a SpecForge export, our own export.
+format (checkpoint/drafter_dirs.py): a published drafter, a SpecForge export, our own export.
 All of them run on one target (--target, else the first training checkpoint's) and on the
 same prompts, so "ours vs the published one, on our prompts" is one command. Bad input
 (a missing dir, sampling settings out of range, an unknown --bench set, a --prompts-from file
@@ -26,12 +26,39 @@ import json
 import sys
 from pathlib import Path
 
-from .config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
-from .signals import stop_on_signal
+from ..config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
+from ..errors import stop_on_signal
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("eval", help="acceptance length of a trained drafter (several: side by side)")
+    e.add_argument("--checkpoint", required=True, action="append",
+                   help="RUN/checkpoint or a served-format DFlash drafter dir; repeat to compare on the same prompts")
+    e.add_argument("--target", help="the target to draft for (default: the first training checkpoint's)")
+    e.add_argument("--temperature", type=float, help="> 0: speculative sampling at this temperature (default 0)")
+    e.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
+    e.add_argument("--top-k", type=int, help="with --temperature: the k most likely tokens only")
+    e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
+    e.add_argument("--prompts", type=int)
+    e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--json", action="store_true", help="last line: one JSON object")
+    e.add_argument("--no-lossless-check", action="store_true")
+    e.add_argument("--no-copy-head", action="store_true",
+                   help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
+    e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
+    e.add_argument("--tracker", metavar="NAMES",
+                   help="add tau, the baseline and per-position acceptance to the training run's trackers "
+                        "(a comma list of wandb, tensorboard, mlflow)")
+    e.add_argument("--baseline", choices=("prompt_lookup", "none"),
+                   help="also decode every prompt with prompt lookup, the free baseline (default: eval.baseline)")
+    e.add_argument("--prompts-from", metavar="PATH",
+                   help="prompts from a file (anything data.path takes): each record's user turns (docs/eval.md)")
+    e.add_argument("--bench", metavar="NAME[,NAME]",
+                   help="standard sets shipped in PyPI packages: humaneval, mt-bench (one row each; --prompts caps each)")
 
 
 def _check_args(a) -> None:
-    from . import trackers
+    from .. import trackers
     named = trackers.parse(getattr(a, "tracker", None))
     trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
     a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
@@ -42,20 +69,20 @@ def _check_args(a) -> None:
         raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
-    from .data import prompt_sets
+    from ..data import prompt_sets
 
     a.bench_names = prompt_sets.bench_names(a.bench) if getattr(a, "bench", None) is not None else []
     for name in a.bench_names:
         prompt_sets.bench_file(name)  # installed? one line naming the package if not
     if getattr(a, "prompts_from", None):
-        from .inputs import check_dataset_path
+        from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
 
 
 def export_settings(d) -> dict | None:
     """The eval settings an export of ours carries beside its held-out prompts, or None."""
-    from .checkpoint_files import EVAL_PROMPTS, EVAL_SETTINGS
-    from .inputs import read_json_object
+    from ..preflight.checkpoint_files import EVAL_PROMPTS, EVAL_SETTINGS
+    from ..preflight.inputs import read_json_object
 
     if d.kind != "export" or not (d.path / EVAL_PROMPTS).is_file() or not (d.path / EVAL_SETTINGS).is_file():
         return None
@@ -82,7 +109,7 @@ def _run_config(d, *, training_data: bool = False) -> dict | None:
 def _plan(a):
     """The drafter dirs, the one whose prompts and eval settings eval borrows (the first run
     checkpoint, else the first export that carries its run's), and the config built from it."""
-    from .model.drafter_dirs import inspect
+    from ..checkpoint.drafter_dirs import inspect
 
     dirs = [inspect(p) for p in a.checkpoint]
     owner = next((d for d in dirs if d.kind == "checkpoint"), None) or \
@@ -110,7 +137,7 @@ def _notice_other_targets(dirs, target: str) -> None:
     """A drafter evaluated on a target other than the one it was trained for decodes, but
     its tau says little about either: say so, naming both (a notice, not an error: a
     fine-tuned or renamed copy of the same model is a fair use)."""
-    from .checkpoint_files import _same_target
+    from ..preflight.checkpoint_files import _same_target
 
     for d in dirs:
         own = d.target
@@ -121,7 +148,7 @@ def _notice_other_targets(dirs, target: str) -> None:
 
 def _file_sets(a) -> list:
     """--bench and --prompts-from: read before torch loads (a bad file is one line)."""
-    from .data import prompt_sets
+    from ..data import prompt_sets
 
     sets = [prompt_sets.read_bench(n).capped(a.prompts) for n in a.bench_names]
     if getattr(a, "prompts_from", None):
@@ -134,8 +161,8 @@ def _file_sets(a) -> list:
 
 def _held_out_set(owner, cfg, n: int):
     """The default prompts, and the line that says where they came from."""
-    from .checkpoint_files import EVAL_PROMPTS
-    from .data import prompt_sets
+    from ..data import prompt_sets
+    from ..preflight.checkpoint_files import EVAL_PROMPTS
 
     e = cfg.eval
     if owner is not None and owner.kind == "export":
@@ -144,7 +171,7 @@ def _held_out_set(owner, cfg, n: int):
         ps.source = {"kind": "export", "path": str(owner.path / EVAL_PROMPTS)}
         return ps.capped(n), (f"{owner.path / EVAL_PROMPTS}: the held-out prompts of the run it was exported "
                               f"from ({min(n, len(ps.dialogs))} of {len(ps.dialogs)})"), None
-    from .prep.prepare import split
+    from ..prep.prepare import split
 
     _, eval_convs = split(cfg)
     data = cfg.data.path or "the embedded ShareGPT"
@@ -163,8 +190,8 @@ def _held_out_set(owner, cfg, n: int):
 
 def _leaks(dirs, sets) -> list[str]:
     """Warnings for prompts that a drafter's own training data holds."""
-    from .data import prompt_sets
-    from .prep.prepare import split
+    from ..data import prompt_sets
+    from ..prep.prepare import split
 
     out = []
     for d in dirs:
@@ -192,19 +219,18 @@ def run(a) -> int:
     _check_args(a)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
-    from .inputs import TargetSpecError, check_target_spec
-    try:  # a hub id that does not exist or cannot be reached: one line now, not after a minute
-        check_target_spec(cfg.model.target, probe_hub=True)
-    except TargetSpecError as e:
-        raise ConfigError(str(e)) from None
+    from ..preflight.inputs import check_target_spec
+
+    # a hub id that does not exist or cannot be reached: one line now, not after a minute
+    check_target_spec(cfg.model.target, probe_hub=True)
     a.phase = "eval set-up"
     import torch
 
-    from .config import resolve_dtype
-    from .data import chat_template
-    from .model import drafter_dirs
-    from .model.evaluate import evaluate
-    from .model.target import load_target
+    from ..checkpoint import drafter_dirs
+    from ..config import resolve_dtype
+    from ..data import chat_template
+    from ..decode.evaluate import evaluate
+    from ..model.target import load_target
 
     e = cfg.eval
     notes = []  # where the prompts came from, and leaks: said once the drafters are known to fit
@@ -230,7 +256,7 @@ def run(a) -> int:
     chat_template.configure_from(tok, cfg.data)  # the run's data.chat_template(_kwargs): its prompts
     drafters = []
     for d in dirs:  # every one is checked against the target before any is evaluated
-        drafter_dirs.check_fits(d, target, f"--checkpoint {str(d.path)!r}")
+        drafter_dirs.check_fits(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}", target=target)
         drafter = drafter_dirs.load(d, device=dev)
         drafter.use_copy = not a.no_copy_head
         drafters.append(drafter)
@@ -354,7 +380,7 @@ def log_trackers(dirs, results, names) -> None:
     """One drafter: its figures (tau, prompt lookup's, the per-position shares, each set's)
     into the training run's trackers. Several: every drafter's figures under compare/<i>/...,
     into the first training run's trackers."""
-    from . import trackers
+    from .. import trackers
 
     ours = [d for d in dirs if d.kind == "checkpoint"]
     run_dir = ours[0].path.parent if ours else Path(dirs[0].path)

@@ -50,7 +50,7 @@ def is_export_config(raw: dict) -> bool:
 
 def read_config(path: str | Path) -> dict | None:
     """The config.json of `path` (a dir), or None when there is none."""
-    from ..inputs import read_json_object
+    from ..preflight.inputs import read_json_object
 
     f = Path(path) / "config.json"
     return read_json_object(f, str(path), FormatError) if f.is_file() else None

@@ -21,8 +21,8 @@ import socket
 import time
 from pathlib import Path
 
-from .checkpoint_files import foreign_entries
-from .config import ConfigError
+from ..checkpoint.files import foreign_entries
+from ..config import ConfigError
 from .inputs import read_json
 
 MARKER = ".dflash-run"
@@ -147,7 +147,8 @@ _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", 
 def clear_earlier_run(p: Path) -> None:
     """--overwrite: remove what an earlier run wrote (by name), so its spans, summary and
     checkpoint cannot be mixed with this run's; a file dflash did not write stays."""
-    from .checkpoint_files import EXPORT_WRITTEN, remove_written
+    from ..checkpoint.files import remove_written
+    from .checkpoint_files import EXPORT_WRITTEN
 
     for pattern in _RUN_FILES:
         for f in p.glob(pattern):

@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .. import checkpoint_files as files
-from ..checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
-from ..inputs import read_json_object
+from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
+from ..preflight import checkpoint_files as files
+from ..preflight.checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
+from ..preflight.inputs import read_json_object
 from . import state_tree
-from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
+from .files import clean_stale_temps, plain_modes, remove_written
 
 
 def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, state: dict,
@@ -151,7 +152,7 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         training_state = _to_host(snap.training_state)
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    files.clean_stale_temps(dst)  # a save killed with -9 left a whole checkpoint in one
+    clean_stale_temps(dst)  # a save killed with -9 left a whole checkpoint in one
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         (tmp / files.CONFIG).write_text(json.dumps(snap.config, indent=2))
@@ -159,21 +160,21 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         if training_state is not None:
             state_tree.save(training_state, tmp / files.STATE_TENSORS, tmp / files.STATE_TREE)
         (tmp / files.TRAINER_STATE).write_text(json.dumps(snap.state, indent=2))
-        files.plain_modes(tmp)  # readable as a plain write would be (mkdtemp makes it private)
+        plain_modes(tmp)  # readable as a plain write would be (mkdtemp makes it private)
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         old = dst.with_name(dst.name + ".old")
         if old.exists() and not dst.exists():
             os.replace(old, dst)  # a kill between the two renames last time: old is the good one
-        files.remove_written(old)
+        remove_written(old)
         if dst.exists():
             os.replace(dst, old)
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
-        files.remove_written(old)  # a file dflash did not write keeps old, renamed aside
+        remove_written(old)  # a file dflash did not write keeps old, renamed aside
     except BaseException:
-        files.remove_written(tmp)
+        remove_written(tmp)
         raise
     return dst
 
@@ -234,18 +235,3 @@ def load_training_state(path) -> tuple[dict, dict]:
             "this one was not written by dflash train: train into a new --out instead") from None
     except (OSError, RuntimeError, EOFError) as e:
         raise CheckpointError(f"checkpoint {str(path)!r}: {files.LEGACY_STATE} unreadable ({type(e).__name__})") from None
-
-
-# the fields that decide whether a drafter's weights fit a target (the rest are labels)
-_FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-               "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
-
-
-def check_fits(have: DrafterConfig, want: DrafterConfig, path) -> None:
-    """One line naming the first field in which a loaded drafter differs from the one this
-    run would build for its target (the CLI checked the run config; this checks shapes)."""
-    for f in _FIT_FIELDS:
-        a, b = getattr(have, f), getattr(want, f)
-        if a != b:
-            raise CheckpointError(f"checkpoint {str(path)!r}: {f}={a!r} does not fit this run's target "
-                                  f"(expected {b!r})")

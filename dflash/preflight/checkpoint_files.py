@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..errors import UserError
 from .inputs import MAX_JSON_FILE_BYTES, SafetensorsHeaderError, read_json_object, read_safetensors_header
 from .layer_ids import default_layer_ids
 
@@ -27,7 +28,7 @@ EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
 EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER)  # what `dflash export` writes
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that cannot be used: one line naming it and what is wrong (exit 2)."""
 
 
@@ -70,8 +71,8 @@ def check_safetensors(f: Path) -> dict:
 
 def check_drafter_bounds(path, raw: dict) -> None:
     """A checkpoint config.json that no drafter can have (100000 layers, zero heads, a
-    trillion-wide MLP): one line before anything is built (model/export_format.BOUNDS)."""
-    from .model.export_format import bounds_error
+    trillion-wide MLP): one line before anything is built (checkpoint/export_format.BOUNDS)."""
+    from ..checkpoint.export_format import bounds_error
 
     err = bounds_error(raw, f"checkpoint {str(path)!r}: config.json")
     if err:
@@ -115,78 +116,6 @@ def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:
     check_drafter_bounds(path, raw)
     check_safetensors(p / WEIGHTS)
     return p, raw
-
-
-# -- what we publish is readable by others -------------------------------------------------
-def umask() -> int:
-    """The process's umask, read without changing it (Linux: /proc/self/status; elsewhere the
-    set-and-restore dance, which is only racy against another thread creating files)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    old = os.umask(0o022)
-    os.umask(old)
-    return old
-
-
-def plain_modes(root: Path) -> None:
-    """Give what was written under private temp names (mkdtemp: 0700, safetensors: 0600) the
-    modes a plain write has under the user's umask (0755 / 0644 under 022), so a serving
-    engine or a colleague running as another user can read an export, a checkpoint or a
-    capture. Walks ``root`` (a dir or one file); never follows links."""
-    mask = umask()
-    paths = [root] if root.is_file() else [root, *root.rglob("*")]
-    for q in paths:
-        if q.is_symlink():
-            continue
-        os.chmod(q, (0o777 if q.is_dir() else 0o666) & ~mask)
-
-
-# -- removing only what dflash wrote ---------------------------------------------------------
-def foreign_entries(d: Path, written=WRITTEN) -> list[str]:
-    """Entries of a checkpoint (or export) dir that dflash did not write there."""
-    try:
-        return sorted(e.name for e in d.iterdir() if e.name not in written)
-    except OSError:
-        return []
-
-
-def remove_written(d: Path, written=WRITTEN) -> Path | None:
-    """Delete the files dflash writes into a checkpoint (or export) dir, then the dir if that
-    empties it. Anything else is kept: the dir is renamed aside (returned), never deleted."""
-    if not d.is_dir():
-        return None
-    for name in written:
-        try:
-            (d / name).unlink()
-        except FileNotFoundError:
-            pass
-    try:
-        d.rmdir()
-        return None
-    except OSError:  # not empty: a file dflash did not write
-        kept = d.with_name(f"{d.name}.kept-{os.getpid()}")
-        n = 0
-        while kept.exists():
-            n += 1
-            kept = d.with_name(f"{d.name}.kept-{os.getpid()}-{n}")
-        os.replace(d, kept)
-        return kept
-
-
-def clean_stale_temps(dst: Path) -> list[Path]:
-    """Temp dirs a killed save left beside `dst` (`.checkpoint.tmp-*`, a whole checkpoint
-    each). Only called under the run dir's lock, so no other save can be writing them."""
-    removed = []
-    for t in dst.parent.glob(f".{dst.name}.tmp-*"):
-        if t.is_dir() and not foreign_entries(t):
-            remove_written(t)
-            removed.append(t)
-    return removed
 
 
 # -- does a checkpoint fit the run that wants to resume from it? --------------------------

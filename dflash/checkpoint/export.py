@@ -1,6 +1,6 @@
 """`dflash export`: write a trained drafter in the format SGLang, vLLM and the reference read.
 
-The format itself (names, config keys) is model/export_format.py; this file writes a
+The format itself (names, config keys) is export_format.py; this file writes a
 directory in it: config.json, model.safetensors and a README.md that says what the
 drafter is for and how to serve it. The copy head (model/copy_head.py) has no place in
 the format: exporting a drafter that has one is refused unless the user asks for the
@@ -18,9 +18,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import checkpoint_files as files
-from .config import ConfigError
-from .model import export_format as fmt
+from ..config import ConfigError
+from ..preflight import checkpoint_files as files
+from . import export_format as fmt
+from .files import foreign_entries, plain_modes, remove_written
 
 DTYPES = ("bfloat16", "float32")
 
@@ -40,11 +41,11 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
     if raw.get("copy_head") and not without_copy_head:
         raise ConfigError(f"--checkpoint {checkpoint!r}: the drafter has a copy head (model.copy_head), which the "
                           f"DFlash format cannot carry; add --without-copy-head to export the rest")
-    from .run_dir import check_place
+    from ..preflight.run_dir import check_place
 
     dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")
     if dst.is_dir() and any(dst.iterdir()):
-        foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
+        foreign = foreign_entries(dst, files.EXPORT_WRITTEN)
         if not (dst / files.EXPORT_MARKER).is_file():
             what = "a drafter that dflash export did not write" if (dst / files.CONFIG).is_file() else "files"
             shown = ", ".join(sorted(e.name for e in dst.iterdir())[:3])
@@ -159,7 +160,7 @@ def held_out_prompts(cfg, eval_convs, run_dir) -> tuple[list, dict] | None:
     None when the run held none out (trained from captured features)."""
     import dataclasses
 
-    from .data.prompt_sets import first_turns
+    from ..data.prompt_sets import first_turns
 
     if not eval_convs:
         return None
@@ -181,8 +182,8 @@ def _run_held_out(run_cfg: dict, run_dir: Path):
     if (run_cfg.get("data") or {}).get("features"):
         return None  # trained from captured features: the run held no conversations out
     try:
-        from .config import load_config
-        from .prep.prepare import split
+        from ..config import load_config
+        from ..prep.prepare import split
 
         cfg = load_config(None, [], **{k: run_cfg[k] for k in ("model", "data", "eval") if k in run_cfg},
                           **{"train.seed": (run_cfg.get("train") or {}).get("seed", 0), "model.init_from": ""})
@@ -214,12 +215,12 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "README.md").write_text(readme(dcfg, target=target, out=dst, dtype=dtype, figures=figures, note=note))
         if prompts is not None:
-            from .data.prompt_sets import write_jsonl
+            from ..data.prompt_sets import write_jsonl
             write_jsonl(prompts[0], tmp / files.EVAL_PROMPTS)
             (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
-        files.plain_modes(tmp)  # an engine running as another user must read it
-        kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
+        plain_modes(tmp)  # an engine running as another user must read it
+        kept = remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
         if kept is not None:
             print(f"dflash: {dst} held other files too: they are kept in {kept}", file=sys.stderr)
         os.replace(tmp, dst)
@@ -231,7 +232,7 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
 
 def target_config(spec: str):
     """The target's config, without loading its weights (tiny targets build theirs)."""
-    from .model import target as target_mod
+    from ..model import target as target_mod
 
     if spec in target_mod.TINY_TARGETS:
         return target_mod._tiny_config(spec, target_mod.load_tokenizer(spec))
@@ -243,7 +244,7 @@ def target_config(spec: str):
 
 def run_figures(run_dir: Path) -> dict:
     """The eval figures a run recorded in summary.json (after training), if any."""
-    from .inputs import read_json
+    from ..preflight.inputs import read_json
 
     try:
         s = read_json(run_dir / "summary.json", str(run_dir), ValueError)
@@ -265,7 +266,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
                       overwrite: bool = False) -> dict:
     """`dflash export`: a `dflash train` checkpoint -> the served format. Returns what it did."""
     raw = check_request(checkpoint, out, without_copy_head=without_copy_head, overwrite=overwrite)
-    from .model import checkpoint as ckpt
+    from . import checkpoint as ckpt
 
     drafter, run_cfg = ckpt.load_drafter(ckpt.resolve(checkpoint))
     target = (run_cfg.get("model") or {}).get("target") or raw.get("target") or ""

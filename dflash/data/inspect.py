@@ -13,77 +13,15 @@ from __future__ import annotations
 
 import json
 
-from .config import ConfigError
-
 BINS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
-
-
-def add_command(sub) -> None:
-    d = sub.add_parser("data", help="look at a data set before training on it")
-    dsub = d.add_subparsers(dest="data_cmd", required=True)
-    i = dsub.add_parser("inspect", help="records used and dropped (by reason), token lengths, loss share, examples")
-    i.add_argument("path", metavar="PATH", help="what data.path takes: a file, a glob, a directory, a comma list")
-    i.add_argument("--target", default="tiny-qwen3", help="whose tokenizer and chat template (default tiny-qwen3)")
-    i.add_argument("--chat-template", default="", metavar="FILE",
-                   help="data.chat_template: a Jinja file that replaces the target's chat template")
-    i.add_argument("--chat-template-kwargs", default="", metavar="JSON",
-                   help='data.chat_template_kwargs: template variables as a JSON object, e.g. \'{"enable_thinking": false}\'')
-    i.add_argument("--max-len", type=int, default=256, help="data.max_len: longer samples count as over_length")
-    i.add_argument("--records", type=int, default=10_000, help="read at most this many records (default 10,000)")
-    i.add_argument("--examples", type=int, default=3, help="rendered examples (default 3)")
-    i.add_argument("--json", action="store_true", help="last line: one JSON object")
-
-
-def run(a) -> int:
-    from .data import chat_template
-    from .data import conversations as C
-    from .inputs import DatasetError, TargetSpecError, check_dataset_path, check_target_spec, data_files
-
-    for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
-        if v < lo:
-            raise ConfigError(f"{name}={v}: expected an integer >= {lo}")
-    kwargs = _template_kwargs(a.chat_template_kwargs)
-    try:  # before the tokenizer (and torch) loads
-        chat_template.check(a.chat_template, kwargs)
-        check_dataset_path(a.path)
-        check_target_spec(a.target, probe_hub=True)
-        records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
-    except (DatasetError, TargetSpecError) as e:
-        raise ConfigError(str(e)) from None
-    report = inspect(records, a.target, max_len=a.max_len, examples=a.examples,
-                     chat_template=a.chat_template, chat_template_kwargs=kwargs)
-    report["path"] = a.path
-    print(format_report(report))
-    if a.json:
-        print(json.dumps(report))
-    return 0
-
-
-def _template_kwargs(text: str) -> dict:
-    if not text.strip():
-        return {}
-    from .inputs import json_loads, short_repr as _short
-
-    try:
-        return json_loads(text)
-    except ValueError as e:  # not JSON, or nested too deeply
-        raise ConfigError(f"--chat-template-kwargs={_short(text)}: not JSON ({e}); expected an object such as "
-                          f"'{{\"enable_thinking\": false}}'") from None
-
-
-def _take(it, n):
-    for i, r in enumerate(it):
-        if i >= n:
-            return
-        yield r
 
 
 def inspect(records: list, target: str, *, max_len: int, examples: int, chat_template: str = "",
             chat_template_kwargs: dict | None = None) -> dict:
-    from .data import chat_template as T
-    from .data import conversations as C
-    from .data.dataset import tokenize_conversation
-    from .model.target import load_tokenizer
+    from ..model.target import load_tokenizer
+    from . import chat_template as T
+    from . import conversations as C
+    from .dataset import tokenize_conversation
 
     tok = T.configure(load_tokenizer(target), chat_template, chat_template_kwargs)
     dropped = {r: 0 for r in (*C.DROP_REASONS, "over_length")}

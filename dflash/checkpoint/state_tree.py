@@ -53,7 +53,7 @@ def save(tree, tensors_path: Path, tree_path: Path) -> None:
 
 
 def load(tensors_path: Path, tree_path: Path):
-    from ..inputs import read_json
+    from ..preflight.inputs import read_json
 
     try:
         skeleton = read_json(tree_path, tree_path.name, StateFormatError)  # bounded in size and depth

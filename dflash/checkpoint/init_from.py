@@ -9,7 +9,7 @@ and schedule start fresh: this is a new run from those weights, not a resume.
 """
 from __future__ import annotations
 
-from .model import drafter_dirs
+from . import drafter_dirs
 
 
 def init_flags(path: str) -> dict:
@@ -24,10 +24,10 @@ def load_into_run(cfg, target):
     """The run's drafter, initialised from cfg.model.init_from (float32, on the CPU)."""
     from dataclasses import replace
 
-    from .model.drafter import DFlashDrafter
+    from ..model.drafter import DFlashDrafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
-    drafter_dirs.check_fits(d, target, f"--init-from {cfg.model.init_from!r}")
+    drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target)
     # set in a YAML file rather than by --init-from, the run's shape may disagree with DIR's
     for key, want in init_flags(cfg.model.init_from).items():
         have = getattr(cfg.model, key.split(".")[1])

@@ -21,9 +21,8 @@ from tqdm import tqdm
 
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
-from .prompt_lookup import METHOD, RULE, PromptLookup
-from .spec_decode import first_divergence, greedy_generate, speculative_generate
-from .spec_sample import speculative_sample
+from ..model.prompt_lookup import METHOD, RULE, PromptLookup
+from .spec_decode import first_divergence, greedy_generate, speculative_generate, speculative_sample
 
 
 def describe_lossless(res: dict) -> str:
@@ -132,7 +131,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     `baseline="prompt_lookup"` decodes every prompt with prompt lookup too (model/prompt_lookup.py),
     through the same speculative loop and target verify: result["baseline"].
 
-    temperature > 0 samples (model/spec_sample.py; dialog i draws from a generator seeded
+    temperature > 0 samples (spec_decode.speculative_sample; dialog i draws from a generator seeded
     seed + i, the baseline from its own with the same seed); "lossless" is then a property
     of the output distribution, which tests check, not a per-prompt comparison: it is
     reported as not checked. A later turn follows the drafter's reply (at T = 0 the

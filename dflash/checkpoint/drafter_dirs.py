@@ -2,7 +2,7 @@
 
 - ours: `RUN/checkpoint/` written by `dflash train` (architectures ["DFlashDrafter"], the run
   config under "dflash_run", training state for --resume);
-- served: the z-lab format (model/export_format.py) that `dflash export` writes, z-lab
+- served: the z-lab format (checkpoint/export_format.py) that `dflash export` writes, z-lab
   publishes and SpecForge exports. It carries no run config: the target comes from --target.
 
 The kind is told by config.json alone (`export_format.is_export_config`).
@@ -35,7 +35,7 @@ class DrafterDir:
 def inspect(path: str | Path) -> DrafterDir:
     """Which kind a directory is, from its config.json, and that its files are whole (a
     corrupt config, a truncated safetensors: one line); nothing heavy is imported."""
-    from .. import checkpoint_files as files
+    from ..preflight import checkpoint_files as files
 
     try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
         p = files.resolve(path)
@@ -73,14 +73,14 @@ def load(d: DrafterDir, device="cpu"):
         return drafter
     from safetensors.torch import load_file
 
-    from .drafter import DFlashDrafter, DrafterConfig, expected_shapes
+    from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
 
     fields = fmt.drafter_config_fields(d.raw, str(d.path))
     files = sorted(d.path.glob("*.safetensors"))
     if not files:
         raise DrafterDirError(f"--checkpoint {str(d.path)!r}: no *.safetensors weights beside config.json")
     cfg = DrafterConfig(**fields, target=d.raw.get("target", ""))
-    from .. import checkpoint_files
+    from ..preflight import checkpoint_files
     try:
         headers = {f.name: checkpoint_files.check_safetensors(f) for f in files}
     except checkpoint_files.CheckpointError as e:
@@ -113,13 +113,31 @@ def fields(d: DrafterDir) -> dict:
     return fmt.drafter_config_fields(d.raw, str(d.path)) if d.kind == "export" else d.raw
 
 
-def check_fits(d: DrafterDir, target, where: str) -> None:
-    """Raise DrafterDirError (one line) when the drafter's shapes do not fit the target;
-    from config.json, so before its weights are read."""
-    from .target import num_layers
+# the fields that decide whether a drafter's weights fit a target (the rest are labels)
+_FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
 
-    tc = target.config.get_text_config()
-    err = fmt.fit_error(fields(d), hidden_size=tc.hidden_size, num_layers=num_layers(target),
-                        embed_rows=target.get_input_embeddings().weight.shape[0], where=where)
-    if err:
-        raise DrafterDirError(err)
+
+def check_fits(have: dict, where: str, *, target=None, built=None) -> None:
+    """One line (bad input, exit 2) naming the first way a drafter does not fit, from its
+    DrafterConfig fields ``have`` (config.json: before its weights are read).
+    - ``target``: the model it is to draft for (a served drafter, --init-from, eval): the
+      target's hidden size, decoder layers and embedding rows (export_format.fit_error);
+    - ``built``: the DrafterConfig this run builds for its target (a resumed checkpoint: the
+      CLI checked the run config, this checks shapes): every field that shapes the weights
+      is equal."""
+    if built is not None:
+        from ..preflight.checkpoint_files import CheckpointError
+
+        for f in _FIT_FIELDS:
+            a, b = have[f], getattr(built, f)
+            if a != b:
+                raise CheckpointError(f"{where}: {f}={a!r} does not fit this run's target (expected {b!r})")
+    if target is not None:
+        from ..model.target import num_layers
+
+        tc = target.config.get_text_config()
+        err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=num_layers(target),
+                            embed_rows=target.get_input_embeddings().weight.shape[0], where=where)
+        if err:
+            raise DrafterDirError(err)

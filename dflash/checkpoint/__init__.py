@@ -1,0 +1,2 @@
+"""Checkpoint I/O: training checkpoints, the state tree, drafter dirs, the served format,
+export and init-from."""

@@ -1,0 +1,30 @@
+"""`dflash export`: write a `dflash train` checkpoint in the served DFlash format
+(checkpoint/export.py); its arguments are checked before torch loads."""
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
+    x.add_argument("--checkpoint", required=True, help="RUN/checkpoint from dflash train")
+    x.add_argument("--out", required=True, help="the directory to write (config.json, model.safetensors, README.md)")
+    x.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    x.add_argument("--without-copy-head", action="store_true",
+                   help="export a drafter that has a copy head without it (the format cannot carry one)")
+    x.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier dflash export in --out (never a drafter dflash did not write)")
+
+
+def run(a) -> int:
+    from ..checkpoint.export import check_request, export_checkpoint
+
+    check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head, overwrite=a.overwrite)  # before torch
+    res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head,
+                            overwrite=a.overwrite)
+    print(f"exported {a.checkpoint} -> {res['out']} ({res['dtype']}, {res['bytes'] / 1e6:.2f} MB of weights)")
+    if res["without_copy_head"]:
+        tau = res["tau_no_copy_estimate"]
+        print("without its copy head: " + (f"held-out acceptance estimate tau {tau:.3f} (from training)"
+                                           if tau is not None else "tau not measured")
+              + f"; measure it: dflash eval --checkpoint {a.checkpoint} --no-copy-head")
+    print(f"serve it: see {res['out']}/README.md (vLLM num_speculative_tokens = {res['block_size'] - 1})")
+    return 0

@@ -1,0 +1,142 @@
+"""`dflash train`: train a drafter against a frozen target. Every input is checked (config,
+layout launch, data, resume fit, run dir) before torch and transformers are imported."""
+from __future__ import annotations
+
+import os
+
+def add_parser(sub) -> None:
+    t = sub.add_parser("train", help="train a drafter against a frozen target")
+    t.add_argument("--out", help="run directory (checkpoint/, summary.json, telemetry/)")
+    t.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
+    t.add_argument("--steps", type=int)
+    t.add_argument("--seed", type=int)
+    t.add_argument("--config", help="YAML file with any of the config keys")
+    t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
+    t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="replace the earlier run in OUT (only what dflash wrote there is removed)")
+    t.add_argument("--eval", action="store_true", help="measure tau before and after training")
+    t.add_argument("--reference", action="store_true", help="single-process reference loop (no pipeline)")
+    t.add_argument("--target-devices", help="comma list, e.g. cuda:0,cuda:1 (default cpu)")
+    t.add_argument("--drafter-devices", help="comma list, e.g. cuda:2 (default cpu)")
+    t.add_argument("--layout", help="under torchrun: roles by rank, e.g. target:5,drafter:3 "
+                                    "(first 5 ranks hold a target replica each, the next 3 train the drafter)")
+    t.add_argument("--inject-delay", action="append", default=[], metavar="STAGE=SECONDS",
+                   help="sleep in a stage: a tool for testing dashboards, alerts and stall reports")
+    t.add_argument("--inject-fault", action="append", default=[], metavar="STAGE=STEP",
+                   help="raise in a stage at a step: a tool for testing the failure path")
+    t.add_argument("--no-telemetry", action="store_true")
+    t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
+    t.add_argument("--tracker", metavar="NAMES",
+                   help="experiment trackers, a comma list of wandb, tensorboard, mlflow (--wandb: wandb)")
+
+    t.add_argument("--features", metavar="FEATS",
+                   help="train from features dflash capture wrote: no target forward, only the target's "
+                        "embedding and lm_head are loaded; target and layer ids come from the capture")
+    t.add_argument("--init-from", metavar="DIR",
+                   help="start from a drafter in the served DFlash format (a published one, a SpecForge or "
+                        "dflash export); its layers, block size and target layers replace the config's")
+
+
+def run(a) -> int:
+    from ..config import load_config, override
+
+    flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
+             "pipeline.target_devices": a.target_devices, "pipeline.drafter_devices": a.drafter_devices,
+             "pipeline.layout": a.layout,
+             "pipeline.inject_delay": ",".join(a.inject_delay) or None,
+             "pipeline.inject_fault": ",".join(a.inject_fault) or None,
+             "pipeline.pipelined": False if a.reference else None,
+             "telemetry.enabled": False if a.no_telemetry else None,
+             "telemetry.wandb": True if a.wandb else None}
+    if a.tracker is not None:
+        from ..trackers import check_installed, parse
+        flags["telemetry.trackers"] = parse(a.tracker)
+        check_installed(flags["telemetry.trackers"])
+    if a.init_from:
+        from ..checkpoint.init_from import init_flags
+        flags |= init_flags(a.init_from)
+    cfg = load_config(a.config, a.set, **flags)
+    features = a.features or cfg.data.features
+    if features:  # the capture decides target, its seed and the layer ids
+        from .capture import train_flags
+        cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))
+    if a.resume and a.overwrite:
+        from ..config import ConfigError
+        raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
+    if cfg.pipeline.layout:
+        _check_layout_launch(cfg, a.eval)
+    from ..preflight.launch_checks import check_inputs, check_torchrun_env
+    check_torchrun_env()
+    check_inputs(cfg, data=not cfg.data.features)
+    if a.resume:
+        _check_resume(cfg)
+    from ..preflight import run_dir
+    out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
+    a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
+    if os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock tidies up
+        if a.overwrite:
+            run_dir.clear_earlier_run(out)
+        if a.resume:
+            from ..checkpoint.files import clean_stale_temps
+            clean_stale_temps(out / "checkpoint")
+    a.phase = "set-up"  # a signal before training starts: nothing to save yet
+    from ..run.trainer import train  # torch and transformers: only once the input is known to be good
+
+    s = train(cfg, resume=a.resume, eval_before_after=a.eval)
+    if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
+        from ..analysis.report import print_summary
+        print_summary(s, cfg.out)
+    return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
+
+
+def _check_resume(cfg) -> None:
+    """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
+    from its config.json before torch loads."""
+    from ..config import ConfigError
+    from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
+    from ..preflight.inputs import target_num_layers
+
+    try:
+        _, raw = check_readable(os.path.join(cfg.out, "checkpoint"))
+    except CheckpointError as e:
+        raise ConfigError(f"--resume: {e}") from None
+    try:
+        why = resume_mismatch(raw, cfg.model, target_num_layers(cfg.model.target))
+    except ValueError as e:
+        why = str(e)
+    if why:
+        raise ConfigError(f"--resume: {why}; resume with the run's own settings ({cfg.out}/config.yaml) "
+                          "or train into a new --out")
+
+
+def _check_layout_launch(cfg, eval_flag: bool) -> None:
+    """A layout needs torchrun with exactly its number of ranks, and has no eval step."""
+    from ..config import ConfigError
+    from ..run.roles.layout import Layout
+
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        raise ConfigError(f"--layout {cfg.pipeline.layout}: roles are given to torchrun's ranks; launch with "
+                          f"torchrun --nproc_per_node N -m dflash train ... (N = ranks on this node)")
+    if not world.strip().isdigit():
+        raise ConfigError(f"WORLD_SIZE={world!r}: expected a non-negative integer (torchrun sets it)")
+    Layout.parse(cfg.pipeline.layout).check_world(int(world))
+    if eval_flag:
+        raise ConfigError(f"--eval with --layout {cfg.pipeline.layout}: no rank holds both the target and the "
+                          f"drafter; after training run: dflash eval --checkpoint {cfg.out}/checkpoint")
+
+
+def what_next(a) -> str:
+    """After Ctrl-C: where the last checkpoint is and the command line that continues."""
+    import shlex
+    from pathlib import Path
+
+    out = getattr(a, "resolved_out", None)
+    again = [x for x in a.argv if x not in ("--overwrite", "--resume")]
+    if out and (Path(out) / "checkpoint" / "config.json").is_file():
+        return f"the last checkpoint is in {out}/checkpoint; continue with: dflash {shlex.join(again + ['--resume'])}"
+    if out and Path(out).is_dir():
+        again.append("--overwrite")  # nothing was trained: the dir holds only this attempt's start
+    return f"nothing was trained yet; run it again: dflash {shlex.join(again)}"

@@ -1,0 +1,1 @@
+"""Speculative decoding (greedy and sampled), the sampling rule, and eval."""
