@@ -1,4 +1,4 @@
 """The models: target loading (target.py), the DFlash drafter, its init and how a run builds
-it (drafter*.py), one training step (drafter_trainer.py, lr_schedule.py, loss_vocab.py),
+it (drafter*.py), the loss vocabulary of a training step (loss_vocab.py; the step itself is run/step.py),
 the target side of a step (features.py, feature_cache.py), checkpoints, CUDA warm-up,
 speculative decoding and its eval."""

@@ -12,7 +12,7 @@ from otel import TelemetryAPI
 
 from ..config import Config
 from ..data import dataset as data_mod
-from ..model.drafter_trainer import DrafterTrainer
+from .step import TrainStep
 from .placement import Placement
 from .readback import DeferredScalars
 
@@ -26,7 +26,7 @@ class RunContext:
     layer_ids: list[int]
     samples: list
     out: Path
-    trainer: DrafterTrainer | None = None              # drafter roles: drafter, optimizer, schedule
+    trainer: TrainStep | None = None              # drafter roles: drafter, optimizer, schedule
     eval_convs: list = field(default_factory=list)
     targets: list = field(default_factory=list)        # one frozen replica per target worker
     feature_caches: list = field(default_factory=list)  # train.feature_cache: one per target worker
@@ -71,8 +71,8 @@ class RunContext:
     @property
     def feature_ids(self) -> list[int]:
         """What the target side captures per token: `layer_ids`, plus the target's last hidden
-        state when the loss needs its distribution (model/losses.py `feature_ids`)."""
-        from ..model.losses import feature_ids
+        state when the loss needs its distribution (run/step.py `feature_ids`)."""
+        from .step import feature_ids
         return feature_ids(self.cfg.train, self.layer_ids, self.feature_store is not None)
 
     @property

@@ -15,7 +15,7 @@ from ..data import chat_template
 from ..model import checkpoint as ckpt
 from ..model import target as target_mod
 from ..model.drafter_build import build_drafter, drafter_config
-from ..model.drafter_trainer import DrafterTrainer
+from .step import TrainStep
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
 from ..prep.prepare import prepare
@@ -53,7 +53,7 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
                                quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-        from ..model.losses import feature_ids
+        from .step import feature_ids
         # what regeneration keeps for the feature cache: what the target side would compute
         prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
     ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
@@ -161,7 +161,7 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
         ddp = dist_mod.wrap_ddp(drafter, ddev) if place.world > 1 else None
         ctx.vote = dist_mod.StopVote(place.world)
     ctx.sync_timer = sync_timer
-    ctx.trainer = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
+    ctx.trainer = TrainStep(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
     samples = ctx.samples
     if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
         # kept out of training: the acceptance estimate must measure held-out replies
