@@ -14,10 +14,10 @@ from .trackers.wandb_sink import settings as _settings
 from .trackers.wandb_sink import teardown as _teardown
 
 
-def start(ctx):
+def start(spec, state):
     """The bridge for this run (every tracker it names), or None."""
     from .trackers import start as _start
-    return _start(ctx)
+    return _start(spec, state)
 
 
 def log_eval(run_dir, res: dict, timeout_s: float = 60.0, summary: dict | None = None) -> dict:
