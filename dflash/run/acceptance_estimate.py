@@ -41,10 +41,10 @@ class AcceptanceEstimate:
     def __init__(self, train_step: TrainStep, target: PreTrainedModel | FeatureSide, samples: list[Sample], *,
                  cfg: Config, pad_id: int, layer_ids: list[int], feature_store: FeatureStore | None, every: int):
         self.every = every
-        self.trainer = train_step
+        self.train_step = train_step
         self.batch = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
                                            pad_id=pad_id, bucket=False))
-        dev = self.trainer.device
+        dev = self.train_step.device
         if feature_store is not None:  # train --features: the held-out rows were captured too
             feature_store.attach(self.batch)
         with torch.no_grad():
@@ -69,7 +69,7 @@ class AcceptanceEstimate:
     @torch.no_grad()
     def __call__(self, step: int) -> None:
         """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
-        st = self.trainer
+        st = self.train_step
         model = st.drafter
         was_training = model.training
         model.eval()
