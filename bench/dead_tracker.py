@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash import trackers  # noqa: E402
 from dflash.config import load_config  # noqa: E402
-from dflash.run.trainer import run_loop, setup  # noqa: E402
+from dflash.run.trainer import Trainer  # noqa: E402
 
 
 def _dead_uri() -> str:
@@ -58,8 +58,9 @@ def once(base: list[str], out: str, names: list[str], uri: str | None, settle_s:
     else:
         os.environ.pop("MLFLOW_TRACKING_URI", None)
     cfg = load_config(None, base + [f"out={out}", f"telemetry.trackers={','.join(names)}"])
-    ctx = setup(cfg, resume=False)
-    bridge = trackers.start(ctx)
+    trainer = Trainer(cfg)
+    spec, state = trainer.spec, trainer.state
+    bridge = trackers.start(spec, state)
     deadline = time.monotonic() + 120
     while bridge and time.monotonic() < deadline and any(not r.opened and not r.failures for r in bridge.runners):
         time.sleep(0.05)
@@ -67,19 +68,19 @@ def once(base: list[str], out: str, names: list[str], uri: str | None, settle_s:
     threads = [r.thread for r in bridge.runners] if bridge else []
     try:
         cpu0, t0 = _thread_cpu_s(threads), time.perf_counter()
-        run_loop(ctx)
+        trainer.run_steps()
         wall = time.perf_counter() - t0
         bridge_cpu = _thread_cpu_s(threads) - cpu0
-        ctx.finish_readback()
+        state.finish_readback()
     finally:
-        ctx.tel.shutdown(timeout_s=2.0)
+        state.tel.shutdown(timeout_s=2.0)
     status = {}
     if bridge is not None:
         t1 = time.perf_counter()
-        bridge.close({"steps": ctx.trainer.step, "tokens": ctx.tokens, "telemetry": ctx.tel.summary()})
+        bridge.close({"steps": state.train_step.step, "tokens": state.tokens, "telemetry": state.tel.summary()})
         status = {n: {**s, "close_s": round(time.perf_counter() - t1, 3)} for n, s in bridge.status().items()}
     status["bridge_cpu_s"], status["loop_s"] = round(bridge_cpu, 3), round(wall, 2)
-    return ctx.tokens / wall, [round(h[1], 6) for h in ctx.history], status
+    return state.tokens / wall, [round(h[1], 6) for h in state.history], status
 
 
 def main() -> None:

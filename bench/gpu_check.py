@@ -263,7 +263,7 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
     from dflash.config import load_config
     from dflash.run.saving import save, wait_for_checkpoint
     import otel
-    from dflash.run.trainer import run_loop, setup
+    from dflash.run.trainer import Trainer
 
     cuda = device.startswith("cuda")
     base = [f"model.target={spec}", f"train.steps={steps}", f"pipeline.target_devices={device}",
@@ -277,34 +277,35 @@ def check_pipeline(torch, out_root: str, name: str, spec: str, extra: list, *, r
         for tel_on in ((True, False) if r % 2 == 0 else (False, True)):
             out = f"{out_root}/{name}-{r}-{int(tel_on)}"
             cfg = load_config(None, base + [f"out={out}", f"telemetry.enabled={tel_on}"])
-            ctx = setup(cfg, resume=False)
-            target = ctx.target
+            trainer = Trainer(cfg)
+            spec, state = trainer.spec, trainer.state
+            target = state.target
             if warmup_s is None:
-                warmup_s = ctx.warmup_s
+                warmup_s = spec.warmup_s
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("warn")
             try:
                 t0 = time.perf_counter()
                 with syncs if (cuda and r > 0) else contextlib.nullcontext():
-                    run_loop(ctx)
+                    trainer.run_steps()
                 if cuda:
                     torch.cuda.set_sync_debug_mode(0)
                     torch.cuda.synchronize()  # end of the timed window, outside the loop
                 wall = time.perf_counter() - t0
                 if checkpoint and tel_on and r == rounds:  # the drafter's cost of a save
                     t1 = time.perf_counter()
-                    save(ctx)
+                    save(spec, state)
                     t2 = time.perf_counter()
-                    wait_for_checkpoint(ctx)
+                    wait_for_checkpoint(state)
                     ckpt_res = {"drafter_thread_s": round(t2 - t1, 4),
                                 "write_s_off_path": round(time.perf_counter() - t2, 3)}
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode(0)
-                ctx.tel.shutdown(timeout_s=2.0)
+                state.tel.shutdown(timeout_s=2.0)
             if r > 0:
-                rates["on" if tel_on else "off"].append(ctx.tokens / wall)
+                rates["on" if tel_on else "off"].append(state.tokens / wall)
                 if tel_on:
                     last_on = out
         done = r

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash.config import load_config  # noqa: E402
-from dflash.run.trainer import run_loop, setup  # noqa: E402
+from dflash.run.trainer import Trainer  # noqa: E402
 
 
 def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode: str,
@@ -28,18 +28,18 @@ def once(base_args: list[str], out: str, pipelined: bool, telemetry: bool, mode:
 
     cfg = load_config(None, base_args + [f"out={out}", f"pipeline.pipelined={pipelined}",
                                          f"telemetry.enabled={telemetry}", f"telemetry.mode={mode}"])
-    ctx = setup(cfg, resume=False)
+    trainer = Trainer(cfg)  # set up: target, data, drafter, telemetry
     # Steady state: the spawned exporter process spends its first ~1-2 s of CPU importing
     # the OpenTelemetry SDK; on 2 cores that start-up would land inside a short timed loop.
     # Every variant waits the same, so the ratio measures per-step overhead only.
     time.sleep(settle_s)
     try:
         t0 = time.perf_counter()
-        run_loop(ctx)  # the reference loop or the pipeline: cfg.pipeline.pipelined
+        trainer.run_steps()  # the reference loop or the pipeline: cfg.pipeline.pipelined
         wall = time.perf_counter() - t0
     finally:
-        ctx.tel.shutdown(timeout_s=2.0)
-    return ctx.tokens / wall
+        trainer.state.tel.shutdown(timeout_s=2.0)
+    return trainer.state.tokens / wall
 
 
 def main() -> None:

@@ -22,9 +22,8 @@ def _drafter():
 
 def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
     drafter = _drafter()
-    ctx = SimpleNamespace(out=tmp_path, is_lead=True, cfg=Config(), tel=None,
-                          trainer=SimpleNamespace(drafter=drafter))
-    keeper = BestKeeper(ctx)
+    train_step = SimpleNamespace(drafter=drafter)
+    keeper = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True)
     seen = {}
     for step, tau in ((0, 1.0), (10, 1.3), (20, 1.2), (30, 1.3)):
         with torch.no_grad():
@@ -39,7 +38,7 @@ def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
     assert st["step"] == 10 and st["acceptance_estimate"] == 1.3
     assert keeper.best == (10, 1.3)
     # a resumed run carries the bar on: a later 1.25 is not better
-    again = BestKeeper(ctx, resume=True)
+    again = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True, resume=True)
     assert again.best == (10, 1.3)
     again.queued(40)
     again.result(40, 1.25)

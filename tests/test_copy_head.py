@@ -103,10 +103,10 @@ def test_the_gate_starts_at_zero_and_the_rest_of_the_drafter_is_unchanged_by_the
 def test_the_bias_gets_its_learning_rate_multiple_in_the_optimizer():
     from dflash.config import load_config
     from dflash.model.copy_head import BIAS_LR_SCALE
-    from dflash.model.drafter_trainer import DrafterTrainer
+    from dflash.run.step import TrainStep
     d, embed, head = _drafter()
     cfg = load_config(None, ["model.copy_head=true", "train.lr=1e-3"])
-    step = DrafterTrainer(cfg.train, cfg.model.block_size, d.float(), embed.float(), head.float(), "cpu")
+    step = TrainStep(cfg.train, cfg.model.block_size, d.float(), embed.float(), head.float(), "cpu")
     lrs = {id(p): g["initial_lr"] for g in step.opt.param_groups for p in g["params"]}  # before the schedule
     assert lrs[id(d.copy.bias)] == 1e-3 * BIAS_LR_SCALE
     assert lrs[id(d.copy.gate.weight)] == lrs[id(d.fc.weight)] == 1e-3

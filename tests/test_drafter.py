@@ -109,7 +109,7 @@ def test_nonfinite_step_is_skipped_on_device():
     """A NaN loss must leave weights and optimizer state untouched (no host read decides it)."""
     from types import SimpleNamespace
 
-    from dflash.model.drafter_trainer import DrafterTrainer
+    from dflash.run.step import TrainStep
 
     d, embed, head = make(layers=1)
     d = d.float()
@@ -117,7 +117,7 @@ def test_nonfinite_step_is_skipped_on_device():
                                                 grad_clip=1.0, seed=0, loss_gamma=0.0, loss="ce",
                                                     loss_weights="decay"),
                           model=SimpleNamespace(block_size=BK))
-    st = DrafterTrainer(cfg.train, cfg.model.block_size, d, embed.float(), head.float(), "cpu")
+    st = TrainStep(cfg.train, cfg.model.block_size, d, embed.float(), head.float(), "cpu")
     before = {k: v.clone() for k, v in d.state_dict().items()}
     for p in d.parameters():
         p.grad = torch.full_like(p, float("nan"))

@@ -23,7 +23,7 @@ def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp
     message = f"InjectedFault: injected fault in {stage} at step 1"
     err = p.stderr
     assert "Traceback (most recent call last)" in err, err[-3000:]
-    assert frame in err and 'faults.py", line' in err, err[-3000:]  # the worker's own frames
+    assert frame in err and 'workers.py", line' in err and "in inject" in err, err[-3000:]  # the worker's own frames
     assert "The above exception was the direct cause" in err
     last = err.strip().splitlines()[-1]
     assert last.startswith("dflash train: error: ") and f"worker {worker} failed in stage {stage}" in last, last
@@ -47,4 +47,4 @@ def test_worker_fault_prints_traceback_worker_and_stage_and_writes_error_txt(tmp
     assert attrs["exception.type"] == "InjectedFault"
     assert attrs["exception.message"] == f"injected fault in {stage} at step 1"
     assert attrs["exception.stacktrace"].startswith("Traceback (most recent call last)")
-    assert 'faults.py", line' in attrs["exception.stacktrace"]
+    assert 'workers.py", line' in attrs["exception.stacktrace"] and "in inject" in attrs["exception.stacktrace"]

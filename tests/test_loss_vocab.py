@@ -9,8 +9,8 @@ from dflash.data import dataset as data_mod
 from dflash.data.batch import Batch
 from dflash.model import target as target_mod
 from dflash.model.build import build_drafter
-from dflash.model.drafter_trainer import DrafterTrainer
 from dflash.model.loss_vocab import RowsHead, batch_vocab, frequent_tokens
+from dflash.run.step import TrainStep
 
 
 def _step(k: int):
@@ -19,7 +19,7 @@ def _step(k: int):
     target, tok = target_mod.load_target("tiny-qwen3")
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
-    step = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, target.get_input_embeddings(),
+    step = TrainStep(cfg.train, cfg.model.block_size, drafter, target.get_input_embeddings(),
                           target.get_output_embeddings(), "cpu")
     g = torch.Generator().manual_seed(0)
     samples = [data_mod.Sample(torch.randint(0, 300, (n,), generator=g).tolist(), [0] * 4 + [1] * (n - 4))

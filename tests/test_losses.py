@@ -1,4 +1,4 @@
-"""train.loss (ce | kl | lk) and train.loss_weights (decay | dpace): model/losses.py.
+"""train.loss (ce | kl | lk) and train.loss_weights (decay | dpace): run/step.py.
 
 Each loss against values worked out by hand (the arithmetic is in the comments), the
 D-PACE weights against autograd's derivative of the expected accepted length they stand
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import TINY, run_dflash
-from dflash.model import losses as L
+from dflash.run import step as L
 
 
 def _close(a, b, tol=1e-5):
@@ -169,12 +169,12 @@ def test_final_feature_is_what_the_lm_head_reads(tiny):
 def _trainer(model, tok, **train):
     from dflash.config import TrainConfig
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.model.drafter_trainer import DrafterTrainer
+    from dflash.run.step import TrainStep
 
     cfg = DrafterConfig.from_target(model.config, target_layer_ids=[1], mask_token_id=0,
                                     vocab_size=model.config.vocab_size, block_size=4)
     torch.manual_seed(0)
-    return DrafterTrainer(TrainConfig(**train), 4, DFlashDrafter(cfg), model.get_input_embeddings(),
+    return TrainStep(TrainConfig(**train), 4, DFlashDrafter(cfg), model.get_input_embeddings(),
                           model.get_output_embeddings(), "cpu")
 
 

@@ -16,7 +16,7 @@ def bf16_target():
 def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
     from dflash.data.batch import Batch
     from dflash.model.build import build_drafter
-    from dflash.model.drafter_trainer import DrafterTrainer
+    from dflash.run.step import TrainStep
 
     from dflash.config import load_config
 
@@ -24,7 +24,7 @@ def test_bf16_target_trains_fp32_master_weights_computing_in_bf16(bf16_target):
     cfg = load_config(None, ["model.block_size=8", "model.dtype=bfloat16", "train.num_anchors=4", "train.lr=1e-3",
                              "train.warmup_ratio=0", "train.steps=10", "train.weight_decay=0"])
     drafter = build_drafter(cfg, model, tok, [1, 2, 3])
-    st = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, model.get_input_embeddings(),
+    st = TrainStep(cfg.train, cfg.model.block_size, drafter, model.get_input_embeddings(),
                         model.get_output_embeddings(), "cpu")
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(100, 1000, (2, 40), generator=g)

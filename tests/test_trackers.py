@@ -160,29 +160,31 @@ class _Flaky:
         return {}
 
 
-def _fake_ctx(tmp_path):
+def _fake_run(tmp_path):
+    """(spec, state, telemetry summary): what a bridge reads of a run."""
     from dflash.config import Config
 
     stages = {s: {"count": 2, "total_s": 0.2, "p50_s": 0.1, "p95_s": 0.1, "p99_s": 0.1, "max_s": 0.1, "share": 0.1}
               for s in ("queue_get", "backward")}
     tel = {"wall_s": 2.0, "stages": stages, "health": {"spans_dropped": 0, "export_failures": 0}}
-    return SimpleNamespace(out=tmp_path, cfg=Config(), tel=SimpleNamespace(summary=lambda: tel, run_id="r1"),
-                           world_size=1, rank=0, tokens=0, trainer=SimpleNamespace(step=0), history=[],
-                           estimate=None, start_step=0), tel
+    spec = SimpleNamespace(out=tmp_path, cfg=Config(), world_size=1, rank=0, start_step=0)
+    state = SimpleNamespace(tel=SimpleNamespace(summary=lambda: tel, run_id="r1"), tokens=0,
+                            train_step=SimpleNamespace(step=0), history=[], estimate=None)
+    return spec, state, tel
 
 
 def test_a_tracker_that_comes_back_gets_every_step_and_a_hung_one_blocks_no_other(tmp_path, monkeypatch, capfd):
     from dflash.trackers.bridge import Bridge
 
     monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", FAKE_TOKEN)
-    ctx, tel = _fake_ctx(tmp_path)
+    spec, state, tel = _fake_run(tmp_path)
     release = threading.Event()
     flaky, hung = _Flaky("flaky", down=3), _Flaky("hung", hang=release)
-    bridge = Bridge(ctx, [flaky, hung], interval_s=0.05, join_s=0.5, write_s=1.0).start()
+    bridge = Bridge(spec, state, [flaky, hung], interval_s=0.05, join_s=0.5, write_s=1.0).start()
     try:
         for s in range(40):  # the training: one history row per step
-            ctx.history.append((s, 5.0 - 0.1 * s, 0.5, 1.0))
-            ctx.trainer.step, ctx.tokens = s + 1, 100 * (s + 1)
+            state.history.append((s, 5.0 - 0.1 * s, 0.5, 1.0))
+            state.train_step.step, state.tokens = s + 1, 100 * (s + 1)
             deadline = time.monotonic() + 10
             while flaky.calls < s // 4 + 1 and time.monotonic() < deadline:  # the bridge keeps up meanwhile
                 time.sleep(0.01)
@@ -227,10 +229,10 @@ def test_a_local_store_still_starting_at_the_end_gets_the_run_but_a_remote_one_d
             return self.patience
 
     for sink in (SlowStart("local", 30.0), SlowStart("remote", 0.0)):
-        ctx, tel = _fake_ctx(tmp_path)
-        bridge = Bridge(ctx, [sink], interval_s=5, join_s=0.2, write_s=0.3).start()
+        spec, state, tel = _fake_run(tmp_path)
+        bridge = Bridge(spec, state, [sink], interval_s=5, join_s=0.2, write_s=0.3).start()
         assert sink.started.wait(10)
-        ctx.history += [(s, 1.0, 0.5, 1.0) for s in range(3)]  # a short run: over before the tracker opened
+        state.history += [(s, 1.0, 0.5, 1.0) for s in range(3)]  # a short run: over before the tracker opened
         t0 = time.monotonic()
         final = bridge.close({"steps": 3, "tokens": 300, "telemetry": tel})
         took = time.monotonic() - t0

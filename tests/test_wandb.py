@@ -261,10 +261,10 @@ def test_missing_wandb_falls_back_without_training(tmp_path, monkeypatch, capfd)
     stages = {s: {"count": 2, "total_s": 0.2, "p50_s": 0.1, "p95_s": 0.1, "p99_s": 0.1, "max_s": 0.1, "share": 0.1}
               for s in STAGES}
     tel_summary = {"wall_s": 2.0, "stages": stages, "health": {"spans_dropped": 0, "export_failures": 0}}
-    ctx = SimpleNamespace(out=tmp_path, cfg=Config(), tel=SimpleNamespace(summary=lambda: tel_summary, run_id="r1"),
-                          world_size=1, rank=0, tokens=100, trainer=SimpleNamespace(step=2),
-                          history=[(1, 3.5, 0.1, 1.0)])
-    bridge = WandbBridge(ctx, interval_s=0.05).start()
+    spec = SimpleNamespace(out=tmp_path, cfg=Config(), world_size=1, rank=0)
+    state = SimpleNamespace(tel=SimpleNamespace(summary=lambda: tel_summary, run_id="r1"), tokens=100,
+                            train_step=SimpleNamespace(step=2), history=[(1, 3.5, 0.1, 1.0)])
+    bridge = WandbBridge(spec, state, interval_s=0.05).start()
     time.sleep(0.3)
     t0 = time.monotonic()
     final = bridge.close({"tokens": 100, "steps": 2, "tokens_per_s": 50.0, "wall_s": 2.0, "telemetry": tel_summary})

@@ -291,24 +291,24 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
             "block_size": drafter.cfg.block_size}
 
 
-def export_after_run(ctx, summary: dict, *, dtype: str = "bfloat16", target_config=None) -> dict:
-    """The end of `dflash train`: write OUT/export/, or say why not. Never raises: a run's
-    result (its checkpoint) is already on disk; a failed export is reported, not fatal."""
+def export_after_run(spec, drafter, summary: dict, *, dtype: str = "bfloat16", target_config=None) -> dict:
+    """The end of `dflash train` (`spec`: its run/context.RunSpec): write OUT/export/ from the
+    trained drafter, or say why not. Never raises: a run's result (its checkpoint) is
+    already on disk; a failed export is reported, not fatal."""
     try:
-        drafter = ctx.trainer.drafter
         if drafter.copy is not None:
             why = ("the drafter has a copy head (model.copy_head), which the DFlash format cannot carry; export "
-                   f"the rest with: dflash export --checkpoint {ctx.out / 'checkpoint'} --out {ctx.out / 'export'} "
+                   f"the rest with: dflash export --checkpoint {spec.out / 'checkpoint'} --out {spec.out / 'export'} "
                    "--without-copy-head")
             print(f"dflash train: no served export: {why}", file=sys.stderr)
             return {"skipped": why}
         after = summary.get("eval_after") or {}
         figures = {"after training" + (f" (the served drafter, {dtype} weights)" if after.get("served") else ""): after} \
             if "acceptance_length" in after else None
-        tcfg = target_config if target_config is not None else ctx.target_config
-        dst = write_export(drafter, tcfg, ctx.out / "export", dtype=dtype, target=ctx.cfg.model.target,
-                           figures=figures, prompts=held_out_prompts(ctx.cfg, ctx.eval_convs, ctx.out))
+        tcfg = target_config if target_config is not None else spec.target_config
+        dst = write_export(drafter, tcfg, spec.out / "export", dtype=dtype, target=spec.cfg.model.target,
+                           figures=figures, prompts=held_out_prompts(spec.cfg, spec.eval_convs, spec.out))
         return {"out": str(dst), "dtype": dtype, "bytes": (dst / "model.safetensors").stat().st_size}
     except Exception as e:  # reported in summary.json and on stderr
-        print(f"dflash train: export to {ctx.out / 'export'} failed: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"dflash train: export to {spec.out / 'export'} failed: {type(e).__name__}: {e}", file=sys.stderr)
         return {"error": f"{type(e).__name__}: {e}"}

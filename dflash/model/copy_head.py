@@ -30,7 +30,7 @@ from .prompt_lookup import MAX_NGRAM
 from .prompt_lookup import candidates as copy_candidates
 
 # The bias trains at this multiple of the learning rate (an optimizer param group, see
-# DrafterTrainer): Adam moves a parameter by about lr a step, and the copy weight's logit has
+# TrainStep, run/step.py): Adam moves a parameter by about lr a step, and the copy weight's logit has
 # to travel several units within a few hundred steps at lr ~1e-3. A larger learning rate
 # rather than a scaled parameter keeps its gradient, and so the gradient-norm clip, fair.
 BIAS_LR_SCALE = 16.0

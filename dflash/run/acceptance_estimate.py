@@ -16,28 +16,39 @@ Values come back through a deferred read-back (no host sync on the drafter's thr
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..data import dataset as data_mod
 from ..model.drafter import sample_anchors
 from ..model.features import target_features
-from .readback import DeferredScalars
+from .step import DeferredScalars, TrainStep
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from ..config import Config
+    from ..data.sample import Sample
+    from ..offline.feature_shards import FeatureStore
+    from ..offline.train_from_features import FeatureSide
+    from .best import BestKeeper
 
 ESTIMATE_ANCHORS = 16   # per held-out sequence; the lm_head over every slot is most of the cost
 
 
 class AcceptanceEstimate:
-    def __init__(self, ctx, samples: list, every: int):
+    def __init__(self, train_step: TrainStep, target: PreTrainedModel | FeatureSide, samples: list[Sample], *,
+                 cfg: Config, pad_id: int, layer_ids: list[int], feature_store: FeatureStore | None, every: int):
         self.every = every
-        self.trainer = ctx.trainer
-        cfg = ctx.cfg
+        self.train_step = train_step
         self.batch = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
-                                           pad_id=ctx.tokenizer.pad_token_id, bucket=False))
-        dev = self.trainer.device
-        if ctx.feature_store is not None:  # train --features: the held-out rows were captured too
-            ctx.feature_store.attach(self.batch)
+                                           pad_id=pad_id, bucket=False))
+        dev = self.train_step.device
+        if feature_store is not None:  # train --features: the held-out rows were captured too
+            feature_store.attach(self.batch)
         with torch.no_grad():
-            self.features = target_features(ctx.target, self.batch, ctx.layer_ids, ctx.target.device).to(dev)
+            self.features = target_features(target, self.batch, layer_ids, target.device).to(dev)
         g = torch.Generator().manual_seed(cfg.train.seed + 7919)
         anchors, valid = sample_anchors(self.batch.loss_mask, ESTIMATE_ANCHORS, cfg.model.block_size, generator=g)
         self.ids = self.batch.input_ids.to(dev)
@@ -49,7 +60,7 @@ class AcceptanceEstimate:
                                      ).view_as(pos).bool() & self.valid[..., None]
         self.readback = DeferredScalars()
         self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1], tau without copies)
-        self.keeper = None               # run/best.py: keeps the best checkpoint by this estimate
+        self.keeper: BestKeeper | None = None  # run/best.py: keeps the best checkpoint by this estimate
         self.block_size = Bk
 
     def due(self, step: int) -> bool:
@@ -58,7 +69,7 @@ class AcceptanceEstimate:
     @torch.no_grad()
     def __call__(self, step: int) -> None:
         """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
-        st = self.trainer
+        st = self.train_step
         model = st.drafter
         was_training = model.training
         model.eval()

@@ -20,8 +20,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..checkpoint import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from otel import TelemetryAPI
+
+    from ..config import Config
+    from .step import TrainStep
 
 BEST = "best"
 
@@ -32,9 +41,10 @@ def best_dirs(out: Path) -> tuple[Path, Path]:
 
 
 class BestKeeper:
-    def __init__(self, ctx, *, resume: bool = False):
-        self.ctx = ctx
-        self.dir, self.export_dir = best_dirs(ctx.out)
+    def __init__(self, out: Path, cfg: Config, train_step: TrainStep, target_config: PretrainedConfig,
+                 tel: TelemetryAPI | None, *, lead: bool, resume: bool = False):
+        self.cfg, self.train_step, self.target_config, self.tel, self.lead = cfg, train_step, target_config, tel, lead
+        self.dir, self.export_dir = best_dirs(out)
         self.pending: dict = {}          # step -> weights snapshot, until its estimate is known
         self.best: tuple | None = None   # (step, tau)
         self.writer = None
@@ -47,8 +57,8 @@ class BestKeeper:
 
     def queued(self, step: int) -> None:
         """An estimate of this step's drafter was queued: keep its weights until it is known."""
-        if self.ctx.is_lead:
-            self.pending[step] = ckpt.snapshot(self.ctx.trainer.drafter, run_config=self.ctx.cfg.to_dict(),
+        if self.lead:
+            self.pending[step] = ckpt.snapshot(self.train_step.drafter, run_config=self.cfg.to_dict(),
                                                state={"step": step})
 
     def result(self, step: int, tau: float) -> None:
@@ -59,7 +69,7 @@ class BestKeeper:
         self.best = (step, tau)
         snap.state |= {"acceptance_estimate": round(tau, 6), "why": "best held-out acceptance estimate so far"}
         if self.writer is None:
-            self.writer = ckpt.CheckpointWriter(self.ctx.tel)
+            self.writer = ckpt.CheckpointWriter(self.tel)
         self.writer.submit(self.dir, snap)  # waits only for the previous best's write
 
     def finish(self) -> dict | None:
@@ -67,7 +77,7 @@ class BestKeeper:
         self.pending.clear()
         if self.writer is not None:
             self.writer.wait()
-        if self.best is None or not self.ctx.is_lead:
+        if self.best is None or not self.lead:
             return None
         step, tau = self.best
         out = {"step": step, "tau_estimate": round(tau, 4), "checkpoint": str(self.dir)}
@@ -80,7 +90,7 @@ class BestKeeper:
         try:
             from ..checkpoint.export import write_export
             drafter, _ = ckpt.load_drafter(self.dir)
-            write_export(drafter, self.ctx.target_config, self.export_dir, target=self.ctx.cfg.model.target,
+            write_export(drafter, self.target_config, self.export_dir, target=self.cfg.model.target,
                          note=f"the best step of its run by the held-out acceptance estimate "
                               f"(step {self.best[0]}, tau {self.best[1]:.3f})")
             return str(self.export_dir)

@@ -1,4 +1,5 @@
-"""What joins a target worker to a drafter worker. Three implementations, one interface:
+"""What joins a target worker to a drafter worker: the `Channel` protocol, and its three
+implementations:
 
     direct   the reference loop: one thread, the drafter asks and the target worker makes
              the batch there and then (no queue_get / cpu_copy_enqueue stages);
@@ -6,11 +7,6 @@
              device->host copy into pinned, pre-allocated buffers on a side stream;
     ranks    roles by rank: credit-based hand-off over torch.distributed (roles/handoff.py).
 
-Target side, inside the cpu_copy_enqueue stage: `stage_copy` starts the copy toward the
-drafter (the queue, on CUDA; a no-op elsewhere), `hand_over(item, stop) -> seconds
-blocked` (None from a ranks channel whose drafters stopped); `span_attrs` are what the
-stage carries about the channel. Drafter side: `take(step) -> (item,
-seconds waited)` inside queue_get, `taken(step)` once it is out, `batch_id(step)`.
 Ordering across streams is explicit everywhere: events, `record_stream`, and a staging
 buffer goes back to its pool only once the drafter's copy out of it has finished.
 """
@@ -20,19 +16,47 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
+from ..data.batch import Batch
 from .hidden_queue import Closed, HiddenQueue
 
 
 @dataclass
 class HiddenItem:
-    batch: object
+    batch: Batch
     packed: torch.Tensor        # valid tokens only; host (pinned) or on the drafter's device
-    ready: object = None        # CUDA event: the copy into `packed` is complete
-    release: object = None      # callable(done_event): give the staging buffer back
+    ready: torch.cuda.Event | None = None  # the copy into `packed` is complete
+    release: Callable[[torch.cuda.Event], None] | None = None  # give the staging buffer back
     worker: str = ""
+
+
+@runtime_checkable
+class Channel(Protocol):
+    """Target side, inside the cpu_copy_enqueue stage: `staging` gives the worker its pinned
+    pool (or None), `stage_copy` starts the copy toward the drafter (the queue, on CUDA; a
+    no-op elsewhere), `hand_over(item, stop) -> seconds blocked` (None from a ranks channel
+    whose drafters stopped); `span_attrs` are what the stage carries about the channel.
+    Drafter side: `batch_id(step)`, `take(step) -> (item, seconds waited)` inside queue_get,
+    `taken(step)` once it is out, `depth()` for the span. `waits`: False for the direct
+    channel, whose drafter has no queue_get stage and whose target worker no
+    cpu_copy_enqueue. `producers_done` when the target side has made its last item,
+    `close` to wake every waiter (end or failure)."""
+    waits: bool
+    span_attrs: dict[str, str]
+
+    def staging(self, target_device: torch.device, numel: int, dtype: torch.dtype) -> PinnedPool | None: ...
+    def stage_copy(self, item: HiddenItem, pool: PinnedPool | None, side: torch.cuda.Stream | None,
+                   cur: torch.cuda.Stream | None, stop: threading.Event) -> None: ...
+    def hand_over(self, item: HiddenItem, stop: bool = False) -> float | None: ...
+    def batch_id(self, step: int) -> int: ...
+    def take(self, step: int) -> tuple[HiddenItem, float]: ...
+    def taken(self, step: int) -> None: ...
+    def depth(self) -> int: ...
+    def producers_done(self) -> None: ...
+    def close(self) -> None: ...
 
 
 class PinnedPool:
@@ -64,16 +88,33 @@ class DirectChannel:
     span_attrs: dict = {}
 
     def __init__(self):
-        self.produce = None  # set by the run: step -> HiddenItem (the target worker, inline)
+        self._make = self._batches = None
 
-    def take(self, step: int):
-        return self.produce(step), 0.0
+    def feed(self, make: Callable[..., tuple], batches: Iterator[tuple]) -> None:
+        """The target worker's `make` and its batch source: what each `take` runs."""
+        self._make, self._batches = make, batches
+
+    def take(self, step: int) -> tuple[HiddenItem, float]:
+        return self._make(*next(self._batches))[0], 0.0
 
     def taken(self, step: int) -> None:
         pass
 
     def batch_id(self, step: int) -> int:
         return step
+
+    def depth(self) -> int:
+        return 0
+
+    # the target side hands nothing over: the drafter's `take` made the item
+    def staging(self, target_device, numel: int, dtype) -> None:
+        return None
+
+    def stage_copy(self, item, pool, side, cur, stop) -> None:
+        pass
+
+    def hand_over(self, item: HiddenItem, stop: bool = False) -> float:
+        return 0.0
 
     def producers_done(self) -> None:
         pass

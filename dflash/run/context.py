@@ -1,55 +1,63 @@
-"""`RunContext`: everything a run's workers need, built once by `trainer.setup`.
+"""A run in two typed parts, both built once by setup.py:
 
-Its own module so the workers, the end-of-step path and checkpoint saving can share it
-without importing `trainer.py` or `setup.py` (which import them)."""
+    RunSpec   what the run is, fixed once set up (frozen): the configuration, the placement,
+              paths and ids, the data it trains on;
+    RunState  what changes while it trains: the training step (drafter, optimizer, schedule),
+              the target replicas, tokens, loss history, the stop flags, the telemetry handle.
+
+Their own module so the workers, the step end and checkpoint saving share them without
+importing trainer.py or setup.py (which import those). Nothing here imports the modules
+whose types it names (the `TYPE_CHECKING` imports): they sit below it.
+"""
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-
-from otel import TelemetryAPI
+from typing import TYPE_CHECKING, Iterator
 
 from ..config import Config
 from ..data import dataset as data_mod
-from ..model.drafter_trainer import DrafterTrainer
 from .placement import Placement
-from .readback import DeferredScalars
+from .step import DeferredScalars
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+    from otel import TelemetryAPI
+
+    from ..data.batch import Batch
+    from ..data.sample import Sample
+    from ..checkpoint.checkpoint import CheckpointWriter
+    from ..model.feature_cache import FeatureCache
+    from ..offline.feature_shards import FeatureStore
+    from ..offline.train_from_features import FeatureSide
+    from .acceptance_estimate import AcceptanceEstimate
+    from .distributed import StopVote
+    from .roles.handoff import Groups
+    from .roles.sync_timing import SyncTimer
+    from .step import TrainStep
 
 
-@dataclass
-class RunContext:
+@dataclass(frozen=True)
+class RunSpec:
     cfg: Config
-    tel: TelemetryAPI | None
     placement: Placement
-    tokenizer: object
-    layer_ids: list[int]
-    samples: list
     out: Path
-    trainer: DrafterTrainer | None = None              # drafter roles: drafter, optimizer, schedule
-    eval_convs: list = field(default_factory=list)
-    targets: list = field(default_factory=list)        # one frozen replica per target worker
-    feature_caches: list = field(default_factory=list)  # train.feature_cache: one per target worker
-    start_step: int = 0
-    history: list = field(default_factory=list)      # (step, loss, acc, grad_norm)
-    readback: DeferredScalars = field(default_factory=DeferredScalars)
-    stop: threading.Event = field(default_factory=threading.Event)          # a signal: finish the step, save
-    workers_stop: threading.Event = field(default_factory=threading.Event)  # end or failure: workers leave
-    tokens: int = 0
-    nonfinite: list = field(default_factory=list)    # steps whose update was skipped
-    vote: object = None                              # distributed.StopVote
-    estimate: object = None                          # acceptance_estimate.AcceptanceEstimate, if enabled
-    writer: object = None                            # checkpoint.CheckpointWriter (the lead, first save)
-    warmup_s: float | None = None                    # CUDA kernel warm-up before anything was timed
-    groups: object = None                            # a layout's process groups (roles/handoff.Groups)
-    run_id: str = ""
-    held_out: list = field(default_factory=list)     # samples kept out of training for the estimate
-    sync_timer: object = None                        # a layout's drafter: DDP all-reduce wait (sync_timing)
-    target_counts: dict = field(default_factory=dict)  # a layout's target rank: what it made and sent
-    target_config: object = None                     # the target's HF config (kept where the target is not)
-    feature_store: object = None                     # train --features: offline/feature_shards.FeatureStore
-    regen_counts: dict = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
-
+    run_id: str
+    tokenizer: PreTrainedTokenizerBase
+    layer_ids: list[int]
+    feature_ids: list[int]        # what the target side captures per token (run/step.py `feature_ids`)
+    start_step: int               # 0, or where a resumed run goes on
+    target_config: PretrainedConfig   # the target's HF config (kept where the target is not)
+    samples: list[Sample]         # this run's training samples (all ranks; each takes its shard)
+    held_out: list[Sample] = field(default_factory=list)  # kept out of training for the estimate
+    eval_convs: list[list[dict]] = field(default_factory=list)  # held-out conversations: eval prompts
+    feature_store: FeatureStore | None = None  # train --features: the captured rows
+    groups: Groups | None = None  # a layout's process groups
+    warmup_s: float | None = None  # CUDA kernel warm-up before anything was timed
+    regen_counts: dict[str, float] = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
 
     @property
     def rank(self) -> int:
@@ -68,28 +76,7 @@ class RunContext:
     def worker(self) -> str:
         return self.placement.worker
 
-    @property
-    def feature_ids(self) -> list[int]:
-        """What the target side captures per token: `layer_ids`, plus the target's last hidden
-        state when the loss needs its distribution (model/losses.py `feature_ids`)."""
-        from ..model.losses import feature_ids
-        return feature_ids(self.cfg.train, self.layer_ids, self.feature_store is not None)
-
-    @property
-    def target(self):
-        return self.targets[0] if self.targets else None
-
-    @property
-    def nonfinite_steps(self) -> int:
-        return len(self.nonfinite)
-
-    def more_steps(self) -> bool:
-        t = self.cfg.train
-        end = min(t.steps, t.stop_after) if t.stop_after else t.steps
-        stop = self.vote(self.stop.is_set())  # every rank votes every step: same stop step everywhere
-        return self.trainer.step < end and not stop
-
-    def batch_stream(self):
+    def batch_stream(self) -> Iterator[Batch]:
         """Deterministic batches of this rank (batch id == the step that consumes it); skips
         what a resumed run already consumed."""
         shard = self.samples[self.rank::self.world_size]
@@ -98,18 +85,46 @@ class RunContext:
         # train --features: each batch reads its captured rows as it is loaded (data_load)
         return stream if self.feature_store is None else map(self.feature_store.attach, stream)
 
-    def record(self, step: int, loss, acc, gnorm, nonfinite):
+
+@dataclass
+class RunState:
+    tel: TelemetryAPI
+    train_step: TrainStep | None = None   # drafter roles: the drafter, its optimizer and schedule
+    targets: list[PreTrainedModel | FeatureSide] = field(default_factory=list)  # one frozen replica per target worker
+    feature_caches: list[FeatureCache | None] = field(default_factory=list)  # train.feature_cache: one per target worker
+    vote: StopVote | None = None          # ranks that stop together; None alone
+    sync_timer: SyncTimer | None = None   # a layout's drafter: DDP all-reduce wait
+    estimate: AcceptanceEstimate | None = None  # train.estimate_every
+    writer: CheckpointWriter | None = None  # the lead, from its first save
+    tokens: int = 0
+    history: list[tuple[int, float, float, float]] = field(default_factory=list)  # (step, loss, acc, grad_norm)
+    nonfinite: list[int] = field(default_factory=list)   # steps whose update was skipped
+    readback: DeferredScalars = field(default_factory=DeferredScalars)
+    stop: threading.Event = field(default_factory=threading.Event)          # a signal: finish the step, save
+    workers_stop: threading.Event = field(default_factory=threading.Event)  # end or failure: workers leave
+    target_counts: dict[str, float] = field(default_factory=dict)  # a layout's target rank: what it made and sent
+
+    @property
+    def target(self) -> PreTrainedModel | FeatureSide | None:
+        return self.targets[0] if self.targets else None
+
+    @property
+    def vote_group(self) -> torch.distributed.ProcessGroup | None:
+        """The group end-of-run sums go over (None: this rank alone)."""
+        return self.vote.group if self.vote is not None else None
+
+    def record(self, step: int, loss, acc, gnorm, nonfinite) -> None:
         """Called on the drafter thread after each optimizer step: no host read here."""
         # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
         self.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
         for s, v in self.readback.ready():
             self._log(s, v)
 
-    def _log(self, s, v):
+    def _log(self, s: int, v: dict[str, float]) -> None:
         self.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
         if v["nonfinite"]:
             self.nonfinite.append(s)
 
-    def finish_readback(self):
+    def finish_readback(self) -> None:
         for s, v in self.readback.drain_blocking():
             self._log(s, v)

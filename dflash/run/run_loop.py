@@ -1,5 +1,5 @@
-"""Build this process's workers (target_worker.py, drafter_worker.py) and the channel that
-joins them (channels.py), and run them to the last step:
+"""Build this process's workers (workers.py) and the channel that joins them (channels.py),
+and run them to the last step:
 
     direct   (reference loop)   the drafter's thread makes each batch inline;
     queue    (pipelined)        a prefetcher and a target thread per target device feed the
@@ -9,45 +9,38 @@ joins them (channels.py), and run them to the last step:
 """
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from . import placement as placement_mod
-from .batch_source import InlineSource, Prefetcher
 from .channels import DirectChannel, QueueChannel, RankChannel
-from .context import RunContext
-from .drafter_worker import DrafterWorker
-from .target_worker import TargetWorker
+from .context import RunSpec, RunState
 from .worker_threads import WorkerSet
+from .workers import DrafterWorker, InlineSource, Prefetcher, TargetWorker
 
 
-def run_loop(ctx: RunContext) -> None:
+def run_loop(spec: RunSpec, state: RunState) -> None:
     """Build this process's workers and the channel between them; run to the last step."""
-    place, cfg = ctx.placement, ctx.cfg
-    ctx.workers_stop.clear()
+    place, cfg = spec.placement, spec.cfg
+    state.workers_stop.clear()
     if place.channel == "direct":
         channel = DirectChannel()
-        ws = WorkerSet(ctx, channel)
-        tw = TargetWorker(ctx, ctx.target, channel, "main", cache=ctx.feature_caches[0])
-        stream = ctx.batch_stream()
-        plan = ((s, s, {}, lambda: next(stream)) for s in itertools.count(ctx.start_step))
-        source = InlineSource(ctx, "main", plan).batches_for("main")
-        channel.produce = lambda step: tw.make(*next(source))[0]
+        ws = WorkerSet(state, channel)
+        tw = TargetWorker(spec, state, state.target, channel, "main", cache=state.feature_caches[0])
+        channel.feed(tw.make, InlineSource.reference(spec, state).batches_for("main"))
         try:
-            ws.run_here("main", DrafterWorker(ctx, channel, "main").run)
+            ws.run_here("main", DrafterWorker(spec, state, channel, "main").run)
         finally:
             ws.finish()
         return
     if place.role == placement_mod.TARGET:
-        _run_target_rank(ctx)
+        _run_target_rank(spec, state)
         return
-    dev = ctx.trainer.device
+    dev = state.train_step.device
     if place.layout is None:
         channel = QueueChannel(cfg.pipeline, dev)
-        ws = WorkerSet(ctx, channel)
-        _register_queue_metrics(ctx, channel)
-        prefetch = Prefetcher(ctx, ctx.workers_stop, len(ctx.targets))
+        ws = WorkerSet(state, channel)
+        _register_queue_metrics(spec, state, channel)
+        prefetch = Prefetcher(spec, state, state.workers_stop, len(state.targets))
         ws.start("prefetch", prefetch.run)
         done: list = []
 
@@ -56,21 +49,22 @@ def run_loop(ctx: RunContext) -> None:
                 tw.run(prefetch)
             finally:
                 done.append(wid)
-                if len(done) == len(ctx.targets):
+                if len(done) == len(state.targets):
                     channel.producers_done()
-        for wid, (tgt, cache) in enumerate(zip(ctx.targets, ctx.feature_caches)):
-            ws.start(f"target{wid}", target_thread, wid, TargetWorker(ctx, tgt, channel, f"target{wid}", cache=cache))
+        for wid, (tgt, cache) in enumerate(zip(state.targets, state.feature_caches)):
+            ws.start(f"target{wid}", target_thread, wid,
+                     TargetWorker(spec, state, tgt, channel, f"target{wid}", cache=cache))
         try:
-            ws.run_here(place.worker, DrafterWorker(ctx, channel, place.worker).run)
+            ws.run_here(place.worker, DrafterWorker(spec, state, channel, place.worker).run)
         finally:
             ws.finish()
         return
-    _run_drafter_rank(ctx, dev)
+    _run_drafter_rank(spec, state, dev)
 
 
-def _register_queue_metrics(ctx, channel) -> None:
+def _register_queue_metrics(spec: RunSpec, state: RunState, channel: QueueChannel) -> None:
     """Read by the telemetry thread; callbacks never touch a worker."""
-    tel, rank, hq = ctx.tel, {"rank": ctx.rank}, channel.hq
+    tel, rank, hq = state.tel, {"rank": spec.rank}, channel.hq
     tel.observable_gauge("dflash.queue.depth", lambda: [(hq.depth(), rank)], unit="{batch}",
                          description="hidden-state batches waiting for the drafter")
     tel.observable_gauge("dflash.queue.min_ready_ratio", lambda: [(hq.depth() / hq.min_ready, rank)],
@@ -79,7 +73,7 @@ def _register_queue_metrics(ctx, channel) -> None:
                          description="total time target workers waited on a full queue")
     tel.observable_gauge("dflash.queue.consumer_starved", lambda: [(hq.starved_s, rank)], unit="s",
                          description="total time the drafter waited on an empty queue")
-    dev = ctx.trainer.device
+    dev = state.train_step.device
     if dev.type == "cuda":
         def alloc():
             s = torch.cuda.memory_stats(dev)  # host-side counters: no sync
@@ -90,64 +84,64 @@ def _register_queue_metrics(ctx, channel) -> None:
         tel.observable_gauge("dflash.cuda.memory", alloc, unit="By", description="CUDA caching allocator")
 
 
-def _run_target_rank(ctx) -> None:
+def _run_target_rank(spec: RunSpec, state: RunState) -> None:
     """A layout's target rank: its share of the global batches, each sent to the drafter rank
     that trains on it against that drafter's credit (roles/handoff.py)."""
     from .roles.handoff import TargetSide
     from .roles.shards import ShardStreams
 
-    cfg, place, layout = ctx.cfg, ctx.placement, ctx.placement.layout
+    cfg, place, layout = spec.cfg, spec.placement, spec.placement.layout
     dev = torch.device(place.target_devices[0])
-    side = TargetSide(layout, ctx.groups, dev, max_in_flight=cfg.pipeline.queue_size)
+    side = TargetSide(layout, spec.groups, dev, max_in_flight=cfg.pipeline.queue_size)
     channel = RankChannel(cfg.pipeline, None, target_side=side, layout=layout, index=place.index)
-    streams = ShardStreams(ctx.samples, layout, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                           pad_id=ctx.tokenizer.pad_token_id, start_step=ctx.start_step)
+    streams = ShardStreams(spec.samples, layout, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                           pad_id=spec.tokenizer.pad_token_id, start_step=spec.start_step)
     plan = ((g, step, {"drafter_rank": layout.drafter_rank(d)}, lambda d=d, step=step: streams.get(d, step))
-            for g in layout.batches_of_target(place.index, ctx.start_step, cfg.train.steps)
+            for g in layout.batches_of_target(place.index, spec.start_step, cfg.train.steps)
             for d, step in [layout.consumer(g)])
     name = f"target{place.index}"
-    tw = TargetWorker(ctx, ctx.target, channel, name)
-    ws = WorkerSet(ctx, channel)
+    tw = TargetWorker(spec, state, state.target, channel, name)
+    ws = WorkerSet(state, channel)
     try:
-        if ws.run_here(name, lambda: tw.run(InlineSource(ctx, name, plan))):
+        if ws.run_here(name, lambda: tw.run(InlineSource(spec, state, plan))):
             side.finish()
-        ctx.target_counts = tw.counts() | {"transport": side.transport}
+        state.target_counts = tw.counts() | {"transport": side.transport}
     finally:
         ws.finish()
 
 
-def _run_drafter_rank(ctx, dev) -> None:
+def _run_drafter_rank(spec: RunSpec, state: RunState, dev: torch.device) -> None:
     """A layout's drafter rank: a receiver thread takes the hidden states its credits asked
     for off the wire into the in-order queue; this thread is the drafter worker."""
     from .channels import HiddenItem
     from .roles.handoff import DrafterSide
     from .roles.shards import ShardStreams
 
-    cfg, place, layout = ctx.cfg, ctx.placement, ctx.placement.layout
+    cfg, place, layout = spec.cfg, spec.placement, spec.placement.layout
     p = cfg.pipeline
-    side = DrafterSide(layout, ctx.groups, place.index, dev, ctx.start_step, cfg.train.steps, p.queue_size)
+    side = DrafterSide(layout, spec.groups, place.index, dev, spec.start_step, cfg.train.steps, p.queue_size)
     channel = RankChannel(p, dev, drafter_side=side, layout=layout, index=place.index)
-    streams = ShardStreams(ctx.samples, layout, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                           pad_id=ctx.tokenizer.pad_token_id, start_step=ctx.start_step)
-    ws = WorkerSet(ctx, channel)
-    _register_queue_metrics(ctx, channel)
+    streams = ShardStreams(spec.samples, layout, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                           pad_id=spec.tokenizer.pad_token_id, start_step=spec.start_step)
+    ws = WorkerSet(state, channel)
+    _register_queue_metrics(spec, state, channel)
 
     def deliver(step, g, packed, ready, stop, waited):
         b = streams.get(place.index, step)
         if stop:  # a target rank was interrupted: the drafters vote and stop together
-            ctx.stop.set()
+            state.stop.set()
         channel.hq.put(step, HiddenItem(batch=b, packed=packed, ready=ready, worker=f"target{layout.producer(g)}"))
 
     def receiver():
         try:
-            side.receive_loop(deliver, ctx.workers_stop)
+            side.receive_loop(deliver, state.workers_stop)
         finally:
             channel.producers_done()
 
-    side.grant_until(ctx.start_step + p.queue_size)
+    side.grant_until(spec.start_step + p.queue_size)
     ws.start("receiver", receiver)
     try:
-        if ws.run_here(place.worker, DrafterWorker(ctx, channel, place.worker, ctx.sync_timer).run) \
+        if ws.run_here(place.worker, DrafterWorker(spec, state, channel, place.worker, state.sync_timer).run) \
                 and not ws.errors:
             try:  # END to every target; the receiver then takes in what was promised
                 side.end()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,17 +17,23 @@ from ..config import Config, resolve_dtype
 from ..data import chat_template
 from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
-from ..model.drafter_trainer import DrafterTrainer
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
 from ..prep.prepare import prepare
 from . import distributed as dist_mod
 from . import placement as placement_mod
-from .context import RunContext
+from .context import RunSpec, RunState
+from .placement import Placement
+from .step import TrainStep, feature_ids
 from .telemetry_setup import make_telemetry
 
+if TYPE_CHECKING:
+    from otel import TelemetryAPI
 
-def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
+    from .roles.handoff import Groups
+
+
+def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tuple[RunSpec, RunState]:
     place = placement_mod.resolve(cfg)
     out = Path(cfg.out)
     run_id, groups = dist_mod.join(cfg, place)
@@ -54,32 +61,51 @@ def setup(cfg: Config, *, resume: bool, tel=None) -> RunContext:
                                quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-        from ..model.losses import feature_ids
         # what regeneration keeps for the feature cache: what the target side would compute
         prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
-    ctx = RunContext(cfg=cfg, tel=tel, placement=place, tokenizer=tok, layer_ids=layer_ids,
-                     samples=prep.samples, out=out, eval_convs=prep.eval_convs, groups=groups, run_id=run_id,
-                     warmup_s=warmup_s, target_config=target.config, feature_store=store,
-                     regen_counts=prep.counts)
-    ctx.start_step = _start_step(ctx, resume)
+    start_step = _start_step(place, out, groups, resume)
+    samples, held_out = prep.samples, []
+    train_step = vote = sync_timer = None
+    tokens, history = 0, []
     if place.has_drafter:
-        _setup_drafter(ctx, target, resume, dtype)
-    if place.has_target and store is not None:
-        from ..offline.train_from_features import feature_sides
-        ctx.targets = feature_sides(target, place.target_devices, features_dtype)
-        ctx.feature_caches = [None] * len(ctx.targets)
-        _setup_estimate(ctx)
-    elif place.has_target:
-        _setup_targets(ctx, target, resume, prep.features)
+        if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
+            # kept out of training: the acceptance estimate must measure held-out replies
+            samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
+        train_step, vote, sync_timer, jstate = _setup_drafter(cfg, place, out, groups, target, tok, layer_ids,
+                                                              samples, resume, dtype)
+        if resume:  # the saved count is the all-rank total: the lead carries it, so sums stay exact
+            tokens = jstate.get("tokens", 0) if place.lead else 0
+            history = [tuple(h) for h in jstate.get("history", [])]
+    spec = RunSpec(cfg=cfg, placement=place, out=out, run_id=run_id, tokenizer=tok, layer_ids=layer_ids,
+                   feature_ids=feature_ids(cfg.train, layer_ids, store is not None), start_step=start_step,
+                   target_config=target.config, samples=samples, held_out=held_out, eval_convs=prep.eval_convs,
+                   feature_store=store, groups=groups, warmup_s=warmup_s, regen_counts=prep.counts)
+    targets, caches, estimate = [], [], None
+    if place.has_target:
+        if store is not None:
+            from ..offline.train_from_features import feature_sides
+            targets = feature_sides(target, place.target_devices, features_dtype)
+            caches = [None] * len(targets)
+        else:
+            targets, caches = _setup_targets(spec, target, resume, prep.features)
+        if held_out:
+            from .acceptance_estimate import AcceptanceEstimate
+            estimate = AcceptanceEstimate(train_step, targets[0], held_out, cfg=cfg, pad_id=tok.pad_token_id,
+                                          layer_ids=layer_ids, feature_store=store, every=cfg.train.estimate_every)
     del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
-    if ctx.tel is None:  # after the data and the models: the profile's wall time is the training's
-        ctx.tel = make_telemetry(cfg, out, place, run_id)
-    if ctx.estimate is not None:
-        est = ctx.estimate
-        ctx.tel.observable_gauge("dflash.train.acceptance_estimate",
-                                 lambda: [(e[1], {})] if (e := est.latest()) else [], "1",
-                                 "Estimated acceptance length on held-out replies (one forward, no decoding).")
-    return ctx
+    if tel is None:  # after the data and the models: the profile's wall time is the training's
+        tel = make_telemetry(cfg, out, place, run_id)
+    if estimate is not None:
+        from .best import BestKeeper
+        estimate.keeper = BestKeeper(out, cfg, train_step, spec.target_config, tel, lead=place.lead,
+                                     resume=start_step > 0)
+        est = estimate
+        tel.observable_gauge("dflash.train.acceptance_estimate",
+                             lambda: [(e[1], {})] if (e := est.latest()) else [], "1",
+                             "Estimated acceptance length on held-out replies (one forward, no decoding).")
+    state = RunState(tel=tel, train_step=train_step, targets=targets, feature_caches=caches, vote=vote,
+                     sync_timer=sync_timer, estimate=estimate, tokens=tokens, history=history)
+    return spec, state
 
 
 def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):
@@ -122,19 +148,20 @@ def _regen_group(ranks):
     return dist.new_group(ranks, backend="gloo", timeout=timedelta(hours=6))
 
 
-def _start_step(ctx, resume: bool) -> int:
+def _start_step(place: Placement, out: Path, groups: Groups | None, resume: bool) -> int:
     """Where a resumed run starts: read by the lead from its checkpoint, told to every rank."""
-    place = ctx.placement
-    step = ckpt.load_training_state(ctx.out / "checkpoint")[0]["step"] if resume and place.lead else 0
+    step = ckpt.load_training_state(out / "checkpoint")[0]["step"] if resume and place.lead else 0
     if place.layout is not None:
-        step = dist_mod.broadcast(step, place.layout.drafter_rank(0), ctx.groups)
+        step = dist_mod.broadcast(step, place.layout.drafter_rank(0), groups)
     elif place.world > 1:
         step = dist_mod.broadcast(step, 0, None)
     return step
 
 
-def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
-    cfg, place = ctx.cfg, ctx.placement
+def _setup_drafter(cfg: Config, place: Placement, out: Path, groups: Groups | None, target, tok, layer_ids,
+                   samples, resume: bool, dtype):
+    """(the training step, the stop vote, a layout's all-reduce timer, the resumed run's
+    trainer_state or None)."""
     ddev = place.drafter_device
     embed, head = target.get_input_embeddings(), target.get_output_embeddings()
     if not place.has_target or torch.device(ddev) != target.device:
@@ -143,48 +170,40 @@ def _setup_drafter(ctx, target, resume: bool, dtype) -> None:
         embed, head = embed.to(ddev, dtype), head.to(ddev, dtype)
     tstate = jstate = None
     if resume:
-        drafter, _ = ckpt.load_drafter(ctx.out / "checkpoint", device=ddev, dtype=torch.float32)
-        check_fits(drafter.cfg.to_dict(), f"checkpoint {str(ctx.out / 'checkpoint')!r}",
-                   built=drafter_config(cfg, target, ctx.tokenizer, ctx.layer_ids))
-        tstate, jstate = ckpt.load_training_state(ctx.out / "checkpoint")
+        drafter, _ = ckpt.load_drafter(out / "checkpoint", device=ddev, dtype=torch.float32)
+        check_fits(drafter.cfg.to_dict(), f"checkpoint {str(out / 'checkpoint')!r}",
+                   built=drafter_config(cfg, target, tok, layer_ids))
+        tstate, jstate = ckpt.load_training_state(out / "checkpoint")
     elif cfg.model.init_from:  # someone else's drafter (a published one): its weights, this run's data
         from ..checkpoint.init_from import load_into_run
         torch.manual_seed(cfg.train.seed)
         drafter = load_into_run(cfg, target).to(ddev)
     else:
-        drafter = build_drafter(cfg, target, ctx.tokenizer, ctx.layer_ids).to(ddev)
-    ddp = sync_timer = None
+        drafter = build_drafter(cfg, target, tok, layer_ids).to(ddev)
+    ddp = sync_timer = vote = None
     if place.layout is not None:  # DDP among the drafter ranks, with the all-reduce wait measured
-        ddp = dist_mod.wrap_ddp(drafter, ddev, group=ctx.groups.drafters)
+        ddp = dist_mod.wrap_ddp(drafter, ddev, group=groups.drafters)
         from .roles.sync_timing import attach
-        sync_timer = attach(ddp, ctx.groups.drafters)
-        ctx.vote = dist_mod.StopVote(place.drafter_world, group=ctx.groups.drafter_votes)
-    else:
-        ddp = dist_mod.wrap_ddp(drafter, ddev) if place.world > 1 else None
-        ctx.vote = dist_mod.StopVote(place.world)
-    ctx.sync_timer = sync_timer
-    ctx.trainer = DrafterTrainer(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
-    samples = ctx.samples
-    if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
-        # kept out of training: the acceptance estimate must measure held-out replies
-        ctx.samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
-        ctx.held_out = held_out
-    ctx.trainer.use_loss_vocab(ctx.samples)
+        sync_timer = attach(ddp, groups.drafters)
+        vote = dist_mod.StopVote(place.drafter_world, group=groups.drafter_votes)
+    elif place.world > 1:
+        ddp = dist_mod.wrap_ddp(drafter, ddev)
+        vote = dist_mod.StopVote(place.world)
+    train_step = TrainStep(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
+    train_step.use_loss_vocab(samples)
     if resume:
-        ctx.trainer.load_state(tstate)
-        # the saved count is the all-rank total: the lead carries it, so sums stay exact
-        ctx.tokens = jstate.get("tokens", 0) if place.lead else 0
-        ctx.history = [tuple(h) for h in jstate.get("history", [])]
+        train_step.load_state(tstate)
+    return train_step, vote, sync_timer, jstate
 
 
-def _setup_targets(ctx, target, resume: bool, features) -> None:
+def _setup_targets(spec: RunSpec, target, resume: bool, features) -> tuple[list, list]:
     """One frozen replica per target device (workers on one device share it), each with its
-    own feature cache (train.feature_cache) where a hit must come back."""
-    cfg, place = ctx.cfg, ctx.placement
+    own feature cache (train.feature_cache) where a hit must come back: (targets, caches)."""
+    cfg, place = spec.cfg, spec.placement
     replicas = {str(target.device): target}
     caches = {}
     if cfg.train.feature_cache and not resume:
-        caches[str(target.device)] = FeatureCache(ctx.feature_ids, target.device)
+        caches[str(target.device)] = FeatureCache(spec.feature_ids, target.device)
         caches[str(target.device)].preload(features, cfg.data.max_len)  # regeneration's: no forward in epoch 1
     from ..model.warmup import warm_up
     for d in place.target_devices:
@@ -195,14 +214,4 @@ def _setup_targets(ctx, target, resume: bool, features) -> None:
             if caches:
                 caches[key] = next(iter(caches.values())).replica(d)
     keys = [str(torch.device(d)) for d in place.target_devices]
-    ctx.targets = [replicas[k] for k in keys]
-    ctx.feature_caches = [caches.get(k) for k in keys]
-    _setup_estimate(ctx)
-
-
-def _setup_estimate(ctx) -> None:
-    if ctx.held_out:
-        from .acceptance_estimate import AcceptanceEstimate
-        from .best import BestKeeper
-        ctx.estimate = AcceptanceEstimate(ctx, ctx.held_out, ctx.cfg.train.estimate_every)
-        ctx.estimate.keeper = BestKeeper(ctx, resume=ctx.start_step > 0)
+    return [replicas[k] for k in keys], [caches.get(k) for k in keys]

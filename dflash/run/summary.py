@@ -1,33 +1,39 @@
 """What a run reports: summary.json's training part (every drafter rank calls it: the
-sums are collective), the balance answer from the run's span files, the ranks' reports."""
+sums are collective), the balance answer from the run's span files, a layout rank's own
+report and the ranks' reports."""
 from __future__ import annotations
 
 import json
+import os
+import socket
 import time
 from pathlib import Path
 
+import torch
+
 from . import distributed as dist_mod
+from .context import RunSpec, RunState
 
 
-def summarize(ctx, wall: float, step0: int, tokens0: int) -> dict:
-    cfg = ctx.cfg
-    losses = [h[1] for h in ctx.history]
+def summarize(spec: RunSpec, state: RunState, wall: float, step0: int, tokens0: int) -> dict:
+    cfg = spec.cfg
+    losses = [h[1] for h in state.history]
     # every rank trains on its own share of each global batch: totals are sums
-    tokens = int(dist_mod.sum_over_ranks(ctx.tokens, ctx.vote.group))
-    tokens_run = int(dist_mod.sum_over_ranks(ctx.tokens - tokens0, ctx.vote.group))
-    step = ctx.trainer.step
+    tokens = int(dist_mod.sum_over_ranks(state.tokens, state.vote_group))
+    tokens_run = int(dist_mod.sum_over_ranks(state.tokens - tokens0, state.vote_group))
+    step = state.train_step.step
     out = {
-        "rank": ctx.rank, "lead": ctx.is_lead, "steps": step, "steps_this_run": step - step0,
+        "rank": spec.rank, "lead": spec.is_lead, "steps": step, "steps_this_run": step - step0,
         "tokens": tokens, "tokens_this_run": tokens_run, "wall_s": round(wall, 3),
         "tokens_per_s": round(tokens_run / wall, 1) if wall > 0 else 0.0,
         "loss_first": losses[0] if losses else None, "loss_last": losses[-1] if losses else None,
-        "acc_last": ctx.history[-1][2] if ctx.history else None,
-        "loss_history": [[h[0], round(h[1], 6)] for h in ctx.history],
-        "nonfinite_steps": ctx.nonfinite_steps, "interrupted": ctx.stop.is_set(),
+        "acc_last": state.history[-1][2] if state.history else None,
+        "loss_history": [[h[0], round(h[1], 6)] for h in state.history],
+        "nonfinite_steps": len(state.nonfinite), "interrupted": state.stop.is_set(),
         "target": cfg.model.target, "pipelined": cfg.pipeline.pipelined,
-        "world_size": ctx.world_size, "train_samples": len(ctx.samples),
+        "world_size": spec.world_size, "train_samples": len(spec.samples),
     }
-    if c := ctx.regen_counts:  # regeneration, all ranks: replies made this run, found cached, distinct prompts
+    if c := spec.regen_counts:  # regeneration, all ranks: replies made this run, found cached, distinct prompts
         out["data"] = {"regenerated": c["regenerated"], "regen_cached": c["cached"], "regen_total": c["total"],
                        "regen_s": c["seconds"]}
     return out
@@ -60,3 +66,34 @@ def rank_reports(out: Path, world: int) -> list:
             except (ValueError, RecursionError):
                 reps.append({"rank": r, "missing": True})
     return reps
+
+
+def rank_report(spec: RunSpec, state: RunState) -> dict:
+    """A layout rank's OUT/ranks/rank{r}.json: role, device, what it really holds."""
+    place = spec.placement
+    (spec.out / "ranks").mkdir(exist_ok=True)
+    (spec.out / "ranks" / f"rank{place.rank}.pid").write_text(str(os.getpid()))
+    rep = {"rank": place.rank, "role": place.role, "index": place.index,
+           "device": place.drafter_device or place.target_devices[0], "layout": str(place.layout),
+           "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "host": socket.gethostname(),
+           "held_parameters": held_parameters()}
+    if place.has_target:
+        rep["target_parameters"] = sum(p.numel() for p in state.target.parameters())
+    return rep
+
+
+def held_parameters() -> int:
+    """Every parameter alive in this process (garbage collector's view): what the rank
+    really holds, not what it meant to keep."""
+    import gc
+    import warnings
+
+    gc.collect()
+    seen, total = set(), 0
+    with warnings.catch_warnings():  # isinstance() on some module objects warns of deprecations
+        warnings.simplefilter("ignore")
+        for o in gc.get_objects():
+            if isinstance(o, torch.nn.Parameter) and id(o) not in seen:
+                seen.add(id(o))
+                total += o.numel()
+    return total

@@ -1,10 +1,12 @@
-"""`dflash train`, one trainer for every placement: set up -> run the workers -> finish.
+"""`dflash train`: one `Trainer` for every placement, read top-down: set up -> train -> finish.
 
-    setup.py     join the ranks (placement.py says what this process does), load the
-                 target, prepare the data, build or resume the drafter, make the telemetry;
-    run_loop.py  build this process's workers (target_worker.py, drafter_worker.py) and
-                 the channel that joins them (channels.py), run them to the last step;
-    here         signals, the evals, checkpoint, summary, end of telemetry.
+    set up   setup.py: join the ranks (placement.py says what this process does), load the
+             target, prepare the data, build or resume the drafter's training step
+             (step.py), make the telemetry; the run's `RunSpec` and `RunState` (context.py);
+    train    run_loop.py: build this process's workers (workers.py) and the channel that
+             joins them (channels.py), run them to the last step, under graceful signals;
+    finish   here: the last checkpoint, the evals, the learning curve, the export, the
+             summary, the end of telemetry.
 
 A layout only changes which workers a process builds and which channel joins them.
 """
@@ -13,27 +15,188 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import signal
-import socket
 import sys
 import threading
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..config import Config, dump
 from . import distributed as dist_mod
-from .context import RunContext
+from .context import RunSpec, RunState
 from .run_loop import run_loop
 from .saving import save, wait_for_checkpoint
 from .setup import setup
-from .summary import balance_from_files, rank_reports, summarize
+from .summary import balance_from_files, rank_report, rank_reports, summarize
 from .telemetry_setup import linger_for_scrape
 
+if TYPE_CHECKING:
+    from ..trackers.bridge import Bridge
 
-def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict | None = None) -> dict:
+
+def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
+    return Trainer(cfg, resume=resume).train(eval_before_after=eval_before_after)
+
+
+class Trainer:
+    """A run of `dflash train` in this process: `Trainer(cfg)` sets it up, `train()` runs
+    it to the last step and finishes it (`run_steps()` alone: the steps, for benchmarks)."""
+
+    def __init__(self, cfg: Config, *, resume: bool = False):
+        self.spec, self.state = setup(cfg, resume=resume)
+
+    def train(self, *, eval_before_after: bool = False) -> dict:
+        """Train and finish: summary.json's dict (under a layout, the lead's; the others say
+        who they are)."""
+        from .. import trackers
+
+        spec, state = self.spec, self.state
+        place, out = spec.placement, spec.out
+        if place.lead:
+            dump(spec.cfg, out / "config.yaml")
+        report = rank_report(spec, state) if place.layout is not None else None
+        bridge = trackers.start(spec, state) if place.has_drafter else None  # --tracker/--wandb, the lead: own threads
+        summary: dict = {}
+        try:
+            with _graceful_signals(spec, state):
+                if place.has_drafter:
+                    self._train_drafter(summary, eval_before_after)
+                else:
+                    self.run_steps()
+                    report.update(state.target_counts)
+        finally:
+            self._end_telemetry(summary, report)
+        return self._finish(summary, report, bridge)
+
+    def run_steps(self) -> None:
+        """This process's workers and their channel, to the last step (or a stop)."""
+        run_loop(self.spec, self.state)
+
+    def _train_drafter(self, summary: dict, eval_before_after: bool) -> None:
+        spec, state = self.spec, self.state
+        if eval_before_after and spec.cfg.eval.before:
+            summary["eval_before"] = run_eval(spec, state, "before training")
+        t0 = time.perf_counter()
+        tokens0, step0 = state.tokens, state.train_step.step
+        if state.estimate is not None:  # the curve's first point: where training starts from
+            state.estimate(state.train_step.step)
+        self.run_steps()
+        state.finish_readback()
+        wall = time.perf_counter() - t0
+        save(spec, state)
+        wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
+        summary.update(summarize(spec, state, wall, step0, tokens0))
+        self._finish_drafter(summary, eval_before_after)
+
+    def _finish_drafter(self, summary: dict, eval_before_after: bool) -> None:
+        """What a drafter rank adds once trained: the estimate, the best checkpoint, the evals,
+        the learning curve, the export."""
+        spec, state = self.spec, self.state
+        cfg, st = spec.cfg, state.train_step
+        if spec.placement.layout is not None:
+            summary["drafter_parameters"] = sum(p.numel() for p in st.drafter.parameters())
+            summary["frozen_parameters"] = sum(p.numel() for p in {id(p): p for p in (
+                st.embed.weight, st.lm_head.weight)}.values())
+        if state.estimate is not None:
+            summary["acceptance_estimate"] = state.estimate.summary()
+            best = state.estimate.keeper.finish() if state.estimate.keeper is not None else None
+            if best is not None:  # OUT/best/checkpoint + OUT/best/export: which step, and its estimate
+                summary["best"] = best
+        if spec.warmup_s is not None:
+            summary["warmup_s"] = round(spec.warmup_s, 2)
+        if state.writer is not None:  # off the drafter's path, but worth knowing
+            summary["checkpoint_write_s"] = round(state.writer.last_write_s, 3)
+        if eval_before_after and state.stop.is_set():
+            # preempted: the grace period (30 s on Kubernetes) is for saving, not for an eval
+            summary["eval_after"] = {"skipped": "interrupted", "command": eval_command(cfg)}
+            if spec.rank == 0:
+                print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}", file=sys.stderr)
+        elif eval_before_after:
+            # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
+            summary["eval_after"] = run_eval(spec, state, "after training (served drafter)", served=True)
+            if st.drafter.copying and not state.stop.is_set():  # the copy head's own figure
+                summary["eval_after_copy_head"] = run_eval(spec, state, "after training, with the copy head",
+                                                           checked=summary["eval_after"])
+            if state.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
+                summary["interrupted"] = True
+                if spec.rank == 0:
+                    print(f"eval after training interrupted: tau above is partial; run it whole with: "
+                          f"{eval_command(cfg)}", file=sys.stderr)
+        if spec.is_lead and state.history:  # after the eval: the picture shows its served tau beside prompt lookup's
+            from ..analysis.learning_curve import write_png
+            where = f" ({spec.placement.layout})" if spec.placement.layout is not None else ""
+            write_png(spec.out / "learning_curve.png", state.history,
+                      state.estimate.history if state.estimate else [], cfg.model.block_size,
+                      f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
+        if spec.is_lead:  # a servable copy: OUT/export/ (or why not)
+            from ..checkpoint.export import export_after_run
+            summary["export"] = export_after_run(spec, st.drafter, summary)
+
+    def _end_telemetry(self, summary: dict, report: dict | None) -> None:
+        """However training ended: the telemetry's last export and health, a layout rank's
+        report on disk, the process group gone."""
+        spec, state = self.spec, self.state
+        place, out = spec.placement, spec.out
+        linger_for_scrape(state.tel)
+        state.tel.shutdown(timeout_s=2.0)
+        summary["telemetry"] = state.tel.summary()
+        if report is not None:
+            report.update({k: summary[k] for k in ("steps", "tokens", "drafter_parameters", "frozen_parameters",
+                                                   "interrupted") if k in summary})
+            report["telemetry"] = summary["telemetry"]["health"]
+            (out / "ranks" / f"rank{place.rank}.json").write_text(json.dumps(report, indent=2))
+        elif place.lead and summary.get("steps") is not None:
+            summary["balance"] = balance_from_files(out)
+        dist_mod.shutdown()
+
+    def _finish(self, summary: dict, report: dict | None, bridge: Bridge | None) -> dict:
+        """The ranks' reports (a layout's lead), the trackers' summary, summary.json."""
+        place, out = self.spec.placement, self.spec.out
+        if place.layout is not None and place.lead:
+            summary |= {"layout": str(place.layout), "ranks": rank_reports(out, place.world),
+                        "held_parameters": report["held_parameters"], "role": place.role}
+            summary["balance"] = balance_from_files(out)  # every rank's spans are on disk by now
+        if bridge is not None:  # bounded; falls back to OUT/<tracker>_fallback.jsonl
+            try:
+                bridge.close(summary)
+                summary["trackers"] = bridge.status()
+            except Exception as e:
+                from ..trackers.redaction import redact
+                print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
+        if place.lead:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish
+        return summary if place.layout is None or place.lead else {"rank": place.rank, "role": place.role}
+
+
+@contextlib.contextmanager
+def _graceful_signals(spec: RunSpec, state: RunState):
+    """First Ctrl-C / SIGTERM (preemption, torchrun's shutdown): finish the current step,
+    save, stop (every rank at the same step: they vote); a second one raises."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    who = f"rank {spec.rank}: " if spec.placement.world > 1 else ""
+
+    def on_signal(signum, frame):
+        if state.stop.is_set():
+            raise KeyboardInterrupt
+        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        state.stop.set()
+
+    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in prev:
+        signal.signal(s, on_signal)
+    try:
+        yield
+    finally:
+        for s, h in prev.items():
+            signal.signal(s, h)
+
+
+def run_eval(spec: RunSpec, state: RunState, label: str, *, served: bool = False,
+             checked: dict | None = None) -> dict:
     """tau of the drafter as it is (`served=False`: before training; a copy head, if on, included),
     or of the drafter a user serves (`served`: OUT/export's weights, no copy head) beside prompt
     lookup on the same prompts (eval.baseline). `checked`: an eval of the same prompts whose
@@ -41,16 +204,16 @@ def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict
     those instead of decoding the reference again (a greedy decode saved per prompt)."""
     from ..decode.evaluate import describe_lossless, evaluate
 
-    e = ctx.cfg.eval
-    drafter = ctx.trainer.drafter
+    e, target = spec.cfg.eval, state.target
+    drafter = state.train_step.drafter
     if served:
         from ..checkpoint.export import served_drafter
-        drafter = served_drafter(drafter, ctx.target.device)
-    elif next(drafter.parameters()).device != ctx.target.device:  # eval beside the target; training copy stays
-        drafter = copy.deepcopy(drafter).to(ctx.target.device)
-    res = evaluate(ctx.target, drafter, ctx.tokenizer, ctx.eval_convs, stop=ctx.stop,
+        drafter = served_drafter(drafter, target.device)
+    elif next(drafter.parameters()).device != target.device:  # eval beside the target; training copy stays
+        drafter = copy.deepcopy(drafter).to(target.device)
+    res = evaluate(target, drafter, spec.tokenizer, spec.eval_convs, stop=state.stop,
                    prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=ctx.cfg.train.seed,
+                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=spec.cfg.train.seed,
                    baseline=e.baseline if served else "none",
                    check_lossless=not (checked and checked.get("lossless") is not None))
     if checked and checked.get("lossless") is not None:  # equal outputs: lossless exactly when those were
@@ -66,166 +229,11 @@ def run_eval(ctx: RunContext, label: str, *, served: bool = False, checked: dict
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
           + (f"; prompt lookup on the same prompts: {base['acceptance_length']:.3f}" if base else "")
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
-    if ctx.stop.is_set():  # cut short by a signal: marked, with the command that redoes it
-        res.update(interrupted=True, command=eval_command(ctx.cfg))
+    if state.stop.is_set():  # cut short by a signal: marked, with the command that redoes it
+        res.update(interrupted=True, command=eval_command(spec.cfg))
     return res
 
 
 def eval_command(cfg: Config) -> str:
     """The command that runs the eval an interrupted run skipped."""
     return f"dflash eval --checkpoint {Path(cfg.out) / 'checkpoint'}"
-
-
-@contextlib.contextmanager
-def _graceful_signals(ctx: RunContext):
-    """First Ctrl-C / SIGTERM (preemption, torchrun's shutdown): finish the current step,
-    save, stop (every rank at the same step: they vote); a second one raises."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    who = f"rank {ctx.rank}: " if ctx.placement.world > 1 else ""
-
-    def on_signal(signum, frame):
-        if ctx.stop.is_set():
-            raise KeyboardInterrupt
-        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
-        ctx.stop.set()
-
-    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    for s in prev:
-        signal.signal(s, on_signal)
-    try:
-        yield
-    finally:
-        for s, h in prev.items():
-            signal.signal(s, h)
-
-
-def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
-    from .. import trackers
-
-    ctx = setup(cfg, resume=resume)
-    place, out = ctx.placement, ctx.out
-    if place.lead:
-        dump(cfg, out / "config.yaml")
-    report = _rank_report(ctx) if place.layout is not None else None
-    bridge = trackers.start(ctx) if place.has_drafter else None  # --tracker/--wandb, the lead: own threads
-    summary: dict = {}
-    try:
-        with _graceful_signals(ctx):
-            if place.has_drafter:
-                _train_drafter(ctx, summary, eval_before_after)
-            else:
-                run_loop(ctx)
-                report.update(ctx.target_counts)
-    finally:
-        linger_for_scrape(ctx.tel)
-        ctx.tel.shutdown(timeout_s=2.0)
-        summary["telemetry"] = ctx.tel.summary()
-        if report is not None:
-            report.update({k: summary[k] for k in ("steps", "tokens", "drafter_parameters", "frozen_parameters",
-                                                   "interrupted") if k in summary})
-            report["telemetry"] = summary["telemetry"]["health"]
-            (out / "ranks" / f"rank{place.rank}.json").write_text(json.dumps(report, indent=2))
-        elif place.lead and summary.get("steps") is not None:
-            summary["balance"] = balance_from_files(out)
-        dist_mod.shutdown()
-    if place.layout is not None and place.lead:
-        summary |= {"layout": str(place.layout), "ranks": rank_reports(out, place.world),
-                    "held_parameters": report["held_parameters"], "role": place.role}
-        summary["balance"] = balance_from_files(out)  # every rank's spans are on disk by now
-    if bridge is not None:  # bounded; falls back to OUT/<tracker>_fallback.jsonl
-        try:
-            bridge.close(summary)
-            summary["trackers"] = bridge.status()
-        except Exception as e:
-            from ..trackers.redaction import redact
-            print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
-    if place.lead:
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish
-    return summary if place.layout is None or place.lead else {"rank": place.rank, "role": place.role}
-
-
-def _train_drafter(ctx: RunContext, summary: dict, eval_before_after: bool) -> None:
-    cfg = ctx.cfg
-    if eval_before_after and cfg.eval.before:
-        summary["eval_before"] = run_eval(ctx, "before training")
-    t0 = time.perf_counter()
-    tokens0, step0 = ctx.tokens, ctx.trainer.step
-    if ctx.estimate is not None:  # the curve's first point: where training starts from
-        ctx.estimate(ctx.trainer.step)
-    run_loop(ctx)
-    ctx.finish_readback()
-    wall = time.perf_counter() - t0
-    save(ctx)
-    wait_for_checkpoint(ctx)  # the run's result is on disk before anything else happens
-    summary.update(summarize(ctx, wall, step0, tokens0))
-    if ctx.placement.layout is not None:
-        summary["drafter_parameters"] = sum(p.numel() for p in ctx.trainer.drafter.parameters())
-        summary["frozen_parameters"] = sum(p.numel() for p in {id(p): p for p in (
-            ctx.trainer.embed.weight, ctx.trainer.lm_head.weight)}.values())
-    if ctx.estimate is not None:
-        summary["acceptance_estimate"] = ctx.estimate.summary()
-        best = ctx.estimate.keeper.finish() if ctx.estimate.keeper is not None else None
-        if best is not None:  # OUT/best/checkpoint + OUT/best/export: which step, and its estimate
-            summary["best"] = best
-    if ctx.warmup_s is not None:
-        summary["warmup_s"] = round(ctx.warmup_s, 2)
-    if ctx.writer is not None:  # off the drafter's path, but worth knowing
-        summary["checkpoint_write_s"] = round(ctx.writer.last_write_s, 3)
-    if eval_before_after and ctx.stop.is_set():
-        # preempted: the grace period (30 s on Kubernetes) is for saving, not for an eval
-        summary["eval_after"] = {"skipped": "interrupted", "command": eval_command(cfg)}
-        if ctx.rank == 0:
-            print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}", file=sys.stderr)
-    elif eval_before_after:
-        # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
-        summary["eval_after"] = run_eval(ctx, "after training (served drafter)", served=True)
-        if ctx.trainer.drafter.copying and not ctx.stop.is_set():  # the copy head's own figure
-            summary["eval_after_copy_head"] = run_eval(ctx, "after training, with the copy head",
-                                                       checked=summary["eval_after"])
-        if ctx.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
-            summary["interrupted"] = True
-            if ctx.rank == 0:
-                print(f"eval after training interrupted: tau above is partial; run it whole with: "
-                      f"{eval_command(cfg)}", file=sys.stderr)
-    if ctx.is_lead and ctx.history:  # after the eval: the picture shows its served tau beside prompt lookup's
-        from ..analysis.learning_curve import write_png
-        where = f" ({ctx.placement.layout})" if ctx.placement.layout is not None else ""
-        write_png(ctx.out / "learning_curve.png", ctx.history, ctx.estimate.history if ctx.estimate else [],
-                  cfg.model.block_size, f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
-    if ctx.is_lead:  # a servable copy: OUT/export/ (or why not)
-        from ..checkpoint.export import export_after_run
-        summary["export"] = export_after_run(ctx, summary)
-
-
-def _rank_report(ctx) -> dict:
-    """A layout rank's OUT/ranks/rank{r}.json: role, device, what it really holds."""
-    place = ctx.placement
-    (ctx.out / "ranks").mkdir(exist_ok=True)
-    (ctx.out / "ranks" / f"rank{place.rank}.pid").write_text(str(os.getpid()))
-    rep = {"rank": place.rank, "role": place.role, "index": place.index,
-           "device": place.drafter_device or place.target_devices[0], "layout": str(place.layout),
-           "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "host": socket.gethostname(),
-           "held_parameters": held_parameters()}
-    if place.has_target:
-        rep["target_parameters"] = sum(p.numel() for p in ctx.target.parameters())
-    return rep
-
-
-def held_parameters() -> int:
-    """Every parameter alive in this process (garbage collector's view): what the rank
-    really holds, not what it meant to keep."""
-    import gc
-    import warnings
-
-    gc.collect()
-    seen, total = set(), 0
-    with warnings.catch_warnings():  # isinstance() on some module objects warns of deprecations
-        warnings.simplefilter("ignore")
-        for o in gc.get_objects():
-            if isinstance(o, torch.nn.Parameter) and id(o) not in seen:
-                seen.add(id(o))
-                total += o.numel()
-    return total

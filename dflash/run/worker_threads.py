@@ -1,5 +1,5 @@
 """The threads of one process's workers. The first failure anywhere stops them all
-promptly (every worker checks `ctx.workers_stop` between stages, and the channel's waits
+promptly (every worker checks `state.workers_stop` between stages, and the channel's waits
 wake up) and is re-raised on the calling thread, naming the worker and its stage."""
 from __future__ import annotations
 
@@ -8,12 +8,14 @@ import threading
 import time
 
 from ..errors import WorkerError
+from .channels import Channel
+from .context import RunState
 from .hidden_queue import Closed
 
 
 class WorkerSet:
-    def __init__(self, ctx, channel):
-        self.ctx, self.channel = ctx, channel
+    def __init__(self, state: RunState, channel: Channel):
+        self.state, self.channel = state, channel
         self.errors: list[tuple[str, BaseException]] = []
         self.threads: list[threading.Thread] = []
 
@@ -42,7 +44,7 @@ class WorkerSet:
             return False
 
     def shutdown(self) -> None:
-        self.ctx.workers_stop.set()
+        self.state.workers_stop.set()
         self.channel.close()
 
     def finish(self) -> None:

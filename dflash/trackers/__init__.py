@@ -48,14 +48,15 @@ def wanted(cfg) -> list[str]:
     return names
 
 
-def start(ctx):
-    """The bridge for this run, or None (no tracker asked for, or not the lead rank)."""
-    names = wanted(ctx.cfg)
-    if not names or not ctx.is_lead:
+def start(spec, state):
+    """The bridge for this run (its run/context.RunSpec and RunState), or None (no tracker
+    asked for, or not the lead rank)."""
+    names = wanted(spec.cfg)
+    if not names or not spec.is_lead:
         return None
     from .bridge import Bridge
 
-    return Bridge(ctx, names).start()
+    return Bridge(spec, state, names).start()
 
 
 def _last_step(run_dir: Path) -> int:

@@ -52,18 +52,20 @@ def make_sink(name: str):
 
 
 class Bridge:
-    """bridge = Bridge(ctx, ["tensorboard", "mlflow"]).start(); ...; bridge.close(summary)
+    """bridge = Bridge(spec, state, ["tensorboard", "mlflow"]).start(); ...; bridge.close(summary)
+
+    `spec`, `state`: the run's (run/context.py RunSpec, RunState), read live by the threads.
 
     `sinks` defaults to W&B alone: this is the W&B bridge it grew from."""
 
-    def __init__(self, ctx, sinks=("wandb",), interval_s: float | None = None, join_s: float = 2.0,
+    def __init__(self, spec, state, sinks=("wandb",), interval_s: float | None = None, join_s: float = 2.0,
                  write_s: float = 5.0):
-        self.ctx = ctx
-        self.out = Path(ctx.out)
+        self.spec, self.state = spec, state
+        self.out = Path(spec.out)
         self.interval_s = float(interval_s if interval_s is not None else interval_from_env())
         self.join_s, self.write_s = join_s, write_s
-        self.config = sanitize({**ctx.cfg.to_dict(), "run_id": getattr(ctx.tel, "run_id", None),
-                                "world_size": ctx.world_size})
+        self.config = sanitize({**spec.cfg.to_dict(), "run_id": getattr(state.tel, "run_id", None),
+                                "world_size": spec.world_size})
         self.started = time.time()
         self._stop = threading.Event()
         self._final: dict | None = None
@@ -84,7 +86,7 @@ class Bridge:
         """Write the end-of-run summary to every tracker; returns it. Bounded: join_s + 2 *
         write_s at most, whatever the number of trackers (plus the patience of a local store
         that is still starting, at most 60 s: TensorBoard, MLflow without a server)."""
-        final = final_summary(summary, self.out, self.ctx.rank, self.ctx.world_size)
+        final = final_summary(summary, self.out, self.spec.rank, self.spec.world_size)
         self._raw = summary
         self._final = final
         self._stop.set()
@@ -127,7 +129,7 @@ class _Runner:
 
     def __init__(self, bridge: Bridge, sink):
         self.b, self.sink = bridge, sink
-        self.ctx = bridge.ctx
+        self.spec, self.state = bridge.spec, bridge.state
         self.fallback_path = bridge.out / sink.fallback
         self.lock = threading.Lock()  # fallback file writes, summary-once
         self.opened = False
@@ -137,11 +139,11 @@ class _Runner:
         self.failures = 0             # failed calls into the tracker
         self.fallback_records = 0
         self.open_s = None
-        self._last = (time.monotonic(), self.ctx.tokens)
+        self._last = (time.monotonic(), self.state.tokens)
         # history rows (step, loss, ...) and acceptance estimates the tracker got, and those the
         # fallback file got (a resumed run's earlier steps were sent by the earlier run)
         est = self._estimate_history()
-        self._rows = self._fb_rows = len(self.ctx.history)
+        self._rows = self._fb_rows = len(self.state.history)
         self._estimates = self._fb_estimates = len(est) if est else 0
         self._last_try = 0.0
         self.thread = threading.Thread(target=self._main, name=f"{sink.name}-bridge", daemon=True)
@@ -187,32 +189,32 @@ class _Runner:
 
     def _estimate_history(self) -> list:
         """(step, tau, [slot accuracies], tau without copies) of the held-out estimate, if any."""
-        return getattr(getattr(self.ctx, "estimate", None), "history", None) or []
+        return getattr(getattr(self.state, "estimate", None), "history", None) or []
 
     def _metrics(self) -> dict:
-        ctx = self.ctx
-        m = telemetry_metrics(ctx.tel.summary())
-        now, tokens = time.monotonic(), ctx.tokens
+        state = self.state
+        m = telemetry_metrics(state.tel.summary())
+        now, tokens = time.monotonic(), state.tokens
         t0, tok0 = self._last
         self._last = (now, tokens)
-        m["train/step"] = ctx.trainer.step
+        m["train/step"] = state.train_step.step
         m["train/tokens"] = tokens
         if now > t0:
             m["train/tokens_per_s"] = round((tokens - tok0) / (now - t0), 3)
-        if ctx.history:
-            s, loss, acc, gnorm = ctx.history[-1]
+        if state.history:
+            s, loss, acc, gnorm = state.history[-1]
             m.update({"train/loss": loss, "train/acc": acc, "train/grad_norm": gnorm})
         return m
 
     def _push(self, force_retry: bool = False):
         metrics = self._metrics()
-        hist = self.ctx.history
+        hist = self.state.history
         est = self._estimate_history()
         n_rows, n_est = len(hist), len(est)
         if self.opened and not self.in_fallback or self._retry(force_retry):
             try:
                 self._last_try = time.monotonic()
-                self.sink.log(metrics, hist[self._rows:n_rows], est[self._estimates:n_est], self.ctx.trainer.step)
+                self.sink.log(metrics, hist[self._rows:n_rows], est[self._estimates:n_est], self.state.train_step.step)
                 self._rows, self._estimates = n_rows, n_est
                 if self.in_fallback:
                     self._recovered()
@@ -250,9 +252,9 @@ class _Runner:
                 self.summary_done = True
 
     def _push_missed(self):
-        rows = list(self.ctx.history[self._rows:])
+        rows = list(self.state.history[self._rows:])
         est = self._estimate_history()
-        self.sink.log({}, rows, list(est[self._estimates:]), self.ctx.trainer.step)
+        self.sink.log({}, rows, list(est[self._estimates:]), self.state.train_step.step)
         self._rows += len(rows)
         self._estimates = len(est)
         self._recovered()

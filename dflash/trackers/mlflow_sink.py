@@ -136,7 +136,7 @@ class MlflowSink(Sink):
     def _resumable(self, client, runner) -> str | None:
         """`dflash train --resume`: the earlier run of this dir, in the same store."""
         f = runner.b.out / RUN_FILE
-        if getattr(runner.ctx, "start_step", 0) <= 0 or not f.is_file():
+        if getattr(runner.spec, "start_step", 0) <= 0 or not f.is_file():
             return None
         try:
             info = json.loads(f.read_text())
