@@ -33,7 +33,7 @@ test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
 
 bench: setup
-	$(PY) bench/hot_path.py && $(PY) bench/gil_stall.py && $(PY) bench/exporter_priority.py && $(PY) bench/dead_collector.py && $(PY) bench/pipeline.py
+	$(PY) bench/otel/hot_path.py && $(PY) bench/otel/gil_stall.py && $(PY) bench/otel/exporter_priority.py && $(PY) bench/otel/dead_collector.py && $(PY) bench/pipeline.py
 
 # Local Collector + Jaeger v2 (built from source once, cached in ~/.cache/dflash/bin) and
 # Debian's Prometheus on 127.0.0.1, no Docker: pids and logs under runs/backends/.

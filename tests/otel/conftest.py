@@ -47,6 +47,7 @@ def make_tel():
     made = []
 
     def make(**kwargs):
+        kwargs.setdefault("service_name", "dflash")   # the service these tests stand in for
         kwargs.setdefault("console", False)
         kwargs.setdefault("export_interval_s", 0.05)
         kwargs.setdefault("metric_export_interval_s", 0.2)

@@ -8,7 +8,7 @@ worker-CPU ratio (CPU per iteration plain / traced: the cost on the worker threa
 insensitive to neighbours' load), peak RSS growth (training process + exporter child) and
 shutdown time. Last line: one JSON object.
 
-    .venv/bin/python bench/dead_collector.py [--seconds 6] [--segment 0.5]
+    .venv/bin/python bench/otel/dead_collector.py [--seconds 6] [--segment 0.5]
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def closed_port_endpoint() -> str:
@@ -116,7 +116,7 @@ def main():
     out = {"seconds": args.seconds, "segment_s": args.segment, "exporter_nice": args.nice}
     print(f"{'mode':<10}{'iters plain':>12}{'iters traced':>14}{'ratio':>8}{'cpu ratio':>11}{'peak RSS growth MB':>20}{'shutdown s':>12}")
     for mode in ("process", "thread"):
-        tel = otel.Telemetry.from_env(console=False, mode=mode, max_queue=8192, exporter_nice=args.nice)
+        tel = otel.Telemetry.from_env("bench", console=False, mode=mode, max_queue=8192, exporter_nice=args.nice)
         time.sleep(1.0)  # exporter start-up is outside the measurement
         plain = traced = 0
         CPU[False] = CPU[True] = 0.0

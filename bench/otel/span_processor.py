@@ -6,7 +6,7 @@ batch, one export thread, counts committed batch by batch) against the SDK's
   throughput  spans/s from the first enqueue until every span is exported, through an
               exporter that encodes OTLP protobuf (what an OTLP export costs per span)
   gil         a busy Python thread's iteration gaps while 5,000 spans/s go through
-              (bench/gil_stall.py's measure; median round by max gap)
+              (bench/otel/gil_stall.py's measure; median round by max gap)
   dead        a collector that refuses every export (after 20 ms): 20,000 spans in 40
               batches into a 4,096-span queue; after shutdown: does exported + dropped
               equal recorded, and did done_seq reach the last batch?
@@ -14,7 +14,7 @@ batch, one export thread, counts committed batch by batch) against the SDK's
 Both build the same SDK ReadableSpans (ExportPipeline.build_spans). Last line: one JSON
 object.
 
-    .venv/bin/python bench/span_processor.py [--rounds 3] [--seconds 2]
+    .venv/bin/python bench/otel/span_processor.py [--rounds 3] [--seconds 2]
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ["OTEL_TRACES_EXPORTER"] = "none"     # the exporter under test is set below
 os.environ["OTEL_METRICS_EXPORTER"] = "none"

@@ -6,7 +6,7 @@ its iteration gaps while another thread records ~5,000 stages/s, side by side:
   sdk-bsp      plain OpenTelemetry SDK spans, BatchSpanProcessor + OTLPSpanExporter
 Export goes over OTLP/gRPC to a receiver in another process. Last line: one JSON object.
 
-    .venv/bin/python bench/gil_stall.py [--seconds 4] [--rate 5000]
+    .venv/bin/python bench/otel/gil_stall.py [--seconds 4] [--rate 5000]
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
 TICK_S = 0.01
@@ -36,14 +36,14 @@ print(n, flush=True)
 
 
 class ReceiverProcess:
-    """An OTLP/gRPC receiver (tests/otlp_receivers.py) in its own process, so its GIL is
+    """An OTLP/gRPC receiver (tests/otel/otlp_receivers.py) in its own process, so its GIL is
     not the measured process's. `with ReceiverProcess() as rx: rx.endpoint`."""
 
     def __init__(self, nice: int = 0):
         self.nice = nice  # >0: the stand-in collector yields the CPU, as a remote one would
 
     def __enter__(self):
-        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER % os.path.join(ROOT, "tests")],
+        self.proc = subprocess.Popen([sys.executable, "-c", _SERVER % os.path.join(ROOT, "tests", "otel")],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      preexec_fn=(lambda: os.nice(self.nice)) if self.nice else None)
         self.port = int(self.proc.stdout.readline())
@@ -143,7 +143,7 @@ def main():
             for mode in ("process", "thread"):
                 if f"otel-{mode}" not in wanted:
                     continue
-                tel = otel.Telemetry.from_env(console=False, mode=mode, run_id="bench", exporter_nice=args.nice)
+                tel = otel.Telemetry.from_env("bench", console=False, mode=mode, run_id="bench", exporter_nice=args.nice)
                 counter = [0]
 
                 def tick(tel=tel, counter=counter):

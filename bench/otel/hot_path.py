@@ -5,7 +5,7 @@ tight loop of 100,000 stages with attributes while the background thread and the
 exporter process run as in training (hot path + the background thread's GIL share),
 against an SDK span with explicit times. Last line: one JSON object.
 
-    .venv/bin/python bench/hot_path.py [--n 200000]
+    .venv/bin/python bench/otel/hot_path.py [--n 200000]
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 import time
 from time import perf_counter_ns
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 os.environ.setdefault("OTEL_TRACES_EXPORTER", "none")   # measure the hot path, not a sink
 os.environ.setdefault("OTEL_METRICS_EXPORTER", "none")
 
@@ -55,7 +55,7 @@ def main():
 
     # the background thread is parked (long interval); we drain between timed runs and
     # time one background cycle separately, so each cost is measured on its own
-    tel = otel.Telemetry.from_env(console=False, mode=args.mode, max_queue=4 * n, export_interval_s=3600)
+    tel = otel.Telemetry.from_env("bench", console=False, mode=args.mode, max_queue=4 * n, export_interval_s=3600)
     drain = tel._registry.drain
     sdk_tracer = TracerProvider().get_tracer("bench")  # no processor: span objects only
     # as deployed: a BatchSpanProcessor in front of an exporter (discarding here, and
@@ -140,7 +140,7 @@ def main():
     # default 100 ms cycle, exporter process consuming; the loop's wall time includes every
     # GIL handoff to the background thread, and the final cycle ships the remainder
     total_n = args.total_n
-    tel = otel.Telemetry.from_env(console=False, mode=args.mode, max_queue=4 * total_n)
+    tel = otel.Telemetry.from_env("bench", console=False, mode=args.mode, max_queue=4 * total_n)
     tel.flush(timeout_s=30)  # exporter ready before timing
     best = float("inf")
     for _ in range(3):

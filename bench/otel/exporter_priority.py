@@ -1,14 +1,14 @@
 """Which niceness should the exporter process run at (after its start-up, which always runs
 at the training process's priority)? Side by side in one run, for each
 candidate: while CPU burners saturate the host (as a training job does), a producer
-records stages at a training-like rate next to a busy Python thread (bench/gil_stall.py's
+records stages at a training-like rate next to a busy Python thread (bench/otel/gil_stall.py's
 stand-in for a worker), then shuts the telemetry down. Per niceness it prints
 - the busy thread's throughput, relative to the same load without telemetry,
 - the share of the recorded spans already in the files when recording stopped (does the
   exporter keep up live, or only at shutdown?),
 - how long shutdown took, and whether every span reached the files.
 
-    .venv/bin/python bench/exporter_priority.py [--nices 0,5,10,19] [--burners 3] [--seconds 4]
+    .venv/bin/python bench/otel/exporter_priority.py [--nices 0,5,10,19] [--burners 3] [--seconds 4]
 """
 from __future__ import annotations
 
@@ -20,9 +20,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # -> gil_stall
 for k in [k for k in os.environ if k.startswith("OTEL_")]:
     del os.environ[k]  # the file sink, nothing else
 
@@ -54,7 +54,7 @@ def main():
                 # the baseline right before each candidate: the load drifts between them
                 base = measure(args.seconds, lambda: None)["iterations"]
                 d = tempfile.mkdtemp(prefix=f"prio{nice}-")
-                tel = otel.Telemetry.from_env(console=False, file_dir=d, exporter_nice=nice, run_id="prio")
+                tel = otel.Telemetry.from_env("bench", console=False, file_dir=d, exporter_nice=nice, run_id="prio")
                 counter = [0]
 
                 def tick(tel=tel, counter=counter):
