@@ -3,16 +3,11 @@ a Telemetry factory that always shuts down."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+from otlp_receivers import OtlpGrpcReceiver, OtlpHttpReceiver
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ -> otlp_receivers
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # -> otel_test_helpers
-from otlp_receivers import OtlpGrpcReceiver, OtlpHttpReceiver  # noqa: E402
-
-import otel  # noqa: E402
+import otel
 
 
 @pytest.fixture(autouse=True)

@@ -183,6 +183,7 @@ def test_a_config_that_disagrees_with_its_safetensors_header_is_one_line_before_
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_config_asks_for_100000_layers_is_one_line_before_torch(tmp_path, run):
     ck = Path(shutil.copytree(run / "checkpoint", tmp_path / "ck"))
     cfg = json.loads((ck / "config.json").read_text())
@@ -207,6 +208,7 @@ def _digests(d: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir()) if p.is_file()}
 
 
+@pytest.mark.slow
 def test_export_never_replaces_a_drafter_it_did_not_write(tmp_path, run, served):
     """A SpecForge export or a downloaded drafter has the same layout as ours, minus our
     marker: refused with and without --overwrite, left byte for byte."""
@@ -221,6 +223,7 @@ def test_export_never_replaces_a_drafter_it_did_not_write(tmp_path, run, served)
     assert _digests(theirs) == before
 
 
+@pytest.mark.slow
 def test_export_replaces_its_own_earlier_export_only_with_overwrite_and_writes_readable_files(tmp_path, run):
     out = tmp_path / "exp"
     p = subprocess.run([sys.executable, "-m", "dflash", "export", "--checkpoint", str(run / "checkpoint"),
@@ -236,6 +239,7 @@ def test_export_replaces_its_own_earlier_export_only_with_overwrite_and_writes_r
     assert {oct(q.stat().st_mode & 0o044) for q in (run / "checkpoint").iterdir()} == {"0o44"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make,needle", [
     (lambda t: (t / "afile").write_text("x") and t / "afile" / "x", "afile is a file, not a directory"),
     (lambda t: (t / "f").write_text("x") and t / "f", "is a file (expected"),

@@ -15,9 +15,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import ROOT, TINY, free_port
+from helpers import NO_OTEL_ENV, ROOT, TINY, free_port
 
-NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
 PROMETHEUS = shutil.which("prometheus")
 
@@ -363,7 +362,7 @@ def _names_in_exposition(text: str, prefix=""):
 # connector's series (from the trainer's spans; namespace from collector-config.yaml) and
 # the collector's own health counters.
 # The pinned Collector (0.165) exposes its counters without `_total` (seen in a real one:
-# tests/test_backends_real.py); the dashboard matches both spellings.
+# tests/backends/test_backends_real.py); the dashboard matches both spellings.
 COLLECTOR_SELF = {"otelcol_receiver_refused_spans", "otelcol_exporter_send_failed_spans",
                   "otelcol_exporter_send_failed_metric_points"}
 

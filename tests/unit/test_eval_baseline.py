@@ -71,11 +71,6 @@ def test_per_position_shares_from_the_histogram():
     assert per_position({"1": 0, "2": 0}, 2) == [0.0]
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    return T.load_target("tiny-qwen3", seed=0)
-
-
 def _prompts(tok, texts):
     return prompts_for_eval(tok, [[{"role": "user", "content": t}] for t in texts], max_prompt_len=64)
 
@@ -228,6 +223,7 @@ def trained(tmp_path_factory):
     return run, res
 
 
+@pytest.mark.slow
 def test_eval_json_holds_the_baseline_and_per_position_acceptance(trained):
     _, res = trained
     B = res["block_size"]
@@ -239,6 +235,7 @@ def test_eval_json_holds_the_baseline_and_per_position_acceptance(trained):
     assert res["prompts"] == 2 and res["prompt_source"]["kind"] == "held_out"
 
 
+@pytest.mark.slow
 def test_baseline_tau_equals_lookup_computed_from_the_greedy_outputs(trained, tiny):
     """From the eval's own prompts and the target's greedy outputs (decoded here, a block past
     the eval's end), prompt lookup's steps follow without decoding with it: they must be the
@@ -256,6 +253,7 @@ def test_baseline_tau_equals_lookup_computed_from_the_greedy_outputs(trained, ti
     assert res["baseline"]["acceptance_length"] == pytest.approx(sum(taus) / len(taus), abs=1e-4)
 
 
+@pytest.mark.slow
 def test_the_export_carries_the_runs_held_out_prompts_and_its_figure_is_the_headline(trained):
     """`eval --checkpoint RUN/export` decodes the same prompt ids as `eval --checkpoint
     RUN/checkpoint`, with the run's eval settings, and its tau is the one `train --eval`
@@ -274,6 +272,7 @@ def test_the_export_carries_the_runs_held_out_prompts_and_its_figure_is_the_head
     assert (run / "learning_curve.png").stat().st_size > 10_000
 
 
+@pytest.mark.slow
 def test_prompts_from_a_file_with_turns_and_no_baseline(trained, tmp_path):
     run, _ = trained
     f = tmp_path / "mine.jsonl"
@@ -288,6 +287,7 @@ def test_prompts_from_a_file_with_turns_and_no_baseline(trained, tmp_path):
     assert f"prompts: {f}" in p.stderr
 
 
+@pytest.mark.slow
 def test_bench_humaneval_and_mt_bench_offline(trained):
     run, _ = trained
     p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--bench", "humaneval,mt-bench", "--prompts", 2,

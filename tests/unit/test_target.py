@@ -9,11 +9,6 @@ from dflash.model import target as T
 from dflash.data.dataset import load_conversations, tokenize_conversation
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return T.load_tokenizer("tiny-qwen3")
-
-
 def _batch(tok):
     texts = ["The quick brown fox jumps over the lazy dog. " * 3, "Hello"]
     enc = tok(texts, padding=True, return_tensors="pt")  # right padding: row 1 is mostly pad

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -46,6 +47,7 @@ def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
     assert again.writer is None
 
 
+@pytest.mark.slow
 def test_a_run_keeps_and_exports_its_best_step(tmp_path):
     out = tmp_path / "run"
     run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,

@@ -1,13 +1,10 @@
 """An unexpected failure inside a worker is debuggable: the worker's own traceback, its name
 and stage on stderr and in OUT/error.txt (exit 1). Bad input stays one line (exit 2):
-tests/test_cli_errors.py."""
-import os
-
+tests/cli/test_cli_errors.py."""
 import pytest
 
-from helpers import TINY, run_dflash
+from helpers import NO_OTEL_ENV, TINY, run_dflash
 
-NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}  # telemetry to local OTLP/JSON files
 
 
 @pytest.mark.parametrize("stage,worker,frame,extra", [

@@ -123,6 +123,7 @@ def _same_drafts(ours, theirs):
         assert full and len(full) >= len(a) - len(a[0])  # only the last few blocks are short
 
 
+@pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
 def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
     """The trained drafter of a repetitive tiny target drafts one token everywhere; a random
     drafter with a strong context path drafts a different token at every slot, so a wrong
@@ -150,6 +151,7 @@ def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
     _same_drafts(mine, theirs)
 
 
+@pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
 def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
     from dflash.model.target import load_target
 
@@ -175,6 +177,7 @@ def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
           f"reference {sum(ref_taus) / len(ref_taus):.4f} ({len(steps)} prompts)")
 
 
+@pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
 def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
     from transformers import Qwen3Config
 
@@ -222,6 +225,7 @@ def test_a_drafter_that_does_not_fit_the_target_is_one_line(trained, tmp_path):
     assert p.stderr.strip().count("\n") == 0 and "target_layer_ids" in p.stderr and "6 decoder layers" in p.stderr
 
 
+@pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
 def test_reference_forward_equals_ours_on_one_block(ref, trained):
     """Below the decode: the same context and block give the same drafter hidden states
     (a wrong name, layer id or rotary setting shows here even where greedy tokens agree)."""

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from helpers import run_dflash
+from helpers import cli_before_torch, run_dflash
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -49,15 +49,6 @@ def test_eval_missing_checkpoint(tmp_path):
     assert p.returncode == 2 and str(tmp_path / "nope") in p.stderr
 
 
-_NO_TORCH_PROBE = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-heavy = sorted(m for m in ("torch", "transformers", "safetensors") if m in sys.modules)
-print(json.dumps({"rc": rc, "heavy": heavy}))
-"""
-
-
 @pytest.mark.parametrize("args,needle", [
     (["--set", "model.block_size=1"], "model.block_size=1"),
     (["--steps", "-1"], "train.steps=-1"),
@@ -66,13 +57,6 @@ print(json.dumps({"rc": rc, "heavy": heavy}))
 ])
 def test_bad_input_fails_without_importing_torch(tmp_path, args, needle):
     """Bad input in milliseconds: every check runs before torch / transformers are imported."""
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH_PROBE, "train", "--out", str(tmp_path / "run"), *args],
-                       cwd=ROOT, capture_output=True, text=True, timeout=120)
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    assert out == {"rc": 2, "heavy": []}, (out, p.stderr)
-    assert needle in p.stderr
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *args, heavy=True, timeout=120)
+    assert out == {"rc": 2, "heavy": []}, (out, lines)
+    assert needle in "\n".join(lines)

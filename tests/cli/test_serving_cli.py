@@ -60,6 +60,7 @@ def test_served_dir_without_target_and_export_checks_fail_before_torch(tmp_path)
     assert out == {"rc": 2, "heavy": []} and "nothing" in err, err
 
 
+@pytest.mark.slow
 def test_init_from_a_served_drafter_then_eval_at_temperature(tmp_path):
     """--init-from takes the served drafter's shape and weights (0 steps: exactly them);
     the after-training eval samples at eval.temperature and reports replayable steps."""
@@ -81,6 +82,7 @@ def test_init_from_a_served_drafter_then_eval_at_temperature(tmp_path):
     assert all(s["prompt_ids"] for s in steps)
 
 
+@pytest.mark.slow
 def test_export_without_copy_head_and_a_misfit_drafter(tmp_path):
     run = tmp_path / "run"
     run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,

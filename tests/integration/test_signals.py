@@ -1,6 +1,6 @@
 """SIGTERM at every phase (what job runners send): set-up, either eval. The process exits
 130 within 30 s, says what to run to continue, and never presents a partial figure as
-whole. (Training itself and the saving path: tests/test_interrupt.py.)"""
+whole. (Training itself and the saving path: tests/integration/test_interrupt.py.)"""
 import json
 import signal
 import subprocess

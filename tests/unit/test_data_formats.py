@@ -2,14 +2,12 @@
 system prompt; unusable records are dropped and counted by reason, never a crash."""
 import gzip
 import json
-import subprocess
-import sys
 
 import pytest
 
 from dflash.data import conversations as C
 from dflash.inputs import DatasetError, check_dataset_path
-from helpers import ROOT, TINY
+from helpers import TINY, cli_before_torch
 
 CHAT = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
@@ -64,20 +62,9 @@ def test_a_jsonl_file_that_is_not_jsonl_is_one_line(tmp_path):
         check_dataset_path(bad)
 
 
-_NO_TORCH = """
-import json, sys
-from dflash.cli import main
-rc = main(sys.argv[1:])
-print(json.dumps({"rc": rc, "torch": "torch" in sys.modules}))
-"""
-
-
 def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
     path = _write(tmp_path / "d.jsonl", BAD, jsonl=True, gz=False, garbage_line=True)
-    p = subprocess.run([sys.executable, "-c", _NO_TORCH, "train", "--out", str(tmp_path / "run"), *TINY,
-                        "--set", f"data.path={path}"], cwd=ROOT, capture_output=True, text=True, timeout=180)
-    out = json.loads(p.stdout.strip().splitlines()[-1])
-    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={path}")
     assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
     assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
     assert "roles_out_of_order 1" in lines[0]

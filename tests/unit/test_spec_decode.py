@@ -26,12 +26,6 @@ class ScriptedDrafter(DFlashDrafter):
         return torch.tensor([out])
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    model, tok = T.load_target("tiny-qwen3", seed=0)
-    return model, tok
-
-
 def _cfg(model, tok):
     return DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
                                      mask_token_id=16, block_size=BK)

@@ -141,13 +141,6 @@ def test_ce_with_decay_through_block_loss_equals_the_default():
 
 
 # -- the target's distribution, as training gets it -----------------------------------------
-@pytest.fixture(scope="module")
-def tiny():
-    from dflash.model import target as T
-    model, tok = T.load_target("tiny-qwen3", device="cpu", dtype=torch.float32, seed=0)
-    return model, tok
-
-
 def test_final_feature_is_what_the_lm_head_reads(tiny):
     from dflash.model import target as T
     model, _ = tiny
@@ -232,6 +225,7 @@ def _history(run):
     return [h[1] for h in json.loads((run / "checkpoint" / "trainer_state.json").read_text())["history"]]
 
 
+@pytest.mark.slow
 def test_kl_and_dpace_train_and_differ_from_ce(tmp_path):
     common = ["--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY]
     hist = {}
@@ -243,6 +237,7 @@ def test_kl_and_dpace_train_and_differ_from_ce(tmp_path):
     assert hist["kl"] != hist["ce"] and hist["dpace"] != hist["ce"]
 
 
+@pytest.mark.slow
 def test_a_capture_keeps_the_top_k_and_trains_as_online(tmp_path):
     """`dflash capture --set train.loss=kl` keeps each token's top-k next-token log-probs (fp16 +
     int32 ids: 6 bytes each), and a KL run from it follows the online KL run (same top-k)."""
