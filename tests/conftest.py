@@ -9,7 +9,8 @@ Tiers, by folder (each folder's tests carry its marker, so `-m` picks tiers):
   backends/     real Collector, Jaeger, Prometheus, MLflow, browser -> marked `backends`
 
 A test that starts torchrun is marked `torchrun`, one that reaches the package index
-`network`, and a training run inside a quick tier `slow`, each where it is defined.
+`network`, and one inside a quick tier that trains, regenerates or draws thousands of
+samples `slow`, each where it is defined.
 `make test-fast` deselects all four; `make test` runs everything.
 
 This directory is on sys.path (pytest's rootdir-relative imports), so every tier imports

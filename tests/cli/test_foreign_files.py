@@ -249,6 +249,7 @@ def test_export_out_under_a_file_is_one_line(tmp_path, run, make, needle):
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 
+@pytest.mark.slow
 def test_timeline_never_writes_onto_the_runs_files_nor_anyone_elses(tmp_path, run):
     before = _digests(run / "telemetry") | {"summary.json": _digests(run)["summary.json"]}
     mine = tmp_path / "notes.png"

@@ -497,6 +497,7 @@ def test_checkpoint_safetensors_headers_that_lie_are_one_line(tmp_path):
 
 # ----------------------------------------------------------------------------- regeneration cache
 
+@pytest.mark.slow   # two regenerations in subprocesses
 def test_a_poisoned_regeneration_cache_is_dropped_counted_and_regenerated(tmp_path):
     """A cache copied from elsewhere: entries with out-of-vocabulary ids (they passed before and
     killed training partway), entries that are not replies, a batch file nested 100k deep, and a

@@ -171,6 +171,7 @@ def test_prompts_for_eval(tok):
     assert len(cut) <= 64 and tok.decode(cut).endswith("<|im_end|>\n<|im_start|>assistant\n")
 
 
+@pytest.mark.slow   # real generation with the tiny targets
 def test_regenerate_matches_unbatched_greedy(tok):
     model, tok = T.load_target("tiny-qwen3")
     convs = [CONV, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}],
@@ -191,6 +192,7 @@ def test_regenerate_matches_unbatched_greedy(tok):
         assert s.input_ids == prompt + gen and s.loss_mask == [0] * len(prompt) + [1] * len(gen)
 
 
+@pytest.mark.slow   # real generation with the tiny targets
 @pytest.mark.parametrize("target,use_cache", [("tiny-qwen3", True), ("tiny-llama", True), ("tiny-llama", False)])
 def test_regenerate_keeps_the_features_a_forward_gives(target, use_cache):
     """Regeneration's captured layers (prefill + decoding steps, left padded, KV cached) are the

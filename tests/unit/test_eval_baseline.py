@@ -305,6 +305,7 @@ def test_bench_humaneval_and_mt_bench_offline(trained):
     assert "humaneval" in table and "mt-bench" in table and table.count("prompt lookup") == 2
 
 
+@pytest.mark.slow
 def test_with_a_copy_head_the_headline_is_still_the_served_drafter(tmp_path):
     """train --eval with model.copy_head: eval_after is the drafter an engine serves (no copy
     head) beside prompt lookup; the copy head gets its own figure, and the summary says both."""

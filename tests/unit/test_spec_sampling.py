@@ -94,6 +94,7 @@ def _l1_of_speculative(target, drafter, exact: dict) -> tuple[float, float]:
     return l1, bound, sum(steps) / len(steps)
 
 
+@pytest.mark.slow   # 2,000 seeded speculative decodes
 def test_first_tokens_follow_the_target_distribution(pair):
     target, drafter = pair
     exact = _exact(target, FIRST)
@@ -114,6 +115,7 @@ def _resample_from_target(draft, p, q, generator=None):
     return len(draft), int(sampling.draw(p[len(draft)], generator))
 
 
+@pytest.mark.slow   # 2,000 seeded speculative decodes
 def test_a_wrong_rule_fails_the_same_bound(pair, monkeypatch):
     target, drafter = pair
     exact = _exact(target, FIRST)
