@@ -29,11 +29,15 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q -ra
 
+# The quick tiers (tests/unit, tests/cli, tests/otel; see tests/conftest.py): no training
+# runs, torchrun, real backends or package index; ends with its wall time
+FAST   := not slow and not torchrun and not backends and not network
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow"
+	@t0=$$(date +%s); $(PY) -m pytest -q -m "$(FAST)"; rc=$$?; \
+	echo "test-fast: $$(( $$(date +%s) - t0 )) s wall (exit $$rc)"; exit $$rc
 
 bench: setup
-	$(PY) bench/hot_path.py && $(PY) bench/gil_stall.py && $(PY) bench/exporter_priority.py && $(PY) bench/dead_collector.py && $(PY) bench/pipeline.py
+	$(PY) bench/otel/hot_path.py && $(PY) bench/otel/gil_stall.py && $(PY) bench/otel/exporter_priority.py && $(PY) bench/otel/dead_collector.py && $(PY) bench/pipeline.py
 
 # Local Collector + Jaeger v2 (built from source once, cached in ~/.cache/dflash/bin) and
 # Debian's Prometheus on 127.0.0.1, no Docker: pids and logs under runs/backends/.

@@ -10,7 +10,7 @@ processes listening on 127.0.0.1 only.
 The Collector runs the repository's own collector-config.yaml; an overlay written next to
 the logs changes only where things listen and the Jaeger endpoint (the compose service
 name `jaeger` becomes the local Jaeger). Pids, logs and generated configs go under the
-directory (default runs/backends/). The tests (tests/test_backends_real.py) use the same
+directory (default runs/backends/). The tests (tests/backends/test_backends_real.py) use the same
 class with free ports and a temporary directory.
 """
 from __future__ import annotations

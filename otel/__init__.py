@@ -7,13 +7,12 @@ Never imports torch or the OpenTelemetry SDK at import time.
 Layout: otel.producer (training process), otel.exporter (exporter process or thread
 mode), otel.transport (the only bridge), and shared modules at the top level.
 """
-from otel.api import StageHandle, TelemetryAPI
+from otel.api import STAGE_ATTRIBUTE, DisabledTelemetry, StageHandle, TelemetryAPI
 from otel.config import EXPORTER_NICE, WAIT_ATTRIBUTES, ExportConfig
-from otel.idle import BUSY, CAUSES, IdleAccumulator, IdleRules, attribute_idle
-from otel.producer.hot_path import STAGE_ATTRIBUTE
-from otel.producer.telemetry import DisabledTelemetry, Telemetry
+from otel.idle import BUSY, IdleAccumulator, IdleRules, attribute_idle
+from otel.producer.telemetry import Telemetry
 from otel.readers import read_lines, read_metrics, read_spans
 
 __all__ = ["Telemetry", "DisabledTelemetry", "TelemetryAPI", "StageHandle", "ExportConfig",
            "EXPORTER_NICE", "WAIT_ATTRIBUTES", "STAGE_ATTRIBUTE", "read_spans", "read_metrics",
-           "read_lines", "IdleRules", "IdleAccumulator", "attribute_idle", "BUSY", "CAUSES"]
+           "read_lines", "IdleRules", "IdleAccumulator", "attribute_idle", "BUSY"]

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Mapping, Optional
 
 BUSY = "busy"
-CAUSES = ("queue_empty", "queue_full", "data_wait", "host", "sync", "checkpoint", "other")
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,9 @@ class IdleRules:
     """The mapping from stages to causes: plain data, override any field. The defaults know
     no pipeline: every stage is busy, gaps are host time, sync-like names are `sync`; a
     pipeline passes its own rules (dflash: dflash/analysis/idle_rules.py)."""
+    # the pipeline's idle causes in the order its reports show them, each reported (as 0)
+    # even when it never occurs; causes the fields below produce follow, in field order
+    causes: tuple = ()
     stage_causes: Mapping[str, str] = field(default_factory=dict)
     # (regex searched in the lower-cased stage name, cause); first match wins
     pattern_causes: tuple = (
@@ -51,12 +53,12 @@ class IdleRules:
     gap_cause: str = "host"
     unknown_cause: str = "other"
 
-    def causes(self) -> tuple:
-        """Every cause these rules can produce, defaults first (stable report columns)."""
+    def all_causes(self) -> tuple:
+        """Every cause these rules can produce, the given `causes` first (stable report columns)."""
         extra = [*self.stage_causes.values(), *(c for _, c in self.pattern_causes),
                  *(c for _, c in self.carve_inside.values()),
                  *(c for _, c in self.carve_before.values()), self.gap_cause, self.unknown_cause]
-        return CAUSES + tuple(dict.fromkeys(c for c in extra if c not in CAUSES))
+        return tuple(dict.fromkeys((*self.causes, *extra)))
 
 
 DEFAULT_RULES = IdleRules()
@@ -186,7 +188,7 @@ class IdleAccumulator:
         self.window = window
         self.reorder_ns = reorder_ns
         self._cls = _Classifier(rules)
-        self._causes = rules.causes()
+        self._causes = rules.all_causes()
         self._workers: dict = {}
         self._pending: dict = {}     # worker -> heap of (start, seq, name, end, attrs)
         self._newest: dict = {}      # worker -> largest end seen

@@ -3,7 +3,7 @@ indices.
 
 Plain tuples, not NamedTuples: building a NamedTuple goes through a Python-level
 `__new__`, which costs the worker about as much again as the whole `tel.stage` append
-(bench/hot_path.py prints both). So the fields are named here, once, and every reader
+(bench/otel/hot_path.py prints both). So the fields are named here, once, and every reader
 indexes with these constants.
 
 A stage record (what `with tel.stage(...)` appends):

@@ -88,7 +88,7 @@ def _sanitized(batch: dict) -> dict:
 def frame(obj) -> bytes:
     """Length-prefixed bytes of a message. marshal first: batches are plain tuples, dicts,
     strings and numbers, which marshal writes in about half of pickle's time (measured in
-    bench/hot_path.py's background figure); anything else falls back to pickle, and an
+    bench/otel/hot_path.py's background figure); anything else falls back to pickle, and an
     attribute value that not even pickle takes becomes its str()."""
     try:
         data = b"M" + marshal.dumps(obj)

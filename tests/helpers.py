@@ -9,6 +9,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# the OTEL_* variables of this environment emptied: a run's telemetry goes to its own
+# OTLP/JSON files only, never to a collector the developer's shell points at
+NO_OTEL_ENV = {k: "" for k in os.environ if k.startswith("OTEL_")}
+
 # Small enough for CPU tests; regeneration of these conversations is cached in DFLASH_CACHE.
 TINY = ["--set", "data.num_conversations=48", "--set", "data.max_len=96",
         "--set", "data.regen_max_new_tokens=40", "--set", "data.regen_max_prompt_len=48",

@@ -1,4 +1,4 @@
-"""A regeneration in a process of its own, for tests/test_regen_shards.py and
+"""A regeneration in a process of its own, for tests/integration/test_regen_shards.py and
 bench/regen_ranks.py: the tiny-qwen3 target regenerates a few ShareGPT conversations
 through the shard cache in $DFLASH_CACHE, and writes what it got to OUT (JSON).
 

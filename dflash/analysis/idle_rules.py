@@ -3,7 +3,11 @@ knows no stage names of its own): used live by the telemetry thread and offline 
 `dflash stalls` / `dflash timeline`."""
 from otel import IdleRules
 
+# every report shows these, in this order, even when one never occurs
+IDLE_CAUSES = ("queue_empty", "queue_full", "data_wait", "host", "sync", "checkpoint", "other")
+
 DFLASH_RULES = IdleRules(
+    causes=IDLE_CAUSES,
     stage_causes={"queue_get": "queue_empty", "checkpoint": "checkpoint"},
     # the end of an enqueue spent blocked on a full queue is back-pressure
     carve_inside={"cpu_copy_enqueue": ("blocked_s", "queue_full"),

@@ -321,7 +321,7 @@ def format_report(rep: dict) -> str:
     lines = [f"dflash stalls: run {rep['run_id']} ({rep['source']}), {rep['ranks']} rank(s), "
              f"{len(rep['workers'])} workers, {rep['wall_s']:.2f}s"
              + (f", window {rep['window_s'][0]:g}:{rep['window_s'][1]:g}s" if rep["window_s"] else "")]
-    causes = [c for c in DFLASH_RULES.causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
+    causes = [c for c in DFLASH_RULES.all_causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
     lines += ["", "idle time by cause (seconds)",
               f"  {'worker':<16}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
     for w in rep["workers"]:

@@ -20,7 +20,7 @@ n-gram up to prompt_lookup_max) but takes the earliest occurrence: on a loop who
 is shorter than the block, the latest occurrence can only propose P known tokens where the
 earliest proposes a full block. SGLang's keeps a trie of recent n-grams.
 
-Two forms of the one rule, checked against each other (tests/test_copy_head.py):
+Two forms of the one rule, checked against each other (tests/unit/test_copy_head.py):
 `propose` for decoding (host lists, one anchor) and `candidates` for training batches
 (tensors on the device, every anchor at once, no host sync).
 """

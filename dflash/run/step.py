@@ -84,7 +84,7 @@ class TrainStep:
         self.weights = loss_weights(block_size, train.loss_gamma or None).to(self.device)[1:]
         self.step = 0
         self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
-        # CE + the fixed decay is the default, kept as it always was (tests/test_loss_guard.py)
+        # CE + the fixed decay is the default, kept as it always was (tests/integration/test_loss_guard.py)
         self.default_loss = train.loss == "ce" and train.loss_weights == "decay"
         self.target_dist = needs_target_distribution(train.loss)
 

@@ -15,10 +15,11 @@ import traceback
 from collections import deque
 from time import perf_counter_ns
 
+from otel.api import name_exception
 from otel.records import ADD, RECORD
 
 __all__ = ["ADD", "RECORD", "ThreadBuffer", "BufferRegistry", "CudaEventPool", "Stage",
-           "bound_stage_class", "NULL_STAGE", "NullStages", "Drained", "STAGE_ATTRIBUTE", "name_exception"]
+           "bound_stage_class", "Drained"]
 
 
 class ThreadBuffer:
@@ -158,20 +159,6 @@ def exception_info(exc_type, exc, tb) -> tuple:
     return (exc_type.__qualname__, str(exc), "".join(traceback.format_exception(exc_type, exc, tb)))
 
 
-STAGE_ATTRIBUTE = "otel_stage"
-
-
-def name_exception(exc, name) -> None:
-    """An exception leaving a stage carries the stage's name as `exc.otel_stage`, unless a
-    stage inside already named it (the innermost stage wins). An exception type that
-    refuses attributes (`__slots__`) stays unnamed. Only ever runs on the error path."""
-    if exc is not None and getattr(exc, STAGE_ATTRIBUTE, None) is None:
-        try:
-            setattr(exc, STAGE_ATTRIBUTE, name)
-        except (AttributeError, TypeError):
-            pass
-
-
 class Stage:
     """Context manager returned by tel.stage(); also the handle for set()/event().
 
@@ -252,47 +239,3 @@ def bound_stage_class(registry: BufferRegistry, cuda_pool) -> type:
     """A Stage subclass writing to `registry`'s buffers; cuda_pool() -> CudaEventPool."""
     return type("Stage", (Stage,), {"__slots__": (), "_tls": registry.tls, "_new_buffer": registry.get,
                                     "_cuda_pool": staticmethod(cuda_pool)})
-
-
-class NullStage:
-    """The disabled layer's stage: does nothing but name an exception leaving it (see
-    name_exception). One instance per stage name, shared (DisabledTelemetry.stage)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name=None):
-        self.name = name
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            name_exception(exc, self.name)
-        return False
-
-    def set(self, **attrs) -> None:
-        pass
-
-    def event(self, name: str, **attrs) -> None:
-        pass
-
-
-NULL_STAGE = NullStage()
-
-
-class NullStages(dict):
-    """name -> its shared NullStage, made on first use. Past `max_names` distinct names
-    (names built from data) each call gets a fresh one instead of growing the cache."""
-
-    __slots__ = ("max_names",)
-
-    def __init__(self, max_names: int = 4096):
-        super().__init__()
-        self.max_names = max_names
-
-    def __missing__(self, name):
-        stage = NullStage(name)
-        if len(self) < self.max_names:
-            self[name] = stage
-        return stage

@@ -11,17 +11,17 @@ import threading
 import time
 import weakref
 
+from otel.api import DisabledTelemetry
 from otel.config import EXPORTER_NICE, WAIT_ATTRIBUTES, ExportConfig
 from otel.health import health as span_health
 from otel.producer.background import BackgroundThread
-from otel.producer.hot_path import (ADD, RECORD, BufferRegistry, CudaEventPool, NullStage, NullStages, Stage,
-                                    bound_stage_class)
+from otel.producer.hot_path import ADD, RECORD, BufferRegistry, CudaEventPool, Stage, bound_stage_class
 from otel.producer.instruments import Instruments
 from otel.summary import format_table, with_shares
 from otel.transport import InProcessTransport, ProcessTransport
 
 _TRUE = ("1", "true", "yes", "on")
-__all__ = ["Telemetry", "DisabledTelemetry", "EXPORTER_NICE"]
+__all__ = ["Telemetry", "EXPORTER_NICE"]
 
 
 class Telemetry:
@@ -85,11 +85,14 @@ class Telemetry:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_env(cls, service_name="dflash", run_id=None, resource_attributes=None, file_dir=None,
+    def from_env(cls, service_name, run_id=None, resource_attributes=None, file_dir=None,
                  console=True, console_interval_s=None, mode="process", gpu_indices=None,
                  metric_attributes=("worker", "device"), export_interval_s=0.1,
                  metric_export_interval_s=1.0, max_queue=65536, **options):
         """Build the layer from the standard OTEL_* environment (see docs/otel.md).
+        `service_name` is the caller's (the `service.name` resource attribute and the
+        prefix of the layer's own metrics, e.g. `{service_name}.stage.duration`);
+        OTEL_SERVICE_NAME, when set, wins over it, as the OpenTelemetry spec says.
         Extra options: export_timeout_s (per export request, default 5), cuda_pool_size
         (CUDA events pre-allocated, default 512), exporter_nice (niceness increment of the
         exporter process, default EXPORTER_NICE; see docs/otel.md for the measurement), idle_attribution (live busy /
@@ -251,58 +254,4 @@ class Telemetry:
 
     def __exit__(self, *exc):
         self.shutdown()
-        return False
-
-
-_NULL_STAGES = NullStages()
-
-
-class DisabledTelemetry:
-    """Same API, does nothing (OTEL_SDK_DISABLED=true, or Telemetry.disabled())."""
-
-    enabled = False
-    mode = "disabled"
-    run_id = "disabled"
-
-    def stage(self, name, trace=None, links=None, stream=None, **attrs):
-        try:
-            return _NULL_STAGES[name]   # shared per name: it names an exception leaving it
-        except TypeError:               # an unhashable name
-            return NullStage(name)
-
-    def staged(self, name=None, **stage_kwargs):
-        return lambda fn: fn
-
-    def add(self, name, value=1, **attrs):
-        pass
-
-    def record(self, name, value, **attrs):
-        pass
-
-    def declare(self, name, kind="counter", unit="1", description=""):
-        pass
-
-    def observable_gauge(self, name, callback, unit="1", description=""):
-        pass
-
-    def prepare_cuda(self, pool_size=None, factory=None, devices=()):
-        pass
-
-    def summary(self) -> dict:
-        return {"wall_s": 0.0, "stages": {}, "health": {"spans_recorded": 0, "spans_exported": 0,
-                                                       "spans_dropped": 0, "export_failures": 0}}
-
-    def profile_table(self) -> str:
-        return "telemetry disabled"
-
-    def flush(self, timeout_s=2.0) -> bool:
-        return True
-
-    def shutdown(self, timeout_s=2.0) -> None:
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
         return False

@@ -3,16 +3,11 @@ a Telemetry factory that always shuts down."""
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
+from otlp_receivers import OtlpGrpcReceiver, OtlpHttpReceiver
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/ -> otlp_receivers
-sys.path.insert(0, str(Path(__file__).resolve().parent))      # -> otel_test_helpers
-from otlp_receivers import OtlpGrpcReceiver, OtlpHttpReceiver  # noqa: E402
-
-import otel  # noqa: E402
+import otel
 
 
 @pytest.fixture(autouse=True)
@@ -47,6 +42,7 @@ def make_tel():
     made = []
 
     def make(**kwargs):
+        kwargs.setdefault("service_name", "dflash")   # the service these tests stand in for
         kwargs.setdefault("console", False)
         kwargs.setdefault("export_interval_s", 0.05)
         kwargs.setdefault("metric_export_interval_s", 0.2)

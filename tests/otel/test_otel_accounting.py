@@ -74,7 +74,7 @@ sys.path.insert(0, {root!r})
 import otel
 stop = []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))   # the trainer saves and exits
-tel = otel.Telemetry.from_env(file_dir={out!r}, console=False, export_interval_s=0.05)
+tel = otel.Telemetry.from_env("dflash", file_dir={out!r}, console=False, export_interval_s=0.05)
 print(tel._transport.proc.pid, flush=True)
 i = 0
 while not stop:

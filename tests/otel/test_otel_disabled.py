@@ -12,7 +12,7 @@ def test_sdk_disabled_makes_stage_a_near_free_noop(monkeypatch):
     assert isinstance(tel, otel.DisabledTelemetry) and not tel.enabled
     assert {p.pid for p in psutil.Process().children()} == children_before
 
-    for i in range(1000):  # its cost is measured in bench/hot_path.py, not asserted here
+    for i in range(1000):  # its cost is measured in bench/otel/hot_path.py, not asserted here
         with tel.stage("model_forward", trace=("batch", i), worker="t0") as st:
             st.set(tokens=1)
             st.event("e")

@@ -18,7 +18,7 @@ def test_exporter_child_dies_with_its_parent(tmp_path):
         import sys, time
         sys.path.insert(0, {ROOT!r})
         import otel
-        tel = otel.Telemetry.from_env(file_dir={str(tmp_path)!r}, console=False)
+        tel = otel.Telemetry.from_env("dflash", file_dir={str(tmp_path)!r}, console=False)
         print(tel._transport.proc.pid, flush=True)
         time.sleep(60)
     """)
@@ -41,7 +41,7 @@ def test_spawned_from_stdin_script_works(tmp_path):
         import sys
         sys.path.insert(0, {ROOT!r})
         import otel
-        tel = otel.Telemetry.from_env(file_dir={str(tmp_path)!r}, console=True)
+        tel = otel.Telemetry.from_env("dflash", file_dir={str(tmp_path)!r}, console=True)
         with tel.stage("from_stdin"):
             pass
         tel.shutdown()

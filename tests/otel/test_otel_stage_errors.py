@@ -5,6 +5,7 @@ success path never calls the naming code."""
 import pytest
 
 import otel
+import otel.api
 import otel.producer.hot_path as hot_path
 
 
@@ -24,7 +25,7 @@ def tel(request, make_tel, monkeypatch, tmp_path):
     if request.param == "disabled":
         return otel.Telemetry.disabled()
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
-    t = otel.Telemetry.from_env()
+    t = otel.Telemetry.from_env("dflash")
     assert isinstance(t, otel.DisabledTelemetry)
     return t
 
@@ -77,7 +78,8 @@ def test_the_success_path_never_names(tel, monkeypatch):
     def fail(*a):
         raise AssertionError("name_exception ran on the success path")
 
-    monkeypatch.setattr(hot_path, "name_exception", fail)
+    monkeypatch.setattr(hot_path, "name_exception", fail)   # the real layer's Stage
+    monkeypatch.setattr(otel.api, "name_exception", fail)   # the disabled layer's NullStage
     for i in range(3):
         with tel.stage("ok", trace=("batch", i)) as st:
             st.set(tokens=1)

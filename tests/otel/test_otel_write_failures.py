@@ -21,7 +21,7 @@ import json, resource, signal, sys
 import otel
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of death, as ENOSPC would be
 resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[3]), resource.RLIM_INFINITY))
-tel = otel.Telemetry.from_env(file_dir=sys.argv[1], mode=sys.argv[2], console=False, export_interval_s=0.02,
+tel = otel.Telemetry.from_env("dflash", file_dir=sys.argv[1], mode=sys.argv[2], console=False, export_interval_s=0.02,
                               metric_export_interval_s=3600)
 for i in range(400):
     with tel.stage("model_forward", trace=("batch", i), worker="t0", padding="x" * 200):
@@ -69,7 +69,7 @@ def test_readers_count_what_they_skip(tmp_path):
 
 _SECRET_RUN = """
 import otel
-tel = otel.Telemetry.from_env(console=False, mode=__import__("sys").argv[1], export_interval_s=0.05)
+tel = otel.Telemetry.from_env("dflash", console=False, mode=__import__("sys").argv[1], export_interval_s=0.05)
 with tel.stage("model_forward", trace=("batch", 1), worker="t0"):
     pass
 tel.shutdown(timeout_s=3)

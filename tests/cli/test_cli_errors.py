@@ -1,0 +1,62 @@
+"""Bad input: one line naming the value, exit code 2, before any model loads."""
+import json
+import time
+
+import pytest
+
+from helpers import cli_before_torch, run_dflash
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "train.nope=1"], "train.nope"),
+    (["--set", "train.lr=fast"], "train.lr='fast'"),
+    (["--target", "./no/such/model"], "./no/such/model"),
+    (["--set", "data.path=/nonexistent/sharegpt.json"], "/nonexistent/sharegpt.json"),
+    (["--set", "model.block_size=1"], "model.block_size=1"),
+    (["--steps", "-1"], "train.steps=-1"),
+    (["--inject-delay", "warp_drive=1"], "warp_drive"),
+    (["--config", "/nonexistent.yaml"], "/nonexistent.yaml"),
+])
+def test_bad_train_input_exits_2_fast_with_one_line(tmp_path, args, needle):
+    t0 = time.perf_counter()
+    p = run_dflash("train", "--out", tmp_path / "run", *args, check=False, timeout=120)
+    took = time.perf_counter() - t0
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], p.stderr
+    assert not (tmp_path / "run").exists(), "nothing may be written for bad input"
+    assert took < 60  # generous: the point is that no model was loaded (that takes far longer)
+
+
+def test_unreadable_dataset_file(tmp_path):
+    bad = tmp_path / "garbage.json"
+    bad.write_text("this is not json {")
+    p = run_dflash("train", "--out", tmp_path / "run", "--set", f"data.path={bad}", check=False)
+    assert p.returncode == 2 and str(bad) in p.stderr
+
+
+def test_bad_input_leaves_existing_run_untouched(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "checkpoint" / "config.json").write_text(json.dumps({"keep": True}))
+    p = run_dflash("train", "--out", run, "--set", "model.block_size=0", check=False)
+    assert p.returncode == 2
+    assert json.loads((run / "checkpoint" / "config.json").read_text()) == {"keep": True}
+
+
+def test_eval_missing_checkpoint(tmp_path):
+    p = run_dflash("eval", "--checkpoint", tmp_path / "nope", check=False)
+    assert p.returncode == 2 and str(tmp_path / "nope") in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "model.block_size=1"], "model.block_size=1"),
+    (["--steps", "-1"], "train.steps=-1"),
+    (["--target", "./no/such/model"], "./no/such/model"),
+    (["--set", "data.path=/nonexistent/sharegpt.json"], "/nonexistent/sharegpt.json"),
+])
+def test_bad_input_fails_without_importing_torch(tmp_path, args, needle):
+    """Bad input in milliseconds: every check runs before torch / transformers are imported."""
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *args, heavy=True, timeout=120)
+    assert out == {"rc": 2, "heavy": []}, (out, lines)
+    assert needle in "\n".join(lines)

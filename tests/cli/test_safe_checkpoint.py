@@ -1,0 +1,164 @@
+"""Nothing loaded from disk runs code, and a checkpoint that does not fit is one line.
+
+- training state is written as safetensors + JSON (no pickle); an earlier version's
+  training_state.pt is read with torch's weights-only loader, so a crafted one is refused;
+- resume checks the checkpoint against the run (target, block size, layers, layer ids)
+  from its config.json, before torch loads;
+- `dflash eval` on a missing, corrupt or truncated checkpoint: one line, before torch.
+"""
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from helpers import TINY, cli_before_torch, run_dflash
+
+def _safetensors(path, *, cut: int = 0):
+    header = json.dumps({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    data = struct.pack("<Q", len(header)) + header + b"\0" * 8
+    path.write_bytes(data[:len(data) - cut] if cut else data)
+
+
+def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1, 2, 3)):
+    """A run dir as dflash train leaves it, written by hand (no torch needed)."""
+    from dflash.preflight import run_dir
+    run_dir.claim(str(out), resume=False, overwrite=False)
+    ck = out / "checkpoint"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps({
+        "block_size": block_size, "num_hidden_layers": layers, "target_layer_ids": list(layer_ids),
+        "copy_head": False, "target": target,
+        "dflash_run": {"model": {"target": target, "target_seed": 0}}}))
+    _safetensors(ck / "model.safetensors")
+    (ck / "trainer_state.json").write_text(json.dumps({"step": 1}))
+    return ck
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--target", "tiny-qwen3"], "model.target: the checkpoint was trained for target 'tiny-llama'"),
+    (["--target", "tiny-llama", "--set", "model.block_size=4"], "model.block_size: the checkpoint has 8, this run 4"),
+    (["--target", "tiny-llama", "--set", "model.num_layers=2"], "model.num_layers"),
+    (["--target", "tiny-llama", "--set", "model.target_layer_ids=1,2"], "model.target_layer_ids"),
+    (["--target", "tiny-llama", "--set", "model.num_target_layers=2"], "model.target_layer_ids"),
+    (["--target", "tiny-llama", "--set", "model.target_seed=3"], "model.target_seed"),
+])
+def test_resume_refuses_a_checkpoint_trained_for_something_else(tmp_path, args, needle):
+    _fake_run(tmp_path / "run")
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", *TINY, *args)
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_resume_needs_a_whole_checkpoint(tmp_path):
+    ck = _fake_run(tmp_path / "run")
+    _safetensors(ck / "model.safetensors", cut=3)
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama", *TINY)
+    assert out == {"rc": 2, "torch": False} and "truncated" in lines[0], lines
+
+
+@pytest.mark.parametrize("damage,needle", [
+    ("config", "config.json is not readable JSON"),
+    ("truncate", "model.safetensors is truncated"),
+    ("header", "model.safetensors is corrupt"),
+    ("missing", "no model.safetensors"),
+    ("file", "is a file"),
+])
+def test_eval_of_a_broken_checkpoint_is_one_line_before_torch(tmp_path, damage, needle):
+    ck = _fake_run(tmp_path / "run")
+    if damage == "config":
+        (ck / "config.json").write_bytes(b'{"block_size": 8, \xff')
+    elif damage == "truncate":
+        _safetensors(ck / "model.safetensors", cut=5)
+    elif damage == "header":
+        (ck / "model.safetensors").write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    elif damage == "missing":
+        (ck / "model.safetensors").unlink()
+    else:
+        ck = tmp_path / "afile"
+        ck.write_text("x")
+    out, lines = cli_before_torch("eval", "--checkpoint", ck)
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+_EVIL = """
+import os, pickle, sys
+class Evil:
+    def __reduce__(self):
+        return (os.system, ("touch " + sys.argv[2],))
+with open(sys.argv[1], "wb") as f:
+    pickle.dump({"step": 1, "optimizer": Evil()}, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = tmp_path_factory.mktemp("safe") / "run"
+    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY)
+    return out
+
+
+@pytest.mark.slow
+def test_training_state_is_written_without_pickle(trained):
+    ck = trained / "checkpoint"
+    names = sorted(p.name for p in ck.iterdir())
+    assert names == ["config.json", "model.safetensors", "trainer_state.json", "training_state.json",
+                     "training_state.safetensors"]
+    for p in ck.iterdir():  # no file is a pickle (0x80) or a torch.save zip (PK)
+        assert p.read_bytes()[:2] not in (b"PK",) and p.read_bytes()[:1] != b"\x80", p
+
+
+@pytest.mark.slow
+def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(trained, tmp_path):
+    import shutil
+    run = tmp_path / "shared"
+    shutil.copytree(trained, run)
+    ck = run / "checkpoint"
+    (ck / "training_state.json").unlink()
+    (ck / "training_state.safetensors").unlink()
+    pwned = tmp_path / "pwned"
+    subprocess.run([sys.executable, "-c", _EVIL, str(ck / "training_state.pt"), str(pwned)], check=True)
+    p = run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY,
+                   "--resume", check=False, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "interrupt" not in ln]
+    assert not pwned.exists(), "the checkpoint's pickle ran a command"
+    assert p.returncode == 2 and "refuses to unpickle" in lines[-1], p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_an_earlier_versions_plain_training_state_still_resumes(trained, tmp_path):
+    """Checkpoints from before this format (torch.save of tensors and plain values) load
+    through the weights-only loader: nothing to convert."""
+    import shutil
+
+    import torch
+
+    from dflash.checkpoint import state_tree
+    run = tmp_path / "old"
+    shutil.copytree(trained, run)
+    ck = run / "checkpoint"
+    tree = state_tree.load(ck / "training_state.safetensors", ck / "training_state.json")
+    torch.save(tree, ck / "training_state.pt")
+    (ck / "training_state.json").unlink()
+    (ck / "training_state.safetensors").unlink()
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY, "--resume")
+    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+
+
+def test_state_tree_round_trips_what_an_optimizer_holds(tmp_path):
+    import math
+
+    import torch
+
+    from dflash.checkpoint import state_tree
+    tree = {"optimizer": {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.ones(2, 3)}},
+                          "param_groups": [{"betas": (0.9, 0.999), "params": [0], "foreach": None}]},
+            "rng": torch.get_rng_state(), "x": [float("inf"), float("-inf"), 1.5], "__odd": {"__tensor__": 1}}
+    state_tree.save(tree, tmp_path / "t.safetensors", tmp_path / "t.json")
+    back = state_tree.load(tmp_path / "t.safetensors", tmp_path / "t.json")
+    assert back["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.999)
+    assert torch.equal(back["optimizer"]["state"][0]["exp_avg"], torch.ones(2, 3))
+    assert torch.equal(back["rng"], tree["rng"]) and back["x"][:2] == [math.inf, -math.inf]
+    assert back["__odd"] == {"__tensor__": 1}
+    with pytest.raises(TypeError, match="without pickle"):
+        state_tree.save({"f": object()}, tmp_path / "u.safetensors", tmp_path / "u.json")

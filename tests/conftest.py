@@ -1,0 +1,63 @@
+"""The test tiers and the fixtures more than one test file needs.
+
+Tiers, by folder (each folder's tests carry its marker, so `-m` picks tiers):
+
+  unit/         in-process: the code called directly (a few before-torch CLI probes)
+  cli/          the command line in a fresh interpreter: bad input, one line, exit 2
+  otel/         the telemetry layer alone, against OTLP receivers on loopback
+  integration/  training runs, the pipeline, torchrun             -> marked `slow`
+  backends/     real Collector, Jaeger, Prometheus, MLflow, browser -> marked `backends`
+
+A test that starts torchrun is marked `torchrun`, one that reaches the package index
+`network`, and one inside a quick tier that trains, regenerates or draws thousands of
+samples `slow`, each where it is defined.
+`make test-fast` deselects all four; `make test` runs everything.
+
+This directory is on sys.path (pytest's rootdir-relative imports), so every tier imports
+the shared `helpers` module; subprocess scripts are found by path from helpers.ROOT.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TIER_MARKERS = {"integration": "slow", "backends": "backends"}
+
+# the OTLP receivers (otel/otlp_receivers.py) serve the pipeline's tests too; appended, so
+# that nothing in tests/otel/ shadows an installed module
+sys.path.append(str(TESTS / "otel"))
+
+
+@pytest.hookimpl(tryfirst=True)   # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            tier = item.path.relative_to(TESTS).parts[0]
+        except ValueError:   # a test file outside tests/, named on the command line
+            continue
+        marker = TIER_MARKERS.get(tier)
+        if marker:
+            item.add_marker(marker)
+
+
+@pytest.fixture
+def tmp_cache(tmp_path, monkeypatch):
+    """DFLASH_CACHE in the test's own tmp dir: nothing read from or left in the shared cache."""
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tiny-qwen3 tokenizer."""
+    from dflash.model.target import load_tokenizer
+    return load_tokenizer("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """The tiny-qwen3 target (seed 0, float32, CPU) and its tokenizer: ``(model, tok)``."""
+    from dflash.model.target import load_target
+    return load_target("tiny-qwen3", seed=0)
