@@ -418,7 +418,7 @@ def validate(cfg: Config) -> None:
     _check_ranges(cfg)
     if m.drafter_init not in ("random", "target"):
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
-    if m.dtype == "float16":  # refused, not half-supported: see README "Precision"
+    if m.dtype == "float16":  # refused, not half-supported: see docs/gpu.md "Precision"
         raise ConfigError("model.dtype=float16: not supported (fp16 needs loss scaling, which this trainer "
                           "does not do, and bf16-trained targets can overflow in fp16); use bfloat16")
     if m.dtype not in ("auto", "float32", "bfloat16"):
