@@ -26,7 +26,7 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 TIER_MARKERS = {"integration": "slow", "backends": "backends"}
 
-# the OTLP receivers (otel/otlp_receivers.py) serve the pipeline's tests too; appended, so
+# the OTLP receivers (tests/otel/otlp_receivers.py) serve the pipeline's tests too; appended, so
 # that nothing in tests/otel/ shadows an installed module
 sys.path.append(str(TESTS / "otel"))
 

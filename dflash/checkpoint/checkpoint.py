@@ -57,7 +57,7 @@ class Snapshot:
     tensors: dict                     # drafter weights (device copies until written)
     training_state: dict | None
     state: dict
-    ready: object = None              # CUDA event: the device copies are complete
+    ready: torch.cuda.Event | None = None   # the device copies are complete (CUDA)
 
 
 def _clone(obj):

@@ -31,11 +31,15 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .layout import Layout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 END = -1
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -47,12 +51,12 @@ class PeerGone(RuntimeError):
 
 @dataclass
 class Groups:
-    credits: object
-    headers: object
-    data: object
-    drafters: object        # DDP among drafter ranks (NCCL on CUDA)
-    drafter_votes: object   # gloo among drafter ranks: stop vote, totals
-    setup: object           # gloo, all ranks, long timeout: data preparation may take minutes
+    credits: ProcessGroup
+    headers: ProcessGroup
+    data: ProcessGroup
+    drafters: ProcessGroup        # DDP among drafter ranks (NCCL on CUDA)
+    drafter_votes: ProcessGroup   # gloo among drafter ranks: stop vote, totals
+    setup: ProcessGroup           # gloo, all ranks, long timeout: data preparation may take minutes
     transport: str          # what carries the payload: nccl | gloo
 
 
