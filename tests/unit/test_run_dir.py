@@ -161,7 +161,7 @@ def test_a_killed_saves_temp_dirs_are_removed_by_the_next_save(tmp_path):
 
 
 def test_the_claim_takes_milliseconds_and_no_torch(tmp_path):
-    code = ("import sys, time; t=time.perf_counter(); from dflash import run_dir; "
+    code = ("import sys, time; t=time.perf_counter(); from dflash.preflight import run_dir; "
             f"run_dir.claim({str(tmp_path / 'r')!r}, resume=False, overwrite=False); "
             "print(time.perf_counter()-t, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
