@@ -225,11 +225,6 @@ def _stream_array(path: Path, chunk: int, max_record: int = MAX_RECORD_BYTES) ->
             yield obj
 
 
-def _normalize(record) -> list[dict] | None:
-    """A record -> a clean conversation, or None when it cannot be used (see `classify`)."""
-    return classify(record)[0]
-
-
 def _turn(t) -> dict | None:
     """One turn, ShareGPT's `from`/`value` or chat's `role`/`content`; None when neither."""
     if not isinstance(t, dict):
