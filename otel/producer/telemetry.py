@@ -21,6 +21,25 @@ from otel.summary import format_table, with_shares
 from otel.transport import InProcessTransport, ProcessTransport
 
 _TRUE = ("1", "true", "yes", "on")
+DEFAULT_METRIC_EXPORT_INTERVAL_S = 1.0
+
+
+def metric_interval_from_env() -> float:
+    """OTEL_METRIC_EXPORT_INTERVAL in seconds (the variable holds milliseconds), else the
+    1 s default. A value that is not a positive number is reported on one line and ignored,
+    as the OpenTelemetry spec asks of an SDK (telemetry never stops a run)."""
+    raw = os.environ.get("OTEL_METRIC_EXPORT_INTERVAL", "").strip()
+    if not raw:
+        return DEFAULT_METRIC_EXPORT_INTERVAL_S
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = -1.0
+    if not ms > 0 or ms == float("inf"):
+        print(f"otel: OTEL_METRIC_EXPORT_INTERVAL={raw!r} ignored: expected a positive number of milliseconds; "
+              f"using {DEFAULT_METRIC_EXPORT_INTERVAL_S * 1000:.0f}", file=sys.stderr)
+        return DEFAULT_METRIC_EXPORT_INTERVAL_S
+    return ms / 1000.0
 __all__ = ["Telemetry", "EXPORTER_NICE"]
 
 
@@ -88,7 +107,7 @@ class Telemetry:
     def from_env(cls, service_name, run_id=None, resource_attributes=None, file_dir=None,
                  console=True, console_interval_s=None, mode="process", gpu_indices=None,
                  metric_attributes=("worker", "device"), export_interval_s=0.1,
-                 metric_export_interval_s=1.0, max_queue=65536, **options):
+                 metric_export_interval_s=None, max_queue=65536, **options):
         """Build the layer from the standard OTEL_* environment (see docs/otel.md).
         `service_name` is the caller's (the `service.name` resource attribute and the
         prefix of the layer's own metrics, e.g. `{service_name}.stage.duration`);
@@ -104,11 +123,16 @@ class Telemetry:
         itself; default 3 and 15), wait_attributes (stage attributes holding seconds the
         stage spent waiting inside, shown apart from its work in the profile; default
         ("blocked_s", "wait_s")). OTEL_RESOURCE_ATTRIBUTES is merged into the resource
-        by the SDK on the exporter side; `resource_attributes` given here win."""
+        by the SDK on the exporter side; `resource_attributes` given here win.
+        `metric_export_interval_s` not given: OTEL_METRIC_EXPORT_INTERVAL (milliseconds, the
+        spec's unit) when set, else 1 s (live dashboards; the spec's 60 s default would leave
+        Prometheus a minute behind)."""
         if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
             return cls.disabled()
         service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
         run_id = str(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8))
+        if metric_export_interval_s is None:
+            metric_export_interval_s = metric_interval_from_env()
         return cls(service_name=service_name, run_id=run_id, resource_attributes=dict(resource_attributes or {}),
                    file_dir=file_dir, console=console, console_interval_s=console_interval_s,
                    mode=mode, gpu_indices=gpu_indices, metric_attributes=metric_attributes,
