@@ -166,15 +166,23 @@ def data_report(counts: dict, *, max_len: int, samples: int) -> str:
     if "conversations" in counts:
         short = f" (asked for {counts['asked']})" if counts["conversations"] < counts.get("asked", 0) else ""
         held = f", {counts['held_out']} held out for eval" if counts.get("held_out") else ""
+        if counts.get("held_out_repeats"):
+            held += f" ({counts['held_out_repeats']} repeating a held-out prompt left out of training)"
+        if counts.get("held_out_repeats"):
+            held += f" ({counts['held_out_repeats']} repeating a held-out prompt left out of training)"
         read += f"{counts['conversations']} conversations{short}{held}, "
     return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
             f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")
 
 
-def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0) -> tuple[list, list]:
+def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0,
+                  key=None, counts: dict | None = None) -> tuple[list, list]:
     """Deterministic ``(train, eval)`` split; both keep the input order.
 
     ``max(min_eval, ceil(eval_fraction * n))`` items go to eval, but never more than half.
+    ``key(item)``, when given, returns the set of keys an item is known by: a training item
+    that shares one with a held-out item is left out of training (``counts['held_out_repeats']``),
+    so a prompt that occurs twice in a data set is never both trained on and scored.
     """
     items = list(items)
     n = len(items)
@@ -182,7 +190,14 @@ def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed
     order = list(range(n))
     random.Random(seed).shuffle(order)
     held = set(order[:n_eval])
-    return [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+    train, ev = [x for i, x in enumerate(items) if i not in held], [x for i, x in enumerate(items) if i in held]
+    if key is not None:
+        seen = set().union(*(key(x) for x in ev))
+        kept = [x for x in train if seen.isdisjoint(key(x))]
+        if counts is not None:
+            counts["held_out_repeats"] = len(train) - len(kept)
+        train = kept
+    return train, ev
 
 
 # ----------------------------------------------------------------------------- prompts and regeneration

@@ -210,22 +210,36 @@ def read_bench(name: str) -> PromptSet:
 # -------------------------------------------------------------------- leaks
 
 
-def _norm(text: str) -> str:
+def normalized_text(text: str) -> str:
+    """Whitespace collapsed: two copies of a prompt that differ only in spacing are one prompt."""
     return " ".join(text.split())
 
 
-def overlap(dialogs: list[Dialog], train_convs, near: int = 200) -> list[str]:
+# a prompt cut to this many characters identifies it: ShareGPT repeats long templated prompts
+# that differ only past the point where regeneration and eval cut them (64-128 tokens)
+PROMPT_HEAD_CHARS = 200
+
+
+def user_turn_keys(conv) -> set[str]:
+    """What a conversation's user turns are known by, for the run's own split
+    (`data.dataset.split_heldout`: a training conversation that shares one with a held-out
+    conversation is left out of training): each turn's normalised text, cut to
+    ``PROMPT_HEAD_CHARS`` characters."""
+    return {normalized_text(m["content"])[:PROMPT_HEAD_CHARS] for m in conv if m["role"] == "user"}
+
+
+def overlap(dialogs: list[Dialog], train_convs, near: int = PROMPT_HEAD_CHARS) -> list[str]:
     """Ids of the dialogs whose first user turn is also a user turn of a training
     conversation: the same text (whitespace aside), the same first `near` characters (a
     near-duplicate: ShareGPT repeats long templated prompts, and a prompt cut to the eval's
     length is then the very prompt trained on), or the start of one (a held-out prompt cut
     short). A drafter trained on the target's reply to a prompt looks better on it than it is."""
-    seen = {_norm(m["content"]) for c in train_convs for m in c if m["role"] == "user"}
+    seen = {normalized_text(m["content"]) for c in train_convs for m in c if m["role"] == "user"}
     heads = {s[:near] for s in seen}
     long = [s for s in seen if len(s) >= 32]
     out = []
     for d in dialogs:
-        t = _norm(d.turns[0]) if d.turns else ""
+        t = normalized_text(d.turns[0]) if d.turns else ""
         if t and (t[:near] in heads if len(t) >= near else t in seen or
                   (len(t) >= 32 and any(s.startswith(t) for s in long))):
             out.append(d.id)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from ..config import Config
 from ..data import dataset as data_mod
+from ..data.prompt_sets import user_turn_keys
 from ..preflight.inputs import cache_dir
 from .regen_cache import RegenCache
 from .regen_shard import SOLO, Shard
@@ -38,7 +39,10 @@ def should_regenerate(cfg: Config) -> bool:
 def split(cfg: Config, counts: dict | None = None):
     convs = data_mod.load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations,
                                         seed=cfg.train.seed, counts=counts)
-    return data_mod.split_heldout(convs, eval_fraction=cfg.data.eval_fraction, seed=cfg.train.seed)
+    # a conversation that repeats a held-out prompt (ShareGPT holds many) stays out of training:
+    # a drafter trained on the target's reply to an eval prompt scores what it memorised
+    return data_mod.split_heldout(convs, eval_fraction=cfg.data.eval_fraction, seed=cfg.train.seed,
+                                  key=user_turn_keys, counts=counts)
 
 
 def _regen_cached(cfg: Config, target, tokenizer, convs, device, layer_ids=None, shard: Shard = SOLO,

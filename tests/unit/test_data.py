@@ -66,6 +66,30 @@ def test_split_heldout_deterministic_disjoint():
     assert len(D.split_heldout(items[:6], seed=0)[1]) == 3  # never more than half
 
 
+def test_split_keeps_repeats_of_held_out_prompts_out_of_training():
+    from dflash.data.prompt_sets import user_turn_keys
+
+    def conv(text, reply="ok"):
+        return [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+
+    long = "Translate the following text into French, keeping the tone: " * 5  # > 200 characters
+    items = [conv(f"question {i}") for i in range(40)]
+    # repeats: the same prompt with other spacing, the same long template with another tail,
+    # and one as a later user turn; an unrelated conversation stays
+    items += [conv("Hello there", "other reply"), conv(long + "second text"),
+              conv("x") + conv("Hello there"), conv("Hello there, friend")]
+    _, ev0 = D.split_heldout(items, seed=2)
+    held = [items.index(c) for c in ev0]
+    assert not set(held) & {40, 41, 42, 43}, "pick another seed: a repeat itself was held out"
+    items[held[0]], items[held[1]] = conv("  Hello   there "), conv(long + "first text")
+    counts = {}
+    train, ev = D.split_heldout(items, seed=2, key=user_turn_keys, counts=counts)
+    assert len(ev) == 8 and counts == {"held_out_repeats": 3}
+    assert conv("Hello there, friend") in train and not any(set(user_turn_keys(t)) & set().union(
+        *map(user_turn_keys, ev)) for t in train)
+    # without a key, the split is the plain one (the held-out indices do not depend on the key)
+    assert [items.index(c) for c in D.split_heldout(items, seed=2)[1]] == [items.index(c) for c in ev]
+
 def _samples():
     return [D.Sample(list(range(1, n + 1)), [0] * (n // 2) + [1] * (n - n // 2)) for n in range(3, 40)]
 
