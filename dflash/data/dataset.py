@@ -168,8 +168,6 @@ def data_report(counts: dict, *, max_len: int, samples: int) -> str:
         held = f", {counts['held_out']} held out for eval" if counts.get("held_out") else ""
         if counts.get("held_out_repeats"):
             held += f" ({counts['held_out_repeats']} repeating a held-out prompt left out of training)"
-        if counts.get("held_out_repeats"):
-            held += f" ({counts['held_out_repeats']} repeating a held-out prompt left out of training)"
         read += f"{counts['conversations']} conversations{short}{held}, "
     return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
             f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")

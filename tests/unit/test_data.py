@@ -85,6 +85,8 @@ def test_split_keeps_repeats_of_held_out_prompts_out_of_training():
     counts = {}
     train, ev = D.split_heldout(items, seed=2, key=user_turn_keys, counts=counts)
     assert len(ev) == 8 and counts == {"held_out_repeats": 3}
+    line = D.data_report(counts | {"conversations": 44, "held_out": 8}, max_len=64, samples=len(train))
+    assert line.count("3 repeating a held-out prompt left out of training") == 1, line
     assert conv("Hello there, friend") in train and not any(set(user_turn_keys(t)) & set().union(
         *map(user_turn_keys, ev)) for t in train)
     # without a key, the split is the plain one (the held-out indices do not depend on the key)
