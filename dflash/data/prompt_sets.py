@@ -220,12 +220,19 @@ def normalized_text(text: str) -> str:
 PROMPT_HEAD_CHARS = 200
 
 
+def prompt_identity(text: str) -> str:
+    """What makes two prompts one for the leak rules: case, punctuation and spacing aside
+    ("Continue" and "continue." get the same stock reply from a target), cut to
+    ``PROMPT_HEAD_CHARS`` characters."""
+    folded = "".join(ch if ch.isalnum() else " " for ch in text.casefold())
+    return normalized_text(folded)[:PROMPT_HEAD_CHARS]
+
+
 def user_turn_keys(conv) -> set[str]:
     """What a conversation's user turns are known by, for the run's own split
     (`data.dataset.split_heldout`: a training conversation that shares one with a held-out
-    conversation is left out of training): each turn's normalised text, cut to
-    ``PROMPT_HEAD_CHARS`` characters."""
-    return {normalized_text(m["content"])[:PROMPT_HEAD_CHARS] for m in conv if m["role"] == "user"}
+    conversation is left out of training)."""
+    return {prompt_identity(m["content"]) for m in conv if m["role"] == "user"}
 
 
 def overlap(dialogs: list[Dialog], train_convs, near: int = PROMPT_HEAD_CHARS) -> list[str]:

@@ -74,9 +74,9 @@ def test_split_keeps_repeats_of_held_out_prompts_out_of_training():
 
     long = "Translate the following text into French, keeping the tone: " * 5  # > 200 characters
     items = [conv(f"question {i}") for i in range(40)]
-    # repeats: the same prompt with other spacing, the same long template with another tail,
-    # and one as a later user turn; an unrelated conversation stays
-    items += [conv("Hello there", "other reply"), conv(long + "second text"),
+    # repeats: the same prompt with other spacing, case and punctuation, the same long template
+    # with another tail, and one as a later user turn; an unrelated conversation stays
+    items += [conv("HELLO, there!", "other reply"), conv(long + "second text"),
               conv("x") + conv("Hello there"), conv("Hello there, friend")]
     _, ev0 = D.split_heldout(items, seed=2)
     held = [items.index(c) for c in ev0]
