@@ -474,9 +474,12 @@ def test_chromium_shows_the_runs_curves_in_tensorboard_and_mlflow(served_run, ml
                 page.wait_for_selector("text=train/loss", timeout=60_000)
                 page.wait_for_function("() => [...document.querySelectorAll('line-chart svg path')]"
                                        ".some(p => (p.getAttribute('d') || '').length > 20)", timeout=60_000)
+                # the rendered text, not the HTML: a card's title may split a tag's path over spans, and
+                # cards render lazily, so wait for all three names rather than read them once
+                page.wait_for_function("names => { const t = document.body.innerText.replace(/\\s+/g, '');"
+                                       " return names.every(n => t.includes(n)); }",
+                                       arg=["train/loss", "train/acc", "served-run"], timeout=60_000)
                 page.screenshot(path=str(tmp_path / "tensorboard.png"))
-                dom = page.content()
-                assert "train/loss" in dom and "train/acc" in dom and "served-run" in dom
                 # MLflow: the run's metric charts, narrowed to the training curves
                 page.goto(f"{mlflow_server.url}/#/experiments/{r.info['experiment_id']}/runs/{r.info['run_id']}"
                           "/model-metrics")
