@@ -1,0 +1,28 @@
+"""configs/demo.yaml and configs/demo-long.yaml: the long demo is the demo's recipe with more
+data and steps (same target, drafter and eval), and both hold out exactly the 16 prompts
+their eval scores."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from helpers import ROOT
+from dflash.config import load_config
+
+DEMO, LONG = (load_config(str(ROOT / "configs" / f"{name}.yaml")) for name in ("demo", "demo-long"))
+
+
+def test_the_long_demo_changes_data_and_training_only():
+    assert dataclasses.asdict(LONG.model) == dataclasses.asdict(DEMO.model)
+    assert dataclasses.asdict(LONG.eval) == dataclasses.asdict(DEMO.eval)
+    assert not LONG.model.copy_head  # its figure is the served drafter's
+    assert LONG.data.num_conversations > 5 * DEMO.data.num_conversations
+    assert LONG.train.steps >= 5 * DEMO.train.steps
+    assert LONG.out == "runs/demo-long" != DEMO.out
+
+
+def test_each_demo_holds_out_the_prompts_its_eval_scores():
+    for cfg in (DEMO, LONG):
+        held = max(8, math.ceil(cfg.data.eval_fraction * cfg.data.num_conversations))  # split_heldout's rule
+        assert held == cfg.eval.prompts == 16
+        assert cfg.train.estimate_samples == 16
