@@ -75,8 +75,9 @@ class TrainConfig:
                                          # data sets that fit (demo: ~120 seqs x 160 tokens x 3 layers, ~130 MB)
     loss: str = "ce"                     # ce (the target's greedy token) | kl (forward KL to the target's
                                          # distribution) | lk (LK hybrid: KL -> acceptance); run/step.py
-    loss_weights: str = "decay"          # per-slot weights: decay (fixed, loss_gamma) | dpace (from the
-                                         # drafter's own confidence, D-PACE); run/step.py
+    loss_weights: str = "dpace"          # per-slot weights: dpace (from the drafter's own confidence, D-PACE;
+                                         # the field's default, >= decay in docs/losses.md) | decay (the
+                                         # paper's fixed decay, loss_gamma); run/step.py
     kl_topk: int = 64                    # kl / lk: the target's k most likely tokens + one bucket for the rest;
                                          # 0: the whole distribution (online only). Captures keep k per token
     dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a

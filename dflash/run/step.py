@@ -7,12 +7,13 @@ host reads of device tensors:
 Loss, accuracy and grad norm come back as device tensors and are read later:
 `DeferredScalars`, at the end, copies them to the host without stalling the loop.
 
-The losses beyond the default (`train.loss`, `train.loss_weights`), below `TrainStep`:
+The losses beyond the paper's (`train.loss`, `train.loss_weights`), below `TrainStep`:
 
 Every loss here is per scored slot (a block's slots 1..B-1 at each anchor), then weighted
-and normalised as the default is: ``sum(w * l) / sum(w)``. The default, CE on the
-target's greedy token with the fixed decay, stays `drafter.weighted_block_loss` untouched
-(its loss histories are guarded bit for bit); this module adds:
+and normalised as the paper's is: ``sum(w * l) / sum(w)``. The paper's loss, CE on the
+target's greedy token with the fixed decay (`train.loss_weights=decay`), stays
+`drafter.weighted_block_loss` untouched (its loss histories are guarded bit for bit); this
+module adds the rest, D-PACE (the default weights) among them:
 
 - ``train.loss=kl``: forward KL(p || q) from the target's next-token distribution p at the
   slot's position to the drafter's q. p comes from the target's lm_head on its last hidden
@@ -84,8 +85,8 @@ class TrainStep:
         self.weights = loss_weights(block_size, train.loss_gamma or None).to(self.device)[1:]
         self.step = 0
         self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
-        # CE + the fixed decay is the default, kept as it always was (tests/integration/test_loss_guard.py)
-        self.default_loss = train.loss == "ce" and train.loss_weights == "decay"
+        # the paper's loss, CE + the fixed decay, kept as it always was (tests/integration/test_loss_guard.py)
+        self.paper_loss = train.loss == "ce" and train.loss_weights == "decay"
         self.target_dist = needs_target_distribution(train.loss)
 
     def use_loss_vocab(self, samples) -> None:
@@ -120,7 +121,7 @@ class TrainStep:
         Bk = self.block_size
         pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
         label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)
-        if self.default_loss:
+        if self.paper_loss:
             return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
         targets = self.slot_targets(last, batch, anchors, head) if self.target_dist else None
         t = self.train

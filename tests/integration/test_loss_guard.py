@@ -25,7 +25,8 @@ from helpers import ROOT, TINY, free_port, run_dflash
 
 DATA = Path(__file__).parent / "data" / "loss_histories.json"
 RECORD = os.environ.get("DFLASH_RECORD_LOSS_GUARD") == "1"
-COMMON = ["--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY]
+# the paper's loss (CE, fixed decay): the histories were recorded with it, before D-PACE became the default
+COMMON = ["--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY, "--set", "train.loss_weights=decay"]
 
 
 def _machine() -> dict:

@@ -229,7 +229,8 @@ def _history(run):
 def test_kl_and_dpace_train_and_differ_from_ce(tmp_path):
     common = ["--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY]
     hist = {}
-    for name, sets in (("ce", []), ("kl", ["--set", "train.loss=kl"]),
+    for name, sets in (("ce", ["--set", "train.loss_weights=decay"]),
+                       ("kl", ["--set", "train.loss=kl", "--set", "train.loss_weights=decay"]),
                        ("dpace", ["--set", "train.loss_weights=dpace"])):
         run_dflash("train", "--out", tmp_path / name, *common, *sets)
         hist[name] = _history(tmp_path / name)
