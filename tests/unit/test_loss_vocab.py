@@ -13,8 +13,9 @@ from dflash.run.step import TrainStep
 
 
 def _step(k: int):
+    # the paper's weights: the subset loss is compared with weighted_block_loss by hand below
     cfg = load_config(None, ["model.target=tiny-qwen3", "model.block_size=4", "train.num_anchors=4",
-                             f"train.loss_vocab={k}"])
+                             f"train.loss_vocab={k}", "train.loss_weights=decay"])
     target, tok = target_mod.load_target("tiny-qwen3")
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
