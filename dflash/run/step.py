@@ -296,7 +296,7 @@ def dpace_weights(label_logq: torch.Tensor, mask: torch.Tensor, alpha: float) ->
 
 def block_loss(logits, labels, anchor_valid, label_mask, decay, *, loss: str = "ce", weighting: str = "decay",
                targets: SlotTargets | None = None, dpace_alpha: float = 0.5, lk_eta: float = 3.0):
-    """The loss for every (loss, weighting) pair but the default (drafter.weighted_block_loss).
+    """The loss for every (loss, weighting) pair but the paper's (drafter.weighted_block_loss).
 
     logits [B, A, K, V']; labels / label_mask [B, A, K]; decay [K]: the fixed decay weights,
     used for weighting="decay" and always for the reported accuracy (so accuracies compare

@@ -4,10 +4,10 @@ their eval scores."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 from helpers import ROOT
 from dflash.config import load_config
+from dflash.data.dataset import split_heldout
 
 DEMO, LONG = (load_config(str(ROOT / "configs" / f"{name}.yaml")) for name in ("demo", "demo-long"))
 
@@ -23,6 +23,6 @@ def test_the_long_demo_changes_data_and_training_only():
 
 def test_each_demo_holds_out_the_prompts_its_eval_scores():
     for cfg in (DEMO, LONG):
-        held = max(8, math.ceil(cfg.data.eval_fraction * cfg.data.num_conversations))  # split_heldout's rule
-        assert held == cfg.eval.prompts == 16
+        _, held = split_heldout(range(cfg.data.num_conversations), eval_fraction=cfg.data.eval_fraction)
+        assert len(held) == cfg.eval.prompts == 16
         assert cfg.train.estimate_samples == 16
