@@ -222,7 +222,14 @@ class _TargetRunner:
         return saved
 
     def _restore(self, saved: list, length: int) -> None:
+        """Back to the cache as it was before the last forward, `length` tokens long."""
         for layer, states in zip(self.cache.layers, saved):
+            # transformers >= 5.25 counts a linear layer's tokens itself, and a hybrid model
+            # takes its positions from the first layer's count (a linear one in qwen3_5): put
+            # it back too, or every later position (RoPE, mask) is off by the rejected drafts
+            count = getattr(layer, "cumulative_length_linear", None)
+            if isinstance(count, torch.Tensor):
+                count.fill_(length)
             if states is not None:
                 for i, st in states.items():
                     if st is None:  # the layer had no state before: forget what the verify wrote

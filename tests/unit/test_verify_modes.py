@@ -63,6 +63,41 @@ def test_snapshot_path_equals_rerun_path_on_hybrid_target(hybrid, good):
     assert set(fast.acceptance[:-1]) == {good + 1}
 
 
+@pytest.mark.parametrize("mode", ["snapshot", "rerun"])
+def test_every_forward_sees_the_positions_of_its_tokens(hybrid, mode):
+    """Positions, not only tokens: each target forward's position ids are consecutive and
+    start where its first token sits in the final sequence (that token is always kept: a
+    pending one or the anchor). transformers 5.25 counts a linear layer's tokens itself and
+    takes a hybrid model's positions from that count, so a restore that forgot it shifted
+    every later position by the rejected drafts (RoPE and mask off, logits 0.23 off) while
+    the argmax tokens of a tiny target still matched."""
+    model, tok = hybrid
+    prompt = _prompts(tok)[1]
+    ref = greedy_generate(model, prompt, max_new_tokens=16 + BK)
+    d = PartlyRightDrafter(_cfg(model, tok), ref, len(prompt), good=2)
+    fed, ids = [], []
+    dec = model.get_decoder()
+    hooks = [dec.rotary_emb.register_forward_pre_hook(
+                 lambda m, a, kw: fed.append(a[1] if len(a) > 1 else kw["position_ids"]), with_kwargs=True),
+             dec.register_forward_pre_hook(lambda m, a, kw: ids.append(kw["input_ids"][0].tolist()), with_kwargs=True)]
+    try:
+        res = speculative_generate(model, d, prompt, max_new_tokens=16, mode=mode)
+    finally:
+        for h in hooks:
+            h.remove()
+    final = prompt + res.tokens
+    assert res.tokens == ref[:16] and len(fed) == len(ids) > 3
+    starts = []
+    for pos, tokens in zip(fed, ids):
+        row = pos.reshape(-1, pos.shape[-1])[0].tolist()  # mrope: every section carries the text positions
+        assert row == list(range(row[0], row[0] + len(tokens))), f"not the positions of {len(tokens)} tokens: {row}"
+        assert tokens[0] == final[row[0]], f"token {tokens[0]} fed at position {row[0]}, which holds {final[row[0]]}"
+        starts.append(row[0])
+    assert starts[0] == 0
+    if mode == "rerun":  # every forward is the whole sequence from 0
+        assert set(starts) == {0}
+
+
 def test_untrained_drafter_snapshot_equals_rerun_and_greedy(hybrid):
     """A real (random) drafter: mostly rejected drafts, the state is restored every step."""
     model, tok = hybrid
@@ -97,7 +132,7 @@ def test_partial_accept_restores_states_and_continues_exactly(hybrid):
     in front of the next forward): what follows equals a clean forward of the sequence."""
     model, tok = hybrid
     prompt = _prompts(tok)[0]
-    r = _TargetRunner(model, [1], "snapshot", max_pending=8)
+    r = _TargetRunner(model, [1, 2], "snapshot", max_pending=8)  # layer 2 attends: its output depends on positions
     r.forward(prompt)
     r.commit(prompt, len(prompt))
     lin = [layer for layer in r.cache.layers if hasattr(layer, "recurrent_states")]
@@ -112,7 +147,7 @@ def test_partial_accept_restores_states_and_continues_exactly(hybrid):
     with torch.no_grad():
         ref = model(input_ids=torch.tensor([prompt + [10, 20, 21]]), use_cache=False, output_hidden_states=True)
     assert preds.tolist() == ref.logits[0, -2:].argmax(-1).tolist()
-    torch.testing.assert_close(feats, ref.hidden_states[2][0, -2:], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(feats, torch.cat(ref.hidden_states[2:4], -1)[0, -2:], rtol=1e-4, atol=1e-4)
     r.commit([20, 21], 2)  # a full accept: nothing pending any more
     assert r.pending == [] and r.cache.get_seq_length() == len(prompt) + 3
     for k in range(3):  # partial accepts pile up to max_pending, then are replayed on their own
