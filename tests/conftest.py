@@ -61,3 +61,23 @@ def tiny():
     """The tiny-qwen3 target (seed 0, float32, CPU) and its tokenizer: ``(model, tok)``."""
     from dflash.model.target import load_target
     return load_target("tiny-qwen3", seed=0)
+
+
+# ----------------------------------------------------------------------------- time by tier
+# `make test` ends with the wall time each tier took (setup, call and teardown of its tests),
+# so a CI run says where its minutes went; `--durations=15` names the slowest tests.
+_tier_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    try:
+        tier = Path(str(report.fspath)).resolve().relative_to(TESTS).parts[0]
+    except ValueError:
+        tier = "other"
+    _tier_seconds[tier] = _tier_seconds.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _tier_seconds:
+        parts = ", ".join(f"{t} {s / 60:.1f} min" for t, s in sorted(_tier_seconds.items(), key=lambda kv: -kv[1]))
+        terminalreporter.write_line(f"time by tier: {parts}")
