@@ -51,7 +51,7 @@ test: setup vllm
 
 # The quick tiers (tests/unit, tests/cli, tests/otel; see tests/conftest.py): no training
 # runs, torchrun, real backends or package index; ends with its wall time
-FAST   := not slow and not torchrun and not backends and not network
+FAST   := not slow and not torchrun and not backends and not network and not engine
 test-fast: setup
 	@t0=$$(date +%s); $(PY) -m pytest -q -m "$(FAST)"; rc=$$?; \
 	echo "test-fast: $$(( $$(date +%s) - t0 )) s wall (exit $$rc)"; exit $$rc

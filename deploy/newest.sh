@@ -15,7 +15,7 @@ LOCK=requirements/lock.txt
 VENV=${NEWEST_VENV:-.venv-newest}
 TORCH=${TORCH:-torch==2.13.0}
 EXTRAS=${EXTRAS:-test}
-FAST=${FAST:-not slow and not torchrun and not backends and not network}
+FAST=${FAST:-not slow and not torchrun and not backends and not network and not engine}
 # the decode tests: some carry `slow` (real regenerations, long sampling checks) and are
 # deselected by the quick tiers, so they are named here as well
 DECODE="tests/unit/test_verify_modes.py tests/unit/test_spec_decode.py tests/unit/test_spec_sampling.py tests/unit/test_eval_baseline.py"

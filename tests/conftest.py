@@ -7,11 +7,12 @@ Tiers, by folder (each folder's tests carry its marker, so `-m` picks tiers):
   otel/         the telemetry layer alone, against OTLP receivers on loopback
   integration/  training runs, the pipeline, torchrun             -> marked `slow`
   backends/     real Collector, Jaeger, Prometheus, MLflow, browser -> marked `backends`
+  engine/       real vLLM engines (.venv-vllm, `make vllm`)     -> marked `engine`
 
 A test that starts torchrun is marked `torchrun`, one that reaches the package index
 `network`, and one inside a quick tier that trains, regenerates or draws thousands of
 samples `slow`, each where it is defined.
-`make test-fast` deselects all four; `make test` runs everything.
+`make test-fast` deselects all five; `make test` runs everything.
 
 This directory is on sys.path (pytest's rootdir-relative imports), so every tier imports
 the shared `helpers` module; subprocess scripts are found by path from helpers.ROOT.
@@ -24,7 +25,7 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-TIER_MARKERS = {"integration": "slow", "backends": "backends"}
+TIER_MARKERS = {"integration": "slow", "backends": "backends", "engine": "engine"}
 
 # the OTLP receivers (tests/otel/otlp_receivers.py) serve the pipeline's tests too; appended, so
 # that nothing in tests/otel/ shadows an installed module

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-NAMES = ("train", "eval", "export", "stalls", "timeline", "watch", "data", "capture")
+NAMES = ("train", "eval", "export", "serve", "stalls", "timeline", "watch", "data", "capture")
 
 
 def command(name: str):

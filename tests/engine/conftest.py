@@ -1,0 +1,36 @@
+"""The engine tier: vLLM (the CPU build, in .venv-vllm) run as users serve with it.
+
+Each test here starts real vLLM engines (about a minute each on 2 cores), so the tier is
+marked `engine` (tests/conftest.py) and left out of `make test-fast`; `make test` runs it
+after `make vllm`. Without the engine venv the tests skip, saying how to get it."""
+from __future__ import annotations
+
+import pytest
+
+from helpers import TINY, run_dflash
+
+
+def _engine_python():
+    from dflash.engine.runner import EngineError, engine_python
+    try:
+        return engine_python()
+    except EngineError as e:
+        return str(e)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def engine_venv():
+    py = _engine_python()
+    if isinstance(py, str):
+        pytest.skip(py)
+    return py
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory):
+    """A tiny-qwen3 drafter trained for 30 steps, and its served-format export (float32)."""
+    run = tmp_path_factory.mktemp("engine") / "tiny"
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 30, "--no-telemetry", *TINY)
+    export = run.parent / "tiny-export"
+    run_dflash("export", "--checkpoint", run / "checkpoint", "--out", export, "--dtype", "float32")
+    return export
