@@ -524,5 +524,9 @@ def resolve_dtype(cfg: Config, device: str):
     return getattr(torch, cfg.model.dtype)
 
 
+def dumps(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def dump(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(dumps(cfg))

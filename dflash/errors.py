@@ -77,8 +77,10 @@ def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path
         return text, None
     path = error_file(out)
     try:
+        from otel.confined import write_text
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_text(path, text)  # a link in its place is refused, never followed
     except OSError:
         return text, None
     return text, path

@@ -219,6 +219,9 @@ def run(a) -> int:
     _check_args(a)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
+    if a.trackers:  # a drafter dir handed over never chooses where figures go (docs/failures.md)
+        from ..trackers import check_eval_destination
+        check_eval_destination(tracker_run_dir(dirs), a.trackers, repr(str(dirs[0].path)))
     from ..preflight.inputs import check_target_spec
 
     # a hub id that does not exist or cannot be reached: one line now, not after a minute
@@ -376,16 +379,40 @@ def results_table(results: list[dict]) -> str:
 side_by_side_table = results_table  # older name
 
 
+def run_dir_of(path: Path) -> Path | None:
+    """The dflash training run dir a drafter dir sits in (RUN/checkpoint, RUN/checkpoint.old,
+    RUN/export, RUN/best/checkpoint, RUN/best/export), or None: a drafter dir anywhere else
+    (a download, an export someone handed over) is data, never where figures go."""
+    from ..preflight.run_dir import is_run_dir
+
+    path = Path(path).absolute()
+    for run in (path.parent, path.parent.parent if path.parent.name == "best" else None):
+        if run is not None and not path.is_symlink() and is_run_dir(run):
+            return run
+    return None
+
+
+def tracker_run_dir(dirs) -> Path | None:
+    """Where `--tracker` puts an eval's figures: the run dir of the first run checkpoint,
+    else of the first export of ours, that sits inside a training run dir; else None."""
+    for kind in ("checkpoint", "export"):
+        for d in dirs:
+            run = run_dir_of(d.path) if d.kind == kind else None
+            if run is not None:
+                return run
+    return None
+
+
 def log_trackers(dirs, results, names) -> None:
     """One drafter: its figures (tau, prompt lookup's, the per-position shares, each set's)
     into the training run's trackers. Several: every drafter's figures under compare/<i>/...,
-    into the first training run's trackers."""
+    into the first training run's trackers (tracker_run_dir)."""
     from .. import trackers
 
-    ours = [d for d in dirs if d.kind == "checkpoint"]
-    run_dir = ours[0].path.parent if ours else Path(dirs[0].path)
+    run_dir = tracker_run_dir(dirs)
+    name = Path(dirs[0].path).name
     if len(results) == 1:
-        trackers.log_eval(run_dir, results[0], names)
+        trackers.log_eval(run_dir, results[0], names, name=name)
         return
     summary = {}
     for i, res in enumerate(results):
@@ -393,4 +420,11 @@ def log_trackers(dirs, results, names) -> None:
                     f"compare/{i}/tokens_per_s": res.get("tokens_per_s"), f"compare/{i}/lossless": res.get("lossless")}
         if res.get("baseline"):
             summary[f"compare/{i}/tau_baseline"] = res["baseline"]["acceptance_length"]
-    trackers.log_eval(run_dir, results[0], names, summary=summary)
+    trackers.log_eval(run_dir, results[0], names, summary=summary, name=name)
+
+
+def what_next(a) -> str:
+    """After a second Ctrl-C: eval keeps nothing on disk until its table is printed."""
+    import shlex
+
+    return f"no figures were reported (eval writes nothing before its table); run it again: dflash {shlex.join(a.argv)}"
