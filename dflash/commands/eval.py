@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
+from ..config import MAX_NEW_TOKENS, MAX_SEED, ConfigError, check_sampling, load_config
 from ..errors import stop_on_signal
 
 
@@ -67,6 +67,8 @@ def _check_args(a) -> None:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
     if a.max_new_tokens is not None and a.max_new_tokens > MAX_NEW_TOKENS:
         raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
+    if a.seed is not None and not 0 <= a.seed <= MAX_SEED:
+        raise ConfigError(f"--seed={a.seed}: expected an integer >= 0 and <= {MAX_SEED}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
     from ..data import prompt_sets
@@ -74,7 +76,9 @@ def _check_args(a) -> None:
     a.bench_names = prompt_sets.bench_names(a.bench) if getattr(a, "bench", None) is not None else []
     for name in a.bench_names:
         prompt_sets.bench_file(name)  # installed? one line naming the package if not
-    if getattr(a, "prompts_from", None):
+    if getattr(a, "prompts_from", None) is not None:
+        if not a.prompts_from.strip():  # never the held-out prompts in its place
+            raise ConfigError(f"--prompts-from {a.prompts_from!r}: expected a file of prompts (an empty path)")
         from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
 
@@ -151,7 +155,7 @@ def _file_sets(a) -> list:
     from ..data import prompt_sets
 
     sets = [prompt_sets.read_bench(n).capped(a.prompts) for n in a.bench_names]
-    if getattr(a, "prompts_from", None):
+    if getattr(a, "prompts_from", None) is not None:
         ps = prompt_sets.read_file(a.prompts_from).capped(a.prompts)
         while ps.name in {s.name for s in sets}:
             ps.name += "'"

@@ -19,6 +19,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from ..config import derived_seed
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
 from ..model.prompt_lookup import METHOD, RULE, PromptLookup
@@ -177,7 +178,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     for i, dialog in enumerate(tqdm(prompt_set.dialogs, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
             break
-        gens = {name: torch.Generator().manual_seed(seed + i) if sampled else None for name in methods}
+        gens = {name: torch.Generator().manual_seed(derived_seed(seed, i)) if sampled else None for name in methods}
         records = {name: [] for name in methods}
         replies: list[str] = []
         for t in range(len(dialog.turns) if dialog.ids is None else 1):
