@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
     e.add_argument("--prompts", type=int)
     e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--max-prompt-len", type=int,
+                   help="cut held-out and --prompts-from prompts to this many tokens (default: eval.max_prompt_len)")
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
     e.add_argument("--no-lossless-check", action="store_true")
     e.add_argument("--no-copy-head", action="store_true",
@@ -62,11 +64,14 @@ def _check_args(a) -> None:
     named = trackers.parse(getattr(a, "tracker", None))
     trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
     a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
-    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
+    a.max_prompt_len = getattr(a, "max_prompt_len", None)
+    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens),
+                    ("--max-prompt-len", a.max_prompt_len)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
-    if a.max_new_tokens is not None and a.max_new_tokens > MAX_NEW_TOKENS:
-        raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
+    for name, v in (("--max-new-tokens", a.max_new_tokens), ("--max-prompt-len", a.max_prompt_len)):
+        if v is not None and v > MAX_NEW_TOKENS:
+            raise ConfigError(f"{name}={v}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.seed is not None and not 0 <= a.seed <= MAX_SEED:
         raise ConfigError(f"--seed={a.seed}: expected an integer >= 0 and <= {MAX_SEED}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
@@ -128,7 +133,7 @@ def _plan(a):
     model = dict(run_cfg.get("model") or {}) | {"target": target, "init_from": ""}
     ev = dict(run_cfg.get("eval") or {})
     for key, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k),
-                   ("baseline", getattr(a, "baseline", None))):
+                   ("baseline", getattr(a, "baseline", None)), ("max_prompt_len", getattr(a, "max_prompt_len", None))):
         if v is not None:
             ev[key] = v
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
@@ -244,6 +249,8 @@ def run(a) -> int:
     if file_sets:
         sets, warn = file_sets, None
         for ps in sets:
+            if ps.source["kind"] == "file":  # bounded as held-out prompts are; a bench set stays as published
+                ps.max_prompt_len = e.max_prompt_len
             src = ps.source
             said = (f"{ps.name} from {src['package']} ({len(ps.dialogs)} dialogs)" if src["kind"] == "bench" else
                     f"{src['path']} ({len(ps.dialogs)} dialogs; {src['skipped']} records without a prompt skipped)")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from otel.confined import write_text
 
 from ..config import Config, dumps
+from ..errors import watch_second_signal
 from . import distributed as dist_mod
 from .context import RunSpec, RunState
 from .run_loop import run_loop
@@ -184,12 +185,14 @@ def _graceful_signals(spec: RunSpec, state: RunState):
     def on_signal(signum, frame):
         if state.stop.is_set():
             raise KeyboardInterrupt
-        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint (a second signal "
+              f"stops now, keeping the last checkpoint)", file=sys.stderr)
         state.stop.set()
 
     prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in prev:
         signal.signal(s, on_signal)
+    watch_second_signal()
     try:
         yield
     finally:

@@ -11,27 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from helpers import cli_before_torch, run_dflash
-
-
-def _served(path: Path) -> Path:
-    """A served-format drafter for tiny-qwen3, as an export someone handed over."""
-    import torch
-
-    from dflash.checkpoint.export import write_export
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.model.target import _tiny_config, load_tokenizer
-
-    tc = _tiny_config("tiny-qwen3", load_tokenizer("tiny-qwen3"))
-    cfg = DrafterConfig.from_target(tc, target_layer_ids=[1, 3], vocab_size=tc.vocab_size, mask_token_id=16,
-                                    block_size=4, num_hidden_layers=1)
-    torch.manual_seed(1)
-    return write_export(DFlashDrafter(cfg), tc, path, dtype="float32", target="tiny-qwen3")
+from helpers import cli_before_torch, run_dflash, served_drafter
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    return _served(tmp_path_factory.mktemp("handed") / "drafter")
+    return served_drafter(tmp_path_factory.mktemp("handed") / "drafter")
 
 
 def _plant(d: Path, uri: str) -> None:
