@@ -396,9 +396,9 @@ def run_dir_of(path: Path) -> Path | None:
     (a download, an export someone handed over) is data, never where figures go."""
     from ..preflight.run_dir import is_run_dir
 
-    path = Path(path).absolute()
+    path = Path(path).resolve()  # a link the user made to their own run's checkpoint is theirs
     for run in (path.parent, path.parent.parent if path.parent.name == "best" else None):
-        if run is not None and not path.is_symlink() and is_run_dir(run):
+        if run is not None and is_run_dir(run):
             return run
     return None
 
