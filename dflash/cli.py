@@ -27,18 +27,22 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     from .commands import command
-    from .errors import raise_on_sigterm
+    from .errors import on_hard_stop, raise_on_sigterm, said_how_it_ended
 
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"
+    on_hard_stop(lambda: f"dflash {a.cmd}: stopped by a second signal during {a.phase}; {_what_next(a)}")
     # a job runner's SIGTERM before the loop's own handler is in place (model load,
     # regeneration): stop now with 130 and say how to go on, not die silently with 143
     raise_on_sigterm()
     try:
-        return command(a.cmd).run(a)
+        rc = command(a.cmd).run(a)
+        said_how_it_ended()  # a second signal from here on ends it quietly
+        return rc
     except KeyboardInterrupt:
         print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
+        said_how_it_ended()
         return 130
     except Exception as e:
         return _report_failure(a, e)

@@ -313,11 +313,12 @@ class Range:
 
     def describe(self, typ) -> str:
         kind = "an integer" if typ is int else "a finite number"
+        shown = (lambda v: str(v)) if typ is int else (lambda v: f"{v:g}")  # 2**64-1 exactly, not 1.8e+19
         parts = []
         if self.lo is not None:
-            parts.append(f"{'>' if self.lo_open else '>='} {self.lo:g}")
+            parts.append(f"{'>' if self.lo_open else '>='} {shown(self.lo)}")
         if self.hi is not None:
-            parts.append(f"{'<' if self.hi_open else '<='} {self.hi:g}")
+            parts.append(f"{'<' if self.hi_open else '<='} {shown(self.hi)}")
         return f"{kind} {' and '.join(parts)}".strip() + (f" ({self.note})" if self.note else "")
 
     def holds(self, v) -> bool:
@@ -329,53 +330,64 @@ class Range:
 
 
 MAX_NEW_TOKENS = 1 << 20  # more than any target's context: a larger ask is a typo, not a plan
+MAX_TOKENS = MAX_NEW_TOKENS  # any length in tokens (a sequence, a prompt, anchors), for the same reason
+MAX_SEED = 2**64 - 1  # torch.manual_seed takes 0..2**64-1; seeds derived from it wrap (`derived_seed`)
+MAX_LAYERS = 1024     # target layers to fuse, before the target's own count is known
+MAX_STEPS = 10**9     # a step number or count: a torch int64 and a progress bar take it
+MAX_DELAY_S = 3600.0  # a delay or an interval: an hour is already a test that never ends
+MIN_TEMPERATURE = 1e-6  # sampling: 0 (greedy) or at least this (check_sampling)
 
 # Every int and float in the tree has a rule here (a test checks that none is missing).
 # Lists and mappings are checked element by element.
 RANGES: dict[str, Range] = {
-    "model.target_seed": Range(0),
+    "model.target_seed": Range(0, MAX_SEED),
     "model.num_layers": Range(1, 128, note="drafter layers; published drafters have 1-8"),
     "model.block_size": Range(2, 1024),
-    "model.num_target_layers": Range(1),
-    "model.target_layer_ids": Range(0, note="decoder layer indices of the target"),
+    "model.num_target_layers": Range(1, MAX_LAYERS, note="at most the target's layers"),
+    "model.target_layer_ids": Range(0, MAX_LAYERS - 1, note="decoder layer indices of the target"),
     "data.num_conversations": Range(2),
-    "data.max_len": Range(5),
+    "data.max_len": Range(5, MAX_TOKENS),
     "data.regen_max_new_tokens": Range(1, MAX_NEW_TOKENS),
-    "data.regen_max_prompt_len": Range(1),
-    "data.regen_batch_size": Range(0, note="0: auto"),
+    "data.regen_max_prompt_len": Range(1, MAX_TOKENS),
+    "data.regen_batch_size": Range(0, 4096, note="0: auto"),
     "data.eval_fraction": Range(0, 1, lo_open=True, hi_open=True),
-    "train.steps": Range(0),
-    "train.batch_size": Range(1),
-    "train.num_anchors": Range(1),
+    "train.steps": Range(0, MAX_STEPS),
+    "train.batch_size": Range(1, 65536),
+    "train.num_anchors": Range(1, MAX_TOKENS),
     "train.lr": Range(0, 1, lo_open=True),
     "train.warmup_ratio": Range(0, 1, hi_open=True),
     "train.loss_gamma": Range(0, note="0: by block size"),
-    "train.weight_decay": Range(0),
+    "train.weight_decay": Range(0, 10),
     "train.grad_clip": Range(0, lo_open=True),
-    "train.seed": Range(0),
-    "train.save_every": Range(0, note="0: only at the end"),
-    "train.stop_after": Range(0, note="0: never"),
-    "train.estimate_every": Range(0, note="0: off"),
+    "train.seed": Range(0, MAX_SEED),
+    "train.save_every": Range(0, MAX_STEPS, note="0: only at the end"),
+    "train.stop_after": Range(0, MAX_STEPS, note="0: never"),
+    "train.estimate_every": Range(0, MAX_STEPS, note="0: off"),
     "train.estimate_samples": Range(1),
-    "train.loss_vocab": Range(0, note="0: the whole vocabulary"),
-    "train.kl_topk": Range(0, note="0: the whole distribution"),
+    "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
+    "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
-    "train.lk_eta": Range(0),
+    "train.lk_eta": Range(0, 1000),
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
-    "eval.max_prompt_len": Range(1),
-    "eval.temperature": Range(0, note="0: greedy"),
+    "eval.max_prompt_len": Range(1, MAX_TOKENS),
+    "eval.temperature": Range(0, 100, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),
-    "eval.top_k": Range(0, note="0: off"),
-    "pipeline.queue_size": Range(1),
+    "eval.top_k": Range(0, 1 << 23, note="0: off"),
+    "pipeline.queue_size": Range(1, 1024),
     "pipeline.min_ready": Range(1),
-    "pipeline.prefetch": Range(1),
-    "pipeline.stall_threshold_s": Range(0),
-    "pipeline.rank_timeout_s": Range(0, lo_open=True),
-    "pipeline.inject_delay": Range(0, note="seconds"),
-    "pipeline.inject_fault": Range(0, note="a step"),
-    "telemetry.console_interval_s": Range(0, note="0: profile table only at the end"),
+    "pipeline.prefetch": Range(1, 1024),
+    "pipeline.stall_threshold_s": Range(0, MAX_DELAY_S),
+    "pipeline.rank_timeout_s": Range(0, 7 * 86400, lo_open=True),
+    "pipeline.inject_delay": Range(0, MAX_DELAY_S, note="seconds"),
+    "pipeline.inject_fault": Range(0, MAX_STEPS, note="a step"),
+    "telemetry.console_interval_s": Range(0, 86400, note="0: profile table only at the end"),
 }
+
+
+def derived_seed(seed: int, offset: int) -> int:
+    """A seed made from a user's seed (prompt i: seed + i), kept in torch's range by wrapping."""
+    return (seed + offset) % (MAX_SEED + 1)
 
 
 def numeric_fields(cfg=None, prefix: str = ""):
@@ -417,6 +429,7 @@ def validate(cfg: Config) -> None:
     if cfg.eval.baseline not in ("prompt_lookup", "none"):
         raise ConfigError(f"eval.baseline={cfg.eval.baseline!r}: expected prompt_lookup or none")
     _check_ranges(cfg)
+    check_sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, prefix="eval.")
     if m.drafter_init not in ("random", "target"):
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
     if m.dtype == "float16":  # refused, not half-supported: see docs/gpu.md "Precision"
@@ -477,6 +490,9 @@ def validate(cfg: Config) -> None:
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "
                           f"(target {m.target!r} has {layers} decoder layers)")
+    if layers is not None and not m.target_layer_ids and m.num_target_layers > layers:
+        from .preflight.layer_ids import num_target_layers_error
+        raise ConfigError(num_target_layers_error(m.num_target_layers, layers))
 
 
 def _check_features(cfg: Config) -> None:
@@ -508,8 +524,10 @@ def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "
     for name, v in (("temperature", temperature), (f"top{sep}p", top_p)):
         if not math.isfinite(v):
             raise ConfigError(f"{prefix}{name}={v}: expected a finite number")
-    if temperature < 0:
-        raise ConfigError(f"{prefix}temperature={temperature}: expected >= 0 (0: greedy)")
+    # logits / T overflows float32 below ~1e-37 (NaN probabilities); above 100 it is noise
+    if temperature < 0 or 0 < temperature < MIN_TEMPERATURE or temperature > 100:
+        raise ConfigError(f"{prefix}temperature={temperature}: expected 0 (greedy) or a number in "
+                          f"[{MIN_TEMPERATURE:g}, 100]")
     if not 0 < top_p <= 1:
         raise ConfigError(f"{prefix}top{sep}p={top_p}: expected 0 < x <= 1")
     if top_k < 0:
@@ -524,5 +542,9 @@ def resolve_dtype(cfg: Config, device: str):
     return getattr(torch, cfg.model.dtype)
 
 
+def dumps(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
+
+
 def dump(cfg: Config, path: str | os.PathLike) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    Path(path).write_text(dumps(cfg))

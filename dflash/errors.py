@@ -77,8 +77,10 @@ def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path
         return text, None
     path = error_file(out)
     try:
+        from otel.confined import write_text
+
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
+        write_text(path, text)  # a link in its place is refused, never followed
     except OSError:
         return text, None
     return text, path
@@ -92,7 +94,68 @@ def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path
 #   rather than dying silently with 143;
 # - `stop_on_signal`: inside a loop that can stop cleanly (an eval between verify steps),
 #   SIGTERM / SIGINT set an event instead; a second one raises.
+# - `watch_second_signal`: a second signal ends the process within seconds even when the
+#   main thread is deep in one long C call (a forward over a huge prompt) and so never
+#   gets to run a Python handler: the signal is seen through the wakeup fd, written by the
+#   interpreter's C handler at once, and read by a thread of its own.
 # The training loop has its own graceful handler (run/trainer.py): finish the step, save.
+
+SECOND_SIGNAL_GRACE_S = 3.0   # the main thread's own way out first: it says the same, and tidies
+_last_word = None             # () -> the line a hard stop prints (the CLI's: what was saved, what next)
+_said = threading.Event()     # the CLI has said how the command ended: nothing more to say
+_signals_seen = [0]
+_watching = [False]
+
+
+def on_hard_stop(last_word) -> None:
+    """The line printed when a second signal has to end the process (set by the CLI)."""
+    global _last_word
+    _last_word = last_word
+
+
+def said_how_it_ended() -> None:
+    _said.set()
+
+
+def watch_second_signal() -> None:
+    """From here on, a second SIGINT/SIGTERM ends the process within
+    SECOND_SIGNAL_GRACE_S + a moment, exit 130, whatever the main thread is doing. Called
+    where a first signal means "stop cleanly" (an eval, the training loop); main thread only."""
+    _signals_seen[0] = 0
+    if _watching[0] or threading.current_thread() is not threading.main_thread():
+        return
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+    except ValueError:  # not the main thread of the main interpreter
+        os.close(r), os.close(w)
+        return
+    _watching[0] = True
+    threading.Thread(target=_count_signals, args=(r,), name="second-signal", daemon=True).start()
+
+
+def _count_signals(r: int) -> None:
+    import time
+
+    while _signals_seen[0] < 2:
+        data = os.read(r, 64)
+        if not data:
+            return
+        _signals_seen[0] += sum(b in (signal.SIGINT, signal.SIGTERM) for b in data)
+    time.sleep(SECOND_SIGNAL_GRACE_S)
+    if not _said.is_set():
+        try:
+            line = _last_word() if _last_word is not None else "stopped by a second signal"
+        except Exception:
+            line = "stopped by a second signal"
+        print(f"\n{line}", file=sys.stderr)
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except Exception:
+            pass
+    os._exit(130)
 
 class Interrupted(KeyboardInterrupt):
     """SIGTERM, delivered as Ctrl-C is."""
@@ -118,12 +181,14 @@ class stop_on_signal:
         def on_signal(signum, frame):
             if self.stop.is_set():
                 raise Interrupted()
-            print(f"\ninterrupt: finishing {self.what}, then reporting what was measured", file=sys.stderr)
+            print(f"\ninterrupt: finishing {self.what}, then reporting what was measured (a second signal "
+                  f"stops now)", file=sys.stderr)
             self.stop.set()
 
         if threading.current_thread() is threading.main_thread():
             for s in self.prev:
                 signal.signal(s, on_signal)
+            watch_second_signal()
         return self.stop
 
     def __exit__(self, *exc):

@@ -11,6 +11,8 @@
                       is cut back to its last whole line, so it stays readable
     exporter_gone     the exporter process died and its batches could not be re-exported
     shutdown_timeout  a network exporter was still busy when the shutdown bound ran out
+    no_exporter       no span exporter could take them: every one configured failed to
+                      start (a bad OTEL_* value, a refused file), or none is configured
 - queued: waiting for CUDA events, in flight to the exporter, or in its export queue.
 
 The exporter side commits its counts batch by batch (otel.exporter.sdk_pipeline), so the sum holds
@@ -18,7 +20,8 @@ for any status snapshot, not only at the end.
 """
 from __future__ import annotations
 
-DROP_REASONS = ("buffer_full", "collector_down", "write_failed", "exporter_gone", "shutdown_timeout")
+DROP_REASONS = ("buffer_full", "collector_down", "write_failed", "exporter_gone", "shutdown_timeout",
+                "no_exporter")
 
 
 def empty_status() -> dict:

@@ -39,6 +39,7 @@ from collections import deque
 from typing import Protocol
 
 from otel.config import ExportConfig
+from otel.confined import start_python
 from otel.exporter_choice import spans_local_only
 from otel.health import add_statuses, empty_status
 from otel.records import ATTRS, EXTRA, POINT_ATTRS
@@ -180,6 +181,23 @@ class InProcessTransport:
             self._final = self.consumer.status(final=True)
 
 
+# OTLP client files named by the standard variables: the exporter runs in a cwd of its own
+_PATH_VARIABLES = ("CERTIFICATE", "CLIENT_KEY", "CLIENT_CERTIFICATE")
+
+
+def _exporter_env() -> dict:
+    """Our environment for the exporter process: this package first on its path (found
+    wherever it is installed, or run from a source tree), relative file names in OTEL_*
+    made absolute (the child's cwd is not ours)."""
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k, v in env.items():
+        if k.startswith("OTEL_EXPORTER_OTLP_") and k.endswith(_PATH_VARIABLES) and v and not os.path.isabs(v):
+            env[k] = os.path.abspath(v)
+    return env
+
+
 class ProcessTransport:
     def __init__(self, config: ExportConfig, max_backlog_bytes: int = 16 << 20, start_wait_s: float = 3.0,
                  stuck_s: float = 15.0):
@@ -205,12 +223,11 @@ class ProcessTransport:
         self._notes: list[str] = []
         self._acked = 0
         self._seq = 0
-        env = dict(os.environ)
-        pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        env["PYTHONPATH"] = pkg_root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", EXPORTER_MODULE],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True)
+        env = _exporter_env()
+        # nothing from the cwd or a run dir is importable in it (otel.confined): an `otel/`
+        # folder where the training was started must not run in the exporter
+        self.proc = start_python(sys.executable, EXPORTER_MODULE, env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, close_fds=True)
         self._fd = self.proc.stdin.fileno()
         try:
             import fcntl

@@ -72,3 +72,19 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def served_drafter(path):
+    """A random 1-layer served-format drafter for tiny-qwen3 (block 4), written in a second:
+    a drafter dir for eval tests that need no training."""
+    import torch
+
+    from dflash.checkpoint.export import write_export
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import _tiny_config, load_tokenizer
+
+    tc = _tiny_config("tiny-qwen3", load_tokenizer("tiny-qwen3"))
+    cfg = DrafterConfig.from_target(tc, target_layer_ids=[1, 3], vocab_size=tc.vocab_size, mask_token_id=16,
+                                    block_size=4, num_hidden_layers=1)
+    torch.manual_seed(1)
+    return write_export(DFlashDrafter(cfg), tc, Path(path), dtype="float32", target="tiny-qwen3")

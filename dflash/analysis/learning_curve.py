@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from otel.confined import open_for_write
+
 
 def write_png(path: Path, loss_history: list, estimate_history: list, block_size: int, title: str = "",
               final: dict | None = None) -> Path:
@@ -60,7 +62,8 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
         _per_position(side, final)
     fig.tight_layout()
     path = Path(path)
-    fig.savefig(path)
+    with open_for_write(path, "wb") as f:  # a link in its place is refused, never followed
+        fig.savefig(f, format="png")
     plt.close(fig)
     return path
 

@@ -47,10 +47,18 @@ def check_output(path: str, *, flag: str, suffix: str, run_dir) -> None:
     p = check_place(path, flag=flag, want_dir=False, expected=f"a file name ending in {suffix}")
     if not p.name.lower().endswith(suffix):
         raise ConfigError(f"{flag} {path}: expected a file name ending in {suffix}")
+    if p.is_symlink():  # os.replace would put the picture in the link's place: never follow, never replace
+        raise ConfigError(f"{flag} {path}: is a symbolic link (choose a new name, or remove the link first)")
     run = Path(run_dir).resolve()
+    if p.absolute().is_relative_to(Path(run_dir).absolute()):  # named inside the run dir: no link out of it
+        from otel.confined import links_on_the_way
+        link = links_on_the_way(Path(run_dir).absolute(), p.absolute().parent)
+        if link is not None:
+            raise ConfigError(f"{flag} {path}: {link} is a symbolic link, never followed out of the run dir "
+                              "(choose a place outside it, or remove the link)")
     where = p.resolve()
     for owned in ("telemetry", "checkpoint", "checkpoint.old", "export"):
-        if where.is_relative_to(run / owned):
+        if where.is_relative_to(run / owned) or p.absolute().is_relative_to(Path(run_dir).absolute() / owned):
             raise ConfigError(f"{flag} {path}: inside the run's own {owned}/ (choose a place outside it)")
     if p.exists() and not _written_by_us(p):
         raise ConfigError(f"{flag} {path}: exists and is not a picture dflash timeline wrote; it is never "

@@ -50,7 +50,11 @@ def foreign_entries(d: Path, written=WRITTEN) -> list[str]:
 
 def remove_written(d: Path, written=WRITTEN) -> Path | None:
     """Delete the files dflash writes into a checkpoint (or export) dir, then the dir if that
-    empties it. Anything else is kept: the dir is renamed aside (returned), never deleted."""
+    empties it. Anything else is kept: the dir is renamed aside (returned), never deleted.
+    A link in the dir's place is removed as a link: what it points to is never touched."""
+    if d.is_symlink():
+        d.unlink()
+        return None
     if not d.is_dir():
         return None
     for name in written:
@@ -76,7 +80,10 @@ def clean_stale_temps(dst: Path) -> list[Path]:
     each). Only called under the run dir's lock, so no other save can be writing them."""
     removed = []
     for t in dst.parent.glob(f".{dst.name}.tmp-*"):
-        if t.is_dir() and not foreign_entries(t):
+        if t.is_symlink():  # never ours: a save makes a real dir (mkdtemp)
+            t.unlink()
+            removed.append(t)
+        elif t.is_dir() and not foreign_entries(t):
             remove_written(t)
             removed.append(t)
     return removed

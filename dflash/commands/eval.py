@@ -26,7 +26,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import MAX_NEW_TOKENS, ConfigError, check_sampling, load_config
+from ..config import MAX_NEW_TOKENS, MAX_SEED, ConfigError, check_sampling, load_config
 from ..errors import stop_on_signal
 
 
@@ -41,6 +41,8 @@ def add_parser(sub) -> None:
     e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
     e.add_argument("--prompts", type=int)
     e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--max-prompt-len", type=int,
+                   help="cut held-out and --prompts-from prompts to this many tokens (default: eval.max_prompt_len)")
     e.add_argument("--json", action="store_true", help="last line: one JSON object")
     e.add_argument("--no-lossless-check", action="store_true")
     e.add_argument("--no-copy-head", action="store_true",
@@ -69,11 +71,16 @@ def _check_args(a) -> None:
     named = trackers.parse(getattr(a, "tracker", None))
     trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
     a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
-    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens)):
+    a.max_prompt_len = getattr(a, "max_prompt_len", None)
+    for name, v in (("--prompts", a.prompts), ("--max-new-tokens", a.max_new_tokens),
+                    ("--max-prompt-len", a.max_prompt_len)):
         if v is not None and v < 1:
             raise ConfigError(f"{name}={v}: expected an integer >= 1")
-    if a.max_new_tokens is not None and a.max_new_tokens > MAX_NEW_TOKENS:
-        raise ConfigError(f"--max-new-tokens={a.max_new_tokens}: expected an integer <= {MAX_NEW_TOKENS}")
+    for name, v in (("--max-new-tokens", a.max_new_tokens), ("--max-prompt-len", a.max_prompt_len)):
+        if v is not None and v > MAX_NEW_TOKENS:
+            raise ConfigError(f"{name}={v}: expected an integer <= {MAX_NEW_TOKENS}")
+    if a.seed is not None and not 0 <= a.seed <= MAX_SEED:
+        raise ConfigError(f"--seed={a.seed}: expected an integer >= 0 and <= {MAX_SEED}")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
     from ..data import prompt_sets
@@ -81,7 +88,9 @@ def _check_args(a) -> None:
     a.bench_names = prompt_sets.bench_names(a.bench) if getattr(a, "bench", None) is not None else []
     for name in a.bench_names:
         prompt_sets.bench_file(name)  # installed? one line naming the package if not
-    if getattr(a, "prompts_from", None):
+    if getattr(a, "prompts_from", None) is not None:
+        if not a.prompts_from.strip():  # never the held-out prompts in its place
+            raise ConfigError(f"--prompts-from {a.prompts_from!r}: expected a file of prompts (an empty path)")
         from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
     if getattr(a, "engine_k", None) is not None and not 1 <= a.engine_k <= 64:
@@ -139,7 +148,7 @@ def _plan(a):
     model = dict(run_cfg.get("model") or {}) | {"target": target, "init_from": ""}
     ev = dict(run_cfg.get("eval") or {})
     for key, v in (("temperature", a.temperature), ("top_p", a.top_p), ("top_k", a.top_k),
-                   ("baseline", getattr(a, "baseline", None))):
+                   ("baseline", getattr(a, "baseline", None)), ("max_prompt_len", getattr(a, "max_prompt_len", None))):
         if v is not None:
             ev[key] = v
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
@@ -166,7 +175,7 @@ def _file_sets(a) -> list:
     from ..data import prompt_sets
 
     sets = [prompt_sets.read_bench(n).capped(a.prompts) for n in a.bench_names]
-    if getattr(a, "prompts_from", None):
+    if getattr(a, "prompts_from", None) is not None:
         ps = prompt_sets.read_file(a.prompts_from).capped(a.prompts)
         while ps.name in {s.name for s in sets}:
             ps.name += "'"
@@ -234,6 +243,9 @@ def run(a) -> int:
     _check_args(a)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
+    if a.trackers:  # a drafter dir handed over never chooses where figures go (docs/failures.md)
+        from ..trackers import check_eval_destination
+        check_eval_destination(tracker_run_dir(dirs), a.trackers, repr(str(dirs[0].path)))
     from ..preflight.inputs import check_target_spec
 
     # a hub id that does not exist or cannot be reached: one line now, not after a minute
@@ -252,6 +264,8 @@ def run(a) -> int:
     if file_sets:
         sets, warn = file_sets, None
         for ps in sets:
+            if ps.source["kind"] == "file":  # bounded as held-out prompts are; a bench set stays as published
+                ps.max_prompt_len = e.max_prompt_len
             src = ps.source
             said = (f"{ps.name} from {src['package']} ({len(ps.dialogs)} dialogs)" if src["kind"] == "bench" else
                     f"{src['path']} ({len(ps.dialogs)} dialogs; {src['skipped']} records without a prompt skipped)")
@@ -440,16 +454,40 @@ def results_table(results: list[dict]) -> str:
 side_by_side_table = results_table  # older name
 
 
+def run_dir_of(path: Path) -> Path | None:
+    """The dflash training run dir a drafter dir sits in (RUN/checkpoint, RUN/checkpoint.old,
+    RUN/export, RUN/best/checkpoint, RUN/best/export), or None: a drafter dir anywhere else
+    (a download, an export someone handed over) is data, never where figures go."""
+    from ..preflight.run_dir import is_run_dir
+
+    path = Path(path).resolve()  # a link the user made to their own run's checkpoint is theirs
+    for run in (path.parent, path.parent.parent if path.parent.name == "best" else None):
+        if run is not None and is_run_dir(run):
+            return run
+    return None
+
+
+def tracker_run_dir(dirs) -> Path | None:
+    """Where `--tracker` puts an eval's figures: the run dir of the first run checkpoint,
+    else of the first export of ours, that sits inside a training run dir; else None."""
+    for kind in ("checkpoint", "export"):
+        for d in dirs:
+            run = run_dir_of(d.path) if d.kind == kind else None
+            if run is not None:
+                return run
+    return None
+
+
 def log_trackers(dirs, results, names) -> None:
     """One drafter: its figures (tau, prompt lookup's, the per-position shares, each set's)
     into the training run's trackers. Several: every drafter's figures under compare/<i>/...,
-    into the first training run's trackers."""
+    into the first training run's trackers (tracker_run_dir)."""
     from .. import trackers
 
-    ours = [d for d in dirs if d.kind == "checkpoint"]
-    run_dir = ours[0].path.parent if ours else Path(dirs[0].path)
+    run_dir = tracker_run_dir(dirs)
+    name = Path(dirs[0].path).name
     if len(results) == 1:
-        trackers.log_eval(run_dir, results[0], names)
+        trackers.log_eval(run_dir, results[0], names, name=name)
         return
     summary = {}
     for i, res in enumerate(results):
@@ -457,4 +495,11 @@ def log_trackers(dirs, results, names) -> None:
                     f"compare/{i}/tokens_per_s": res.get("tokens_per_s"), f"compare/{i}/lossless": res.get("lossless")}
         if res.get("baseline"):
             summary[f"compare/{i}/tau_baseline"] = res["baseline"]["acceptance_length"]
-    trackers.log_eval(run_dir, results[0], names, summary=summary)
+    trackers.log_eval(run_dir, results[0], names, summary=summary, name=name)
+
+
+def what_next(a) -> str:
+    """After a second Ctrl-C: eval keeps nothing on disk until its table is printed."""
+    import shlex
+
+    return f"no figures were reported (eval writes nothing before its table); run it again: dflash {shlex.join(a.argv)}"

@@ -34,15 +34,13 @@ import re
 import threading
 import time
 
+from otel.env_values import number_from_env
+
 from ..preflight.inputs import MAX_RECORD_BYTES, DatasetError
 
 
 def _seconds(name: str, default: float) -> float:
-    try:
-        v = float(os.environ.get(name, ""))
-    except ValueError:
-        return default
-    return v if 0 < v < float("inf") else default
+    return number_from_env(name, default, hi=86400.0, unit="seconds", who="dflash")
 
 
 RENDER_SECONDS = _seconds("DFLASH_RENDER_SECONDS", 10.0)  # one render; real templates take milliseconds

@@ -14,11 +14,13 @@ diverged, and the reference's top-1/top-2 logit margin there.
 """
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
 from tqdm import tqdm
 
+from ..config import ConfigError, derived_seed
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
 from ..model.prompt_lookup import METHOD, RULE, PromptLookup
@@ -102,17 +104,36 @@ class _Tally:
         }
 
 
-def _turn_ids(tokenizer, d: Dialog, t: int, replies: list[str], max_prompt_len: int) -> list[int]:
-    """Turn t's prompt ids: the system prompt, the earlier turns with the target's replies, turn t."""
+def _turn_ids(tokenizer, d: Dialog, t: int, replies: list[str], max_prompt_len: int) -> tuple[list[int], bool]:
+    """Turn t's prompt ids (the system prompt, the earlier turns with the target's replies,
+    turn t), and whether turn t's text was cut: with `max_prompt_len`, turn 1 is cut so its
+    templated ids fit (as training's eval cuts held-out prompts), a later turn's own text to
+    that many tokens."""
     if t == 0 and d.ids is not None:
-        return list(d.ids)
+        return list(d.ids), False
     msgs = [{"role": "system", "content": d.system}] if d.system is not None else []
     for k in range(t):
         msgs += [{"role": "user", "content": d.turns[k]}, {"role": "assistant", "content": replies[k]}]
-    msgs.append({"role": "user", "content": d.turns[t]})
-    if t == 0 and max_prompt_len:  # held-out prompts: cut as training's eval cuts them
-        return data_mod.truncated_prompt(tokenizer, msgs, max_prompt_len)[1]
-    return data_mod._prompt_ids(tokenizer, msgs)
+    text = d.turns[t]
+    if t == 0 and max_prompt_len:
+        kept, ids = data_mod.truncated_prompt(tokenizer, msgs + [{"role": "user", "content": text}], max_prompt_len)
+        return ids, kept[-1]["content"] != text
+    cut = False
+    if max_prompt_len:
+        user_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(user_ids) > max_prompt_len:
+            text, cut = tokenizer.decode(user_ids[:max_prompt_len]), True
+    msgs.append({"role": "user", "content": text})
+    return data_mod._prompt_ids(tokenizer, msgs), cut
+
+
+def _check_fits(target, prompt: list[int], max_new_tokens: int, where: str) -> None:
+    """A prompt and its reply must fit the target's positions: one line if they cannot."""
+    ctx = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if isinstance(ctx, int) and len(prompt) + max_new_tokens > ctx:
+        raise ConfigError(f"{where}: {len(prompt)} prompt tokens + max_new_tokens {max_new_tokens} do not fit the "
+                          f"target's context of {ctx} tokens (max_position_embeddings); lower --max-prompt-len or "
+                          f"--max-new-tokens")
 
 
 def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens: int,
@@ -152,7 +173,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     B = drafter.cfg.block_size
     methods = {"drafter": drafter} | ({"baseline": PromptLookup(B)} if baseline == "prompt_lookup" else {})
     tallies = {name: _Tally(B) for name in methods}
-    done = 0
+    done = cuts = 0
     t0 = time.perf_counter()
     drafter.eval()
 
@@ -177,11 +198,18 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     for i, dialog in enumerate(tqdm(prompt_set.dialogs, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
             break
-        gens = {name: torch.Generator().manual_seed(seed + i) if sampled else None for name in methods}
+        gens = {name: torch.Generator().manual_seed(derived_seed(seed, i)) if sampled else None for name in methods}
         records = {name: [] for name in methods}
         replies: list[str] = []
         for t in range(len(dialog.turns) if dialog.ids is None else 1):
-            prompt = _turn_ids(tokenizer, dialog, t, replies, prompt_set.max_prompt_len)
+            prompt, was_cut = _turn_ids(tokenizer, dialog, t, replies, prompt_set.max_prompt_len)
+            if was_cut:
+                cuts += 1
+                if cuts == 1 and prompt_set.source.get("kind") == "file":  # said once; counted in prompts_cut
+                    print(f"eval: prompt {dialog.id!r} of {prompt_set.name} (turn {t + 1}) cut to max_prompt_len "
+                          f"{prompt_set.max_prompt_len} tokens, as held-out prompts are; later cuts are only "
+                          f"counted (prompts_cut)", file=sys.stderr)
+            _check_fits(target, prompt, max_new_tokens, f"prompt {dialog.id!r} of {prompt_set.name} (turn {t + 1})")
             runs = {name: decode(m, prompt, gens[name]) for name, m in methods.items()}
             margins: list = []
             ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
@@ -217,6 +245,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
         "per_prompt_steps": main.steps,  # [{prompt_ids, id, turn, acceptance_lengths (accepted + 1 per step), output_ids}]
         "stop_token_ids": sorted(eos),
         "interrupted": bool(stop is not None and stop.is_set()),
+        "prompts_cut": cuts,             # turns cut to max_prompt_len
         "wall_s": round(time.perf_counter() - t0, 2),
     }
     if "baseline" in tallies:

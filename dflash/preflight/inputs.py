@@ -12,6 +12,8 @@ import os
 import re
 from pathlib import Path
 
+from otel.env_values import number_from_env
+
 from ..errors import UserError
 
 TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
@@ -19,8 +21,7 @@ TINY_TARGETS = ("tiny-llama", "tiny-qwen3", "tiny-qwen3.5")
 
 def _env_mib(name: str, default: int) -> int:
     """A size cap in MiB from the environment (a positive integer), else ``default``."""
-    v = os.environ.get(name, "").strip()
-    return int(v) * 2**20 if v.isdigit() and int(v) > 0 else default * 2**20
+    return int(number_from_env(name, default, hi=2**20, integer=True, unit="MiB", who="dflash")) * 2**20
 
 
 # Bounds on what a file from elsewhere can make us do (docs/failures.md).
@@ -399,8 +400,9 @@ def _check_data_file(p: Path) -> None:
             raise DatasetError(f"dataset '{path}': reading it needs the `datasets` package (pip install datasets)")
         _check_parquet(p) if p.is_file() else _check_saved_dataset(p)
         return
-    if not p.is_file():
-        raise DatasetError(f"dataset '{path}': no such file")
+    if not p.is_file():  # a FIFO or a device is never opened: it may block, or never end
+        why = "not a regular file (a pipe, a device or a socket)" if p.exists() else "no such file"
+        raise DatasetError(f"dataset '{path}': {why}")
     try:
         with open_text(p) as f:
             head = f.read(4096).lstrip()

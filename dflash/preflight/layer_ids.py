@@ -2,6 +2,13 @@
 check a resume or an explicit list before any model loads."""
 from __future__ import annotations
 
+from ..errors import UserError
+
+
+def num_target_layers_error(n: int, num_layers: int) -> str:
+    return (f"model.num_target_layers={n}: expected an integer <= {num_layers} (the target has {num_layers} "
+            f"decoder layers)")
+
 
 def default_layer_ids(num_layers: int, n: int) -> list[int]:
     """``n`` target layers spread from layer 1 to layer L-3 (the DFlash recipe); ``[L//2]`` for n=1.
@@ -13,6 +20,8 @@ def default_layer_ids(num_layers: int, n: int) -> list[int]:
         raise ValueError(f"number of target layers must be >= 1, got {n}")
     if num_layers < 1:
         raise ValueError(f"target has {num_layers} layers")
+    if n > num_layers:  # more would fuse copies of the same layers: a typo, never a recipe
+        raise UserError(num_target_layers_error(n, num_layers))
     if n == 1:
         ids = [num_layers // 2]
     else:

@@ -14,12 +14,16 @@ marked dir is no evidence of an earlier one.
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import fnmatch
 import json
 import os
 import socket
 import time
 from pathlib import Path
+
+from otel.confined import write_text
 
 from ..checkpoint.files import foreign_entries
 from ..config import ConfigError
@@ -71,22 +75,27 @@ def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = 
         if resume:
             raise ConfigError(f"--resume: no checkpoint in {out!r} (the directory is empty)")
         return p
-    if not _is_run_dir(p):
+    if not is_run_dir(p):
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(f"--out {out}: not empty and not a dflash run dir (holds {shown}); "
                           "choose a new or empty directory")
     if judge_earlier_run and not (resume or overwrite):
         raise ConfigError(f"--out {out}: holds an earlier run; pass --resume to continue it or --overwrite to "
                           "replace it")
+    links = [] if overwrite else links_where_a_run_writes(p)  # --overwrite removes them as links
+    if links:
+        shown = links[0].relative_to(p)
+        raise ConfigError(f"--out {out}: {shown} is a symbolic link (to {os.readlink(links[0])}); a run writes only "
+                          f"inside its dir and never follows one: remove the link (--overwrite removes it)")
     for name in ("checkpoint", "checkpoint.old"):
-        foreign = foreign_entries(p / name) if (p / name).is_dir() else []
+        foreign = foreign_entries(p / name) if (p / name).is_dir() and not (p / name).is_symlink() else []
         if foreign:
             raise ConfigError(f"--out {out}: {name}/ holds files dflash did not write ({', '.join(foreign[:3])}); "
                               "move them out first")
     return p
 
 
-def _is_run_dir(p: Path) -> bool:
+def is_run_dir(p: Path) -> bool:
     """Marked, or written by a dflash from before the marker: its checkpoint says so."""
     if (p / MARKER).is_file():
         return True
@@ -125,7 +134,7 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
         if not (p / MARKER).is_file():
             tmp = p / f"{MARKER}.tmp{os.getpid()}"
-            tmp.write_text(json.dumps({"written_by": by, "version": 1}) + "\n")
+            write_text(tmp, json.dumps({"written_by": by, "version": 1}) + "\n", inside=p)
             os.replace(tmp, p / MARKER)
     except OSError as e:
         os.close(fd)
@@ -142,18 +151,55 @@ _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", 
               "tensorboard/*/events.out.tfevents.*", "mlflow/mlflow.db", "mlflow/artifacts/**/*",
               "telemetry/traces.jsonl", "telemetry/metrics.jsonl",
               "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl")
+# the dirs a run (or a tracker in it) writes into; a link in their place is never followed
+_RUN_DIRS = ("tensorboard", "tensorboard/*", "mlflow", "mlflow/artifacts", "mlflow/artifacts/**", "telemetry",
+             "telemetry/rank*", "ranks", "wandb", "checkpoint", "checkpoint.old", ".checkpoint.tmp-*", "best",
+             "best/checkpoint", "best/checkpoint.old", "best/.checkpoint.tmp-*", "best/export", "export")
+
+
+def _matches(rel: str, pattern: str) -> bool:
+    """Path.match-like, segment by segment, where `**` is any number of segments."""
+    def match(a: list, b: list) -> bool:
+        if not b:
+            return not a
+        if b[0] == "**":
+            return any(match(a[i:], b[1:]) for i in range(len(a) + 1))
+        return bool(a) and fnmatch.fnmatchcase(a[0], b[0]) and match(a[1:], b[1:])
+    return match(rel.split("/"), pattern.split("/"))
+
+
+def _entries(p: Path):
+    """(path relative to p, Path) of everything under the top-level names a run writes,
+    top down, never entering a link (a user's own folder in the run dir is not walked)."""
+    firsts = {pat.split("/")[0] for pat in _RUN_FILES + _RUN_DIRS}
+    for top, dirs, files in os.walk(p, followlinks=False):
+        base = Path(top)
+        if base == p:
+            dirs[:] = [d for d in dirs if any(fnmatch.fnmatchcase(d, f) for f in firsts)]
+        for name in sorted(dirs) + sorted(files):
+            q = base / name
+            yield q.relative_to(p).as_posix(), q
+
+
+def links_where_a_run_writes(p: Path) -> list[Path]:
+    """Symbolic links at a name a run writes or removes (its files, its dirs, the trackers'
+    stores, checkpoints): following one would write or delete outside the run dir."""
+    return [q for rel, q in _entries(p) if q.is_symlink() and any(_matches(rel, pat) for pat in _RUN_FILES + _RUN_DIRS)]
 
 
 def clear_earlier_run(p: Path) -> None:
     """--overwrite: remove what an earlier run wrote (by name), so its spans, summary and
-    checkpoint cannot be mixed with this run's; a file dflash did not write stays."""
+    checkpoint cannot be mixed with this run's; a file dflash did not write stays. A link in
+    the place of something a run writes is removed as a link (what it points to is never
+    touched), and no link is ever followed."""
     from ..checkpoint.files import remove_written
     from .checkpoint_files import EXPORT_WRITTEN
 
-    for pattern in _RUN_FILES:
-        for f in p.glob(pattern):
-            if f.is_file():
-                f.unlink()
+    for link in links_where_a_run_writes(p):
+        link.unlink()
+    for rel, f in list(_entries(p)):
+        if not f.is_symlink() and f.is_file() and any(_matches(rel, pat) for pat in _RUN_FILES):
+            f.unlink()
     for name in ("checkpoint", "checkpoint.old", "best/checkpoint", "best/checkpoint.old"):
         remove_written(p / name)
     remove_written(p / "export", EXPORT_WRITTEN)
@@ -162,20 +208,22 @@ def clear_earlier_run(p: Path) -> None:
         (p / "best").rmdir()  # only when empty
     except OSError:
         pass
-    store = sorted(p.glob("mlflow/artifacts/**"), key=lambda d: -len(d.parts)) + [p / "mlflow"]
+    store = sorted((q for rel, q in _entries(p) if _matches(rel, "mlflow/artifacts/**") and q.is_dir()
+                    and not q.is_symlink()), key=lambda d: -len(d.parts)) + [p / "mlflow"]
     for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"] + sorted(
             p.glob("tensorboard/*")) + [p / "tensorboard"] + store:
         try:
-            d.rmdir()  # only when empty
+            d.rmdir()  # only when empty (a link is not a dir: it fails and stays)
         except OSError:
             pass
 
 
 def _lock(out: str, p: Path) -> int:
     try:
-        fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(p / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)  # truncated below: never a link
     except OSError as e:
-        raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+        why = f"{LOCK} is a symbolic link, never followed" if e.errno == errno.ELOOP else e.strerror or e
+        raise ConfigError(f"--out {out}: cannot write there ({why})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..config import derived_seed
 from ..data import dataset as data_mod
 from ..model.drafter import sample_anchors
 from ..model.features import target_features
@@ -49,7 +50,7 @@ class AcceptanceEstimate:
             feature_store.attach(self.batch)
         with torch.no_grad():
             self.features = target_features(target, self.batch, layer_ids, target.device).to(dev)
-        g = torch.Generator().manual_seed(cfg.train.seed + 7919)
+        g = torch.Generator().manual_seed(derived_seed(cfg.train.seed, 7919))
         anchors, valid = sample_anchors(self.batch.loss_mask, ESTIMATE_ANCHORS, cfg.model.block_size, generator=g)
         self.ids = self.batch.input_ids.to(dev)
         self.anchors, self.valid = anchors.to(dev), valid.to(dev)

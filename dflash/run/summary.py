@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import torch
+from otel.confined import write_text
 
 from . import distributed as dist_mod
 from .context import RunSpec, RunState
@@ -72,7 +73,7 @@ def rank_report(spec: RunSpec, state: RunState) -> dict:
     """A layout rank's OUT/ranks/rank{r}.json: role, device, what it really holds."""
     place = spec.placement
     (spec.out / "ranks").mkdir(exist_ok=True)
-    (spec.out / "ranks" / f"rank{place.rank}.pid").write_text(str(os.getpid()))
+    write_text(spec.out / "ranks" / f"rank{place.rank}.pid", str(os.getpid()), inside=spec.out)
     rep = {"rank": place.rank, "role": place.role, "index": place.index,
            "device": place.drafter_device or place.target_devices[0], "layout": str(place.layout),
            "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "host": socket.gethostname(),

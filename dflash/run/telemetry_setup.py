@@ -9,9 +9,13 @@ import time
 from pathlib import Path
 
 import torch
+from otel.env_values import number_from_env
 
 from ..analysis.idle_rules import DFLASH_RULES
 from ..config import Config
+
+
+LINGER_MAX_S = 3600.0  # DFLASH_PROMETHEUS_LINGER_S: a scrape interval is seconds to minutes
 
 
 def make_telemetry(cfg: Config, out: Path, place, run_id: str):
@@ -53,7 +57,8 @@ def rank_prometheus_port():
         return
     key = "OTEL_EXPORTER_PROMETHEUS_PORT"
     before = os.environ.get(key)
-    os.environ[key] = str(int(before or 9464) + int(local))
+    base = int(number_from_env(key, 9464, lo=0, lo_open=False, hi=65535, integer=True, who="dflash"))
+    os.environ[key] = str(base + int(local))
     try:
         yield
     finally:
@@ -66,7 +71,8 @@ def rank_prometheus_port():
 def linger_for_scrape(tel) -> None:
     """DFLASH_PROMETHEUS_LINGER_S=N: keep the scrape endpoint up N s after the last step so
     Prometheus' last scrape sees the final counts (a pulled endpoint dies with the run)."""
-    secs = float(os.environ.get("DFLASH_PROMETHEUS_LINGER_S", "0") or 0)
+    secs = number_from_env("DFLASH_PROMETHEUS_LINGER_S", 0.0, lo_open=False, hi=LINGER_MAX_S, unit="seconds",
+                           who="dflash")
     if secs > 0 and _prometheus_enabled():
         tel.flush(timeout_s=2.0)
         time.sleep(secs)

@@ -22,7 +22,10 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..config import Config, dump
+from otel.confined import write_text
+
+from ..config import Config, dumps
+from ..errors import watch_second_signal
 from . import distributed as dist_mod
 from .context import RunSpec, RunState
 from .run_loop import run_loop
@@ -54,7 +57,7 @@ class Trainer:
         spec, state = self.spec, self.state
         place, out = spec.placement, spec.out
         if place.lead:
-            dump(spec.cfg, out / "config.yaml")
+            write_text(out / "config.yaml", dumps(spec.cfg), inside=out)
         report = rank_report(spec, state) if place.layout is not None else None
         bridge = trackers.start(spec, state) if place.has_drafter else None  # --tracker/--wandb, the lead: own threads
         summary: dict = {}
@@ -145,7 +148,7 @@ class Trainer:
             report.update({k: summary[k] for k in ("steps", "tokens", "drafter_parameters", "frozen_parameters",
                                                    "interrupted") if k in summary})
             report["telemetry"] = summary["telemetry"]["health"]
-            (out / "ranks" / f"rank{place.rank}.json").write_text(json.dumps(report, indent=2))
+            write_text(out / "ranks" / f"rank{place.rank}.json", json.dumps(report, indent=2), inside=out)
         elif place.lead and summary.get("steps") is not None:
             summary["balance"] = balance_from_files(out)
         dist_mod.shutdown()
@@ -165,7 +168,7 @@ class Trainer:
                 from ..trackers.redaction import redact
                 print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
         if place.lead:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_text(out / "summary.json", json.dumps(summary, indent=2), inside=out)
         # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish
         return summary if place.layout is None or place.lead else {"rank": place.rank, "role": place.role}
 
@@ -182,12 +185,14 @@ def _graceful_signals(spec: RunSpec, state: RunState):
     def on_signal(signum, frame):
         if state.stop.is_set():
             raise KeyboardInterrupt
-        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint", file=sys.stderr)
+        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint (a second signal "
+              f"stops now, keeping the last checkpoint)", file=sys.stderr)
         state.stop.set()
 
     prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     for s in prev:
         signal.signal(s, on_signal)
+    watch_second_signal()
     try:
         yield
     finally:

@@ -29,13 +29,19 @@ import threading
 import time
 from pathlib import Path
 
+from otel.confined import open_for_write
+
 from .redaction import redact, sanitize
 from .report import final_summary, telemetry_metrics
 
 
 def interval_from_env() -> float:
-    v = os.environ.get("DFLASH_TRACKER_INTERVAL_S") or os.environ.get("DFLASH_WANDB_INTERVAL_S") or "10"
-    return float(v)
+    """DFLASH_TRACKER_INTERVAL_S (or its older name DFLASH_WANDB_INTERVAL_S), seconds; else 10."""
+    from otel.env_values import number_from_env
+
+    name = next((n for n in ("DFLASH_TRACKER_INTERVAL_S", "DFLASH_WANDB_INTERVAL_S") if os.environ.get(n)),
+                "DFLASH_TRACKER_INTERVAL_S")
+    return number_from_env(name, 10.0, hi=86400.0, unit="seconds", who="dflash")
 
 
 def make_sink(name: str):
@@ -131,6 +137,7 @@ class _Runner:
         self.b, self.sink = bridge, sink
         self.spec, self.state = bridge.spec, bridge.state
         self.fallback_path = bridge.out / sink.fallback
+        self.fallback_failed = False
         self.lock = threading.Lock()  # fallback file writes, summary-once
         self.opened = False
         self.in_fallback = False
@@ -290,6 +297,12 @@ class _Runner:
 
     def _write_line(self, rec: dict):  # caller holds the lock
         line = redact(json.dumps(rec, default=str)) + "\n"
-        with open(self.fallback_path, "a") as f:
-            f.write(line)
+        try:  # never through a link: a planted one would append the run's figures anywhere
+            with open_for_write(self.fallback_path, "a", inside=self.b.out) as f:
+                f.write(line)
+        except OSError as e:
+            if not self.fallback_failed:
+                print(f"dflash: {self.sink.label} bridge: cannot write {self.fallback_path}: {e}", file=sys.stderr)
+            self.fallback_failed = True
+            return
         self.fallback_records += 1

@@ -31,9 +31,11 @@ import re
 import time
 from pathlib import Path
 
+from otel.confined import write_text
+
 from .redaction import redact, strip_credentials
 from .report import flatten, numeric
-from .sink import Sink
+from .sink import Sink, inside_run_dir
 
 RUN_FILE = "mlflow_run.json"
 LOCAL_DIR = "mlflow"
@@ -59,7 +61,10 @@ def tracking_uri(run_dir: Path) -> tuple[str, bool]:
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env, False
-    (Path(run_dir) / LOCAL_DIR).mkdir(parents=True, exist_ok=True)
+    local = inside_run_dir(run_dir, Path(run_dir) / LOCAL_DIR)  # MLflow opens its files itself
+    for name in ("mlflow.db", "artifacts"):
+        inside_run_dir(run_dir, local / name)
+    local.mkdir(parents=True, exist_ok=True)
     return local_uri(run_dir), True
 
 
@@ -130,8 +135,8 @@ class MlflowSink(Sink):
             for i in range(0, len(params), 100):
                 client.log_batch(run_id, params=params[i:i + 100], synchronous=True)
         self.client, self.run_id = client, run_id
-        (out / RUN_FILE).write_text(json.dumps({"run_id": run_id, "experiment_id": self.experiment_id,
-                                                "tracking_uri": strip_credentials(uri)}))
+        write_text(out / RUN_FILE, json.dumps({"run_id": run_id, "experiment_id": self.experiment_id,
+                                               "tracking_uri": strip_credentials(uri)}), inside=out)
 
     def _resumable(self, client, runner) -> str | None:
         """`dflash train --resume`: the earlier run of this dir, in the same store."""
@@ -194,28 +199,45 @@ class MlflowSink(Sink):
                 "run_id": self.run_id}
 
 
-def log_eval(run_dir: Path, metrics: dict, step: int | None = None) -> None:
-    """The eval's figures into the training run's MLflow run (RUN/mlflow_run.json; a new
-    run "<dir> eval" when the training had none): numbers as metrics at the training's
-    last step, words as tags. Raises on failure (the caller bounds and falls back)."""
+def log_eval(run_dir: Path | None, metrics: dict, step: int | None = None, name: str = "") -> None:
+    """The eval's figures into the training run's MLflow run: numbers as metrics at the
+    training's last step, words as tags. Raises on failure (the caller bounds and falls back).
+
+    Where: MLFLOW_TRACKING_URI, else the run dir's own local store; never a URI read from a
+    file (RUN/mlflow_run.json only says which run, and only when it names the same store).
+    No run dir (a served drafter): MLFLOW_TRACKING_URI alone, a new run "<name> eval"."""
     configure()
     from mlflow.entities import RunTag
     from mlflow.tracking import MlflowClient
 
-    run_dir = Path(run_dir)
-    f = run_dir / RUN_FILE
-    info = json.loads(f.read_text()) if f.is_file() else {}
-    # the stored URI has no credentials: the environment's (which has them) when it is set
-    uri = os.environ.get("MLFLOW_TRACKING_URI") or info.get("tracking_uri") or tracking_uri(run_dir)[0]
+    info = {}
+    if run_dir is not None:
+        run_dir = Path(run_dir)
+        f = run_dir / RUN_FILE
+        try:
+            info = json.loads(f.read_text()) if f.is_file() and not f.is_symlink() else {}
+        except ValueError:
+            info = {}
+        info = info if isinstance(info, dict) else {}
+    elif not os.environ.get("MLFLOW_TRACKING_URI"):
+        raise ValueError("no training run dir to log into, and MLFLOW_TRACKING_URI is not set")
+    uri, local = tracking_uri(run_dir)
+    named = info.get("tracking_uri")
+    if local and isinstance(named, str) and named.startswith("sqlite:///") and \
+            named.endswith(f"/{LOCAL_DIR}/mlflow.db"):
+        named = strip_credentials(uri)  # the run's own store, from before the run dir moved
+    if named is not None and named != strip_credentials(uri):
+        raise ValueError(f"{RUN_FILE} names the training's run on {named}, not on {strip_credentials(uri)}; "
+                         f"set MLFLOW_TRACKING_URI to that store to add the eval to it")
     client = MlflowClient(tracking_uri=uri)
-    run_id = info.get("run_id")
+    run_id = info.get("run_id") if named is not None else None
     if not run_id:
-        exp = _experiment(client, run_dir, uri == local_uri(run_dir))
-        run_id = client.create_run(exp, run_name=f"{run_dir.name} eval").info.run_id
+        exp = _experiment(client, run_dir, local)
+        run_id = client.create_run(exp, run_name=f"{run_dir.name if run_dir is not None else name} eval").info.run_id
     for batch in _metrics_batches([(k, v, step) for k, v in numeric(metrics).items()]):
         client.log_batch(run_id, metrics=batch, synchronous=True)
     words = [RunTag(_name(f"dflash.{k}"), str(v)[:5000]) for k, v in metrics.items() if isinstance(v, str)]
     if words:
         client.log_batch(run_id, tags=words, synchronous=True)
-    if not info.get("run_id"):
+    if run_id != info.get("run_id"):
         client.set_terminated(run_id)

@@ -47,3 +47,15 @@ class Sink:
     def describe(self) -> dict:
         """Where the run went (summary.json's `trackers`)."""
         return {}
+
+
+def inside_run_dir(run_dir, path):
+    """``path`` (under ``run_dir``), after checking that no symbolic link leads there: for the
+    stores the trackers' own libraries write (TensorBoard's events, MLflow's database and
+    artifacts), which cannot be handed a descriptor. Raises otel.confined.LinkRefused."""
+    from otel.confined import link_refused, links_on_the_way
+
+    link = links_on_the_way(run_dir, path)
+    if link is not None:
+        raise link_refused(path, link)
+    return path

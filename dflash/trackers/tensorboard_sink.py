@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from .report import flatten, numeric
-from .sink import Sink
+from .sink import Sink, inside_run_dir
 
 DIR = "tensorboard"
 _PER_STEP = ("train/loss", "train/acc", "train/grad_norm", "train/step")
@@ -88,17 +88,20 @@ class TensorBoardSink(Sink):
 
 
 def event_dir(run_dir: Path) -> Path:
-    """RUN/tensorboard/<name>: the one already there (a run dir renamed since), else a new one."""
-    base = Path(run_dir) / DIR
-    there = [p for p in base.iterdir() if p.is_dir()] if base.is_dir() else []
-    return there[0] if len(there) == 1 else base / Path(run_dir).resolve().name
+    """RUN/tensorboard/<name>: the one already there (a run dir renamed since), else a new one;
+    never through a symbolic link (LinkRefused: the events go to the fallback file)."""
+    base = inside_run_dir(run_dir, Path(run_dir) / DIR)
+    there = [p for p in base.iterdir() if p.is_dir() or p.is_symlink()] if base.is_dir() else []
+    return inside_run_dir(run_dir, there[0] if len(there) == 1 else base / Path(run_dir).resolve().name)
 
 
-def log_eval(run_dir: Path, metrics: dict, step: int | None = None) -> None:
+def log_eval(run_dir: Path | None, metrics: dict, step: int | None = None, name: str = "") -> None:
     """eval/<key> (and tau, baseline/..., per_position_acceptance/...) at the training's
     last step, in the same event directory (TensorBoard reads every file in it)."""
     from torch.utils.tensorboard import SummaryWriter
 
+    if run_dir is None:
+        raise ValueError("no training run dir to write events into")
     w = SummaryWriter(str(event_dir(run_dir)))
     try:
         for k, v in numeric(metrics).items():

@@ -15,7 +15,9 @@ import sys
 import threading
 from pathlib import Path
 
-from .sink import Sink
+from otel.confined import write_text
+
+from .sink import Sink, inside_run_dir
 
 FALLBACK = "wandb_fallback.jsonl"
 RUN_FILE = "wandb_run.json"        # id/project of the W&B run, for `dflash eval --wandb`
@@ -44,10 +46,11 @@ class WandbSink(Sink):
                   name=out.name, group=config.get("run_id"), job_type="train", settings=settings(wandb))
         if not os.environ.get("WANDB_DIR"):
             kw["dir"] = str(out)
+            inside_run_dir(out, out / "wandb")  # wandb writes there itself: never through a link
         run = wandb.init(**kw)
         self._wandb, self._run = wandb, run
-        (out / RUN_FILE).write_text(json.dumps({"id": run.id, "project": run.project,
-                                                "dir": kw.get("dir") or os.environ.get("WANDB_DIR")}))
+        write_text(out / RUN_FILE, json.dumps({"id": run.id, "project": run.project,
+                                               "dir": kw.get("dir") or os.environ.get("WANDB_DIR")}), inside=out)
 
     def log(self, metrics, rows, estimates, step):
         if metrics:
@@ -92,18 +95,27 @@ def _quiet(fn):
         pass
 
 
-def log_eval(run_dir: Path, metrics: dict, step: int | None = None) -> None:
+def log_eval(run_dir: Path | None, metrics: dict, step: int | None = None, name: str = "") -> None:
     """The eval's figures into the training run's W&B summary (resumed by id; a new eval
-    run when the training had none). Raises on failure (the caller bounds and falls back)."""
+    run when the training had none). Its files go to WANDB_DIR, else the run dir, never to a
+    dir a file names. No run dir (a served drafter): WANDB_DIR must be set. Raises on failure
+    (the caller bounds and falls back)."""
     import wandb
 
-    info = json.loads((run_dir / RUN_FILE).read_text()) if (run_dir / RUN_FILE).is_file() else {}
+    f = Path(run_dir) / RUN_FILE if run_dir is not None else None
+    try:
+        info = json.loads(f.read_text()) if f is not None and f.is_file() and not f.is_symlink() else {}
+    except ValueError:
+        info = {}
+    info = info if isinstance(info, dict) else {}
     kw = dict(project=os.environ.get("WANDB_PROJECT") or info.get("project") or "dflash", job_type="eval",
               settings=settings(wandb))
     if info.get("id"):
         kw.update(id=info["id"], resume="allow")
     if not os.environ.get("WANDB_DIR"):
-        kw["dir"] = info.get("dir") or str(run_dir)
+        if run_dir is None:
+            raise ValueError("no training run dir to log into, and WANDB_DIR is not set")
+        kw["dir"] = str(inside_run_dir(run_dir, Path(run_dir) / "wandb").parent)
     run = wandb.init(**kw)
     run.summary.update(metrics)
     run.finish()

@@ -17,6 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from otel.confined import start_python
+
 from ..config import ConfigError
 
 READY_S = 120.0  # a cold MLflow server imports for a while on a busy 2-core machine
@@ -39,7 +41,8 @@ def _ready(url: str, proc, deadline: float, log: Path) -> None:
 
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[2]} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            module = proc.args[proc.args.index("-m") + 1]
+            raise RuntimeError(f"{module} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -56,19 +59,20 @@ def server_env() -> dict:
 
 
 def servers(run_dir: Path, port: int = 6006, mlflow_port: int = 5000) -> list[tuple[str, list[str], str, str]]:
-    """(name, command, URL to print, URL that answers once ready) for what the run has."""
+    """(name, module and its arguments, URL to print, URL that answers once ready) for what
+    the run has."""
     from .mlflow_sink import LOCAL_DIR, local_uri
     from .tensorboard_sink import DIR
 
     out = []
     if (run_dir / DIR).is_dir():
         p = _port(port)
-        out.append(("TensorBoard", [sys.executable, "-m", "tensorboard.main", "--logdir", str(run_dir / DIR),
+        out.append(("TensorBoard", ["tensorboard.main", "--logdir", str((run_dir / DIR).resolve()),
                                     "--host", "127.0.0.1", "--port", str(p)],
                     f"http://127.0.0.1:{p}/", f"http://127.0.0.1:{p}/data/runs"))
     if (run_dir / LOCAL_DIR / "mlflow.db").is_file():
         p = _port(mlflow_port)
-        out.append(("MLflow", [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", local_uri(run_dir),
+        out.append(("MLflow", ["mlflow", "server", "--backend-store-uri", local_uri(run_dir),
                                "--host", "127.0.0.1", "--port", str(p), "--workers", "1"],
                     f"http://127.0.0.1:{p}/", f"http://127.0.0.1:{p}/health"))
     return out
@@ -88,7 +92,7 @@ def serve(a) -> int:
         raise ConfigError(f"{a.run_dir}: no tensorboard/ nor mlflow/ store in it (train with "
                           f"--tracker tensorboard,mlflow; a run logged to an MLflow server is on that server)")
     for name, cmd, *_ in todo:
-        mod = cmd[2].split(".")[0]
+        mod = cmd[0].split(".")[0]
         if importlib.util.find_spec(mod) is None:
             raise ConfigError(f"dflash watch: {name} needs the {mod} package (pip install 'dflash-otel[trackers]')")
     logs = Path(tempfile.mkdtemp(prefix="dflash-watch-"))
@@ -97,9 +101,11 @@ def serve(a) -> int:
         deadline = time.monotonic() + READY_S
         for name, cmd, url, probe in todo:
             log = logs / f"{name.lower()}.log"
-            # its own session: a Ctrl-C in this terminal reaches us, and we stop it
-            proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    start_new_session=True, env=server_env())
+            # its own session: a Ctrl-C in this terminal reaches us, and we stop it. Nothing in
+            # the cwd or the run dir is importable in it, nor in what it starts (MLflow's
+            # `python -m uvicorn`): otel.confined gives it an empty cwd of its own
+            proc = start_python(sys.executable, cmd[0], cmd[1:], stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True, env=server_env())
             procs.append((name, proc, url, probe, log))
         for name, proc, url, probe, log in procs:
             _ready(probe, proc, deadline, log)

@@ -12,6 +12,7 @@ is opened again. The readers of this format are in otel/readers.py (no SDK impor
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import os
 import threading
@@ -24,6 +25,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
+from otel.confined import link_refused
 from otel.readers import METRICS_FILE, TRACES_FILE
 
 _ID_KEYS = frozenset(("traceId", "spanId", "parentSpanId"))
@@ -52,7 +54,12 @@ class _LineFile:
     def __init__(self, path: str):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self.path = path
-        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        try:  # a link planted where the file goes is refused, never followed (otel.confined)
+            self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o644)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise link_refused(path, path) from None
+            raise
         self._lock = threading.Lock()
         _cut_torn_tail(self._fd)
 

@@ -41,6 +41,7 @@ from opentelemetry.trace.status import Status, StatusCode
 from otel.config import ExportConfig
 from otel.exporter import env_headers, filesink
 from otel.exporter.nvml import GpuSampler
+from otel.env_values import number_from_env
 from otel.exporter_choice import LOCAL_EXPORTERS, env, selected_exporters
 
 # 0.1 ms .. 10 s, 1-2.5-5 steps: resolves both a kernel launch and a slow batch.
@@ -110,8 +111,7 @@ def _protocol(signal: str) -> str:
 
 def _timeout(export_timeout_s: float) -> float:
     # the SDK default (10 s) is longer than our shutdown bound; never wait longer than asked
-    env = _env("OTEL_EXPORTER_OTLP_TIMEOUT")
-    return min(float(env), export_timeout_s) if env else export_timeout_s
+    return min(number_from_env("OTEL_EXPORTER_OTLP_TIMEOUT", export_timeout_s, unit="seconds"), export_timeout_s)
 
 
 def _build_each(kind, names, make, notes):
@@ -158,7 +158,7 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
         from prometheus_client import start_http_server
         host = _env("OTEL_EXPORTER_PROMETHEUS_HOST", default="localhost")
-        port = int(_env("OTEL_EXPORTER_PROMETHEUS_PORT", default="9464"))
+        port = int(number_from_env("OTEL_EXPORTER_PROMETHEUS_PORT", 9464, lo=0, lo_open=False, hi=65535, integer=True))
         start_http_server(port=port, addr=host)
         return PrometheusMetricReader()
     if name == "otlp":
@@ -205,7 +205,8 @@ class ExportPipeline:
         # committed batch by batch (see the module docstring); guarded by _cv
         self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0,
                        "export_failures": 0, "buffer_full": 0,
-                       "dropped": {"collector_down": 0, "write_failed": 0, "shutdown_timeout": 0}}
+                       "dropped": {"collector_down": 0, "write_failed": 0, "shutdown_timeout": 0,
+                                   "no_exporter": 0}}
         self._queue: deque = deque()     # [seq, spans, dropped_at_enqueue, n_parent, n_roots]
         self._queued_spans = 0
         self._current = None             # the entry the export thread is working on
@@ -381,6 +382,9 @@ class ExportPipeline:
             failed: dict = {}
             for i in range(0, len(spans), self.chunk):
                 chunk = spans[i:i + self.chunk]
+                if not self.span_exporters:  # nothing took them: never "exported"
+                    failed["no_exporter"] = failed.get("no_exporter", 0) + len(chunk)
+                    continue
                 if self._abandon:
                     timed_out += len(chunk)
                     continue

@@ -76,7 +76,8 @@ class Telemetry:
         self.config = ExportConfig(
             service_name=service_name, run_id=run_id, mode=mode,
             resource_attributes={**resource_attributes, "service.name": service_name, "run.id": run_id},
-            file_dir=file_dir, metric_attributes=tuple(metric_attributes),
+            # absolute: the exporter process runs in a cwd of its own (otel.confined)
+            file_dir=os.path.abspath(file_dir) if file_dir else None, metric_attributes=tuple(metric_attributes),
             metric_export_interval_s=metric_export_interval_s, max_queue=max_queue,
             gpu_devices=gpu_devices, export_timeout_s=export_timeout_s, exporter_nice=exporter_nice,
             export_chunk=512 if mode == "process" else 64, root_spans=root_spans,

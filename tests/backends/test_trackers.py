@@ -564,3 +564,44 @@ def test_watch_serves_a_local_store(tmp_path):
     for url in urls.values():  # both servers are gone
         with pytest.raises(OSError):
             _get(url, 2)
+
+
+@pytest.mark.slow
+def test_watch_runs_no_package_planted_in_the_run_dir(tmp_path):
+    """`cd RUN && dflash watch .` in a shared run dir whose tensorboard/ and mlflow/ (there by
+    design) and uvicorn/ (what MLflow's server starts) and otel/ hold an __init__.py: none of
+    them runs in TensorBoard, MLflow's server or its uvicorn, and both UIs still answer."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("tensorboard")
+    from mlflow.tracking import MlflowClient
+
+    from dflash.trackers.mlflow_sink import tracking_uri
+
+    run = tmp_path / "shared-run"
+    run.mkdir()
+    client = MlflowClient(tracking_uri=tracking_uri(run)[0])  # RUN/mlflow/mlflow.db, as a run leaves it
+    client.create_run(client.create_experiment("dflash"), run_name="shared-run")
+    markers = []
+    for name in ("tensorboard", "mlflow", "uvicorn", "otel", "gunicorn"):
+        (run / name).mkdir(exist_ok=True)
+        markers.append(tmp_path / f"{name}.ran")
+        (run / name / "__init__.py").write_text(f"open({str(markers[-1])!r}, 'w').write('ran')\n")
+    log = tmp_path / "watch"
+    # as the `dflash` command starts (its script's dir first on sys.path, never the cwd)
+    proc = subprocess.Popen([sys.executable, "-P", "-m", "dflash", "watch", ".", "--port", "0", "--mlflow-port", "0"],
+                            cwd=run, env=_clean_env(PYTHONPATH=str(ROOT)), stdout=open(log.with_suffix(".out"), "w"),
+                            stderr=open(log.with_suffix(".err"), "w"), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None and \
+                "(logs:" not in log.with_suffix(".err").read_text():
+            time.sleep(0.2)
+        urls = dict(line.split(": ", 1) for line in log.with_suffix(".out").read_text().splitlines() if ": http" in line)
+        assert set(urls) == {"TensorBoard", "MLflow"}, log.with_suffix(".err").read_text()[-3000:]
+        assert _get(urls["MLflow"] + "health").strip() == "OK"
+        json.loads(_get(urls["TensorBoard"] + "data/runs"))
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert [m.name for m in markers if m.exists()] == []

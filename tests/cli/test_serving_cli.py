@@ -109,6 +109,8 @@ def test_side_by_side_wandb_summary_names_every_drafter(monkeypatch, tmp_path):
 
     calls = []
     monkeypatch.setattr(trackers, "log_eval", lambda run_dir, res, names, **kw: calls.append((run_dir, res, kw)))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / ".dflash-run").write_text("{}")  # a training run dir: the figures go there
     dirs = [DrafterDir(tmp_path / "run" / "checkpoint", "checkpoint", {}), DrafterDir(tmp_path / "pub", "export", {})]
     results = [{"checkpoint": str(d.path), "acceptance_length": t, "tokens_per_s": 9.0, "lossless": True}
                for d, t in zip(dirs, (2.5, 3.5))]

@@ -64,3 +64,29 @@ def test_otel_never_imports_dflash():
 def test_the_check_sees_relative_imports():
     """A guard for the guard: the relative import cli.py makes of commands/ is found."""
     assert "dflash.commands.command" in _imports(ROOT / "dflash" / "cli.py")
+
+
+_STARTERS = {"Popen", "run", "call", "check_call", "check_output", "system", "popen", "spawnv", "spawnve",
+             "execv", "execve", "execvp", "Process", "Pool"}
+
+
+def _process_starts(path: Path) -> list[str]:
+    """Calls in the file that start a process (subprocess.*, os.system/exec*/spawn*, multiprocessing)."""
+    tree = ast.parse(path.read_text(), str(path))
+    mods = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+            if a.name in ("subprocess", "os", "multiprocessing")}
+    out = []
+    for node in ast.walk(tree):
+        f = node.func if isinstance(node, ast.Call) else None
+        if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in mods and \
+                f.attr in _STARTERS:
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {f.value.id}.{f.attr}")
+    return out
+
+
+def test_every_child_process_starts_through_otel_confined():
+    """Nothing from elsewhere runs (docs/failures.md): a Python child started any other way
+    could import a package planted in its cwd or a run dir. One place starts them."""
+    files = [f for f in _py("dflash", "otel") if f != ROOT / "otel" / "confined.py"]
+    assert [s for f in files for s in _process_starts(f)] == []
+    assert _process_starts(ROOT / "otel" / "confined.py")  # the guard sees a start where there is one
