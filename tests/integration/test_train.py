@@ -49,11 +49,11 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
                "--set", "train.estimate_every=40")
     after = last_json(run_dflash("eval", "--checkpoint", trained / "checkpoint", "--json").stdout)
     s = _summary(trained)
-    # the learning curve: a held-out acceptance estimate at steps 0, 40, 80, 120, and its picture
+    # the learning curve: the held-out tau walked per verify step at steps 0, 40, 80, 120, and its picture
     est = s["acceptance_estimate"]
     assert [step for step, _ in est["history"]] == [0, 40, 80, 120]
     assert est["history"][0][1] < 1.5 and est["history"][-1][1] > est["history"][0][1] + 1.0, est
-    assert len(est["last"]["slot_accuracy"]) == 7 and est["held_out_sequences"] == 4
+    assert len(est["last"]["per_position_acceptance"]) == 7 and est["held_out_sequences"] == 4
     assert (trained / "learning_curve.png").stat().st_size > 10_000
     assert s["loss_last"] < s["loss_first"]
     assert before["lossless"] and after["lossless"]
