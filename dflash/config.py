@@ -66,8 +66,10 @@ class TrainConfig:
     seed: int = 0
     save_every: int = 0                  # 0: only at the end
     stop_after: int = 0                  # >0: stop (and checkpoint) after this step, as a preempted job would
-    estimate_every: int = 0              # >0: acceptance estimate on held-out samples every N steps
-    estimate_samples: int = 4            # samples kept out of training for that estimate
+    estimate_every: int = 0              # >0: held-out tau per verify step every N steps, walked from one
+                                         # drafter pass (run/acceptance_estimate.py)
+    estimate_samples: int = 4            # the first N held-out eval prompts it walks (a capture run: N
+                                         # samples kept out of training instead)
     loss_vocab: int = 0                  # >0: the loss's softmax over the K most frequent training tokens plus
                                          # the batch's own (a CPU step is mostly the 49k lm_head); 0: all
     feature_cache: bool = False          # keep every training sequence's target features in memory after its

@@ -1,11 +1,12 @@
 """The run's learning curve as a picture: training loss and the held-out acceptance
-estimate (dflash/run/acceptance_estimate.py) against steps, written next to the run's other
-files as OUT/learning_curve.png.
+estimate (dflash/run/acceptance_estimate.py: tau per verify step, walked) against steps,
+written next to the run's other files as OUT/learning_curve.png.
 
 With `train --eval` the picture also shows what the after-training eval decoded: the served
 drafter's tau (a star at the last step) beside prompt lookup's (a dashed line: the free
-baseline a drafter has to beat), and a side panel with the share of verify steps that
-accepted each draft position, for both."""
+baseline a drafter has to beat), both per verify step as the curve counts them (the eval's
+`tau_per_step`), and a side panel with the share of verify steps that accepted each draft
+position, for both."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,7 +37,7 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
         if estimate_history:
             steps, taus = zip(*[(s, t) for s, t, *_ in estimate_history])
             ax2.plot(steps, taus, color="tab:red", marker="o", markersize=3, linewidth=1.5,
-                     label="acceptance estimate (held out)")
+                     label="held-out tau per verify step (walked)")
             own = [(h[0], h[3]) for h in estimate_history if len(h) > 3 and h[3] is not None]
             if own:  # a copy head's drafter: the same estimate without its copy proposals
                 ax2.plot(*zip(*own), color="tab:red", linestyle="--", marker="o", markersize=2, linewidth=1.0,
@@ -45,12 +46,13 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
         if final:
             last = max([s for s, *_ in loss_history] + [s for s, *_ in estimate_history] + [0])
             partial = " (partial)" if final.get("interrupted") else ""
-            ax2.plot([last], [final["acceptance_length"]], marker="*", markersize=11, color="tab:green",
-                     linestyle="none", label=f"decoded, served drafter: {final['acceptance_length']:.3f}{partial}")
+            tau = _per_step(final)
+            ax2.plot([last], [tau], marker="*", markersize=11, color="tab:green",
+                     linestyle="none", label=f"decoded per verify step, served drafter: {tau:.3f}{partial}")
             base = final.get("baseline") or {}
             if "acceptance_length" in base:
-                ax2.axhline(base["acceptance_length"], color="tab:gray", linestyle="--", linewidth=1.2,
-                            label=f"decoded, prompt lookup: {base['acceptance_length']:.3f}")
+                ax2.axhline(_per_step(base), color="tab:gray", linestyle="--", linewidth=1.2,
+                            label=f"decoded, prompt lookup: {_per_step(base):.3f}")
             legend = True
         if legend:
             ax2.legend(loc="lower right", fontsize=8)
@@ -66,6 +68,15 @@ def write_png(path: Path, loss_history: list, estimate_history: list, block_size
         fig.savefig(f, format="png")
     plt.close(fig)
     return path
+
+
+def _per_step(res: dict) -> float:
+    """An eval's tau per verify step (the curve's count), from an older result its histogram."""
+    if "tau_per_step" in res:
+        return res["tau_per_step"]
+    hist = res.get("histogram") or {}
+    steps = sum(hist.values())
+    return sum(int(k) * v for k, v in hist.items()) / steps if steps else res["acceptance_length"]
 
 
 def _per_position(ax, final: dict) -> None:

@@ -50,9 +50,13 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
         first = (curve.get("history") or [[est["step"], est["tau"]]])[0]
         start = f"from {first[1]:.3f} at step {first[0]}, " if first[0] != est["step"] else ""
         own = f"; {est['tau_no_copy']:.3f} without the copy head" if "tau_no_copy" in est else ""
-        t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}held-out replies, one forward, "
-                                  f"no decoding; slot accuracy {' '.join(f'{a:.2f}' for a in est['slot_accuracy'][:6])} "
-                                  f"...{own})")
+        pos = est.get("per_position_acceptance") or est.get("slot_accuracy") or []  # slot_accuracy: older runs
+        label = "accepted at 1..B-1" if "per_position_acceptance" in est else "slot accuracy"
+        what = (f"per verify step, walked over {curve.get('held_out_sequences')} {curve['rows']}"
+                if curve.get("rows") else "held-out replies")
+        t.add_row("tau estimate", f"{est['tau']:.3f} at step {est['step']} ({start}{what}, one forward, "
+                                  f"no decoding; {label} {' '.join(f'{a:.2f}' for a in pos[:6])}"
+                                  f"{' ...' if len(pos) > 6 else ''}{own})")
     if s.get("best"):
         b = s["best"]
         t.add_row("best", f"step {b['step']} by the held-out estimate (tau {b['tau_estimate']:.3f}): "

@@ -3,6 +3,9 @@ beside the free baseline (prompt lookup) decoded through the same loop on the sa
 
 tau = accepted + 1 per verify step, averaged per prompt, then over the prompts of each turn,
 then over turns (z-lab's protocol; single-turn prompts: the mean over prompts).
+`tau_per_step` = accepted + 1 averaged over every verify step of every prompt (the histogram's
+mean): what engines count (vLLM's mean acceptance length), and what the held-out estimate
+during training walks (run/acceptance_estimate.py).
 `per_position_acceptance[k-1]` = the share of verify steps that accepted draft position k.
 
 "Lossless" means: for every prompt, the speculative output equals the target's own greedy
@@ -41,6 +44,21 @@ def describe_lossless(res: dict) -> str:
 
 
 BASELINES = ("prompt_lookup", "none")
+
+
+def stop_token_ids(target, tokenizer) -> set[int]:
+    """The tokens a decode stops after: the target's generation eos ids and the tokenizer's eos."""
+    gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    return {t for t in eos | {tokenizer.eos_token_id} if t is not None}
+
+
+def per_step_tau(hist: list[int] | dict, block_size: int) -> float:
+    """accepted + 1 averaged over verify steps (pooled over prompts), from the histogram of
+    accepted + 1 (index or key a = 1 .. block_size); 1.0 with no steps."""
+    counts = [int(hist[str(a)] if isinstance(hist, dict) else hist[a]) for a in range(1, block_size + 1)]
+    steps = sum(counts)
+    return sum(a * c for a, c in zip(range(1, block_size + 1), counts)) / steps if steps else 1.0
 
 
 def per_position(hist: list[int] | dict, block_size: int) -> list[float]:
@@ -96,6 +114,7 @@ class _Tally:
         per_turn = [sum(v) / len(v) for _, v in sorted(self.turn_taus.items())]
         return {
             "acceptance_length": round(sum(per_turn) / max(1, len(per_turn)), 4),
+            "tau_per_step": round(per_step_tau(self.hist, self.B), 4),  # pooled over every verify step: engines' count
             "per_prompt": [round(t, 4) for t in self.dialog_taus],  # the spread says how noisy a few prompts are
             "per_turn": [round(t, 4) for t in per_turn],
             "histogram": {str(k): self.hist[k] for k in range(1, self.B + 1)},
@@ -167,9 +186,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
         prompt_set = PromptSet("held-out", dialogs, {"kind": "held_out"}, max_prompt_len)
     sampled = temperature > 0
     check_lossless = check_lossless and not sampled
-    gen_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    eos = {t for t in eos | {tokenizer.eos_token_id} if t is not None}
+    eos = stop_token_ids(target, tokenizer)
     B = drafter.cfg.block_size
     methods = {"drafter": drafter} | ({"baseline": PromptLookup(B)} if baseline == "prompt_lookup" else {})
     tallies = {name: _Tally(B) for name in methods}

@@ -216,9 +216,11 @@ class DFlashDrafter(nn.Module):
         logits, h, labels = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
         return self.add_copies(logits, h, input_ids, anchors, lm_head), labels
 
-    def slot_outputs(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
+    def slot_outputs(self, features, input_ids, anchors, anchor_valid, embed, lm_head, ctx_kv=None):
         """train_forward without the copy head: (the drafter's own logits, the slots' final
-        hidden [B, A, Bk-1, H], labels). The acceptance estimate scores both from one pass."""
+        hidden [B, A, Bk-1, H], labels). The acceptance estimate scores both from one pass.
+        ``ctx_kv``: the context's keys/values (`context_from_features` of ``features`` at
+        positions 0..S-1), when the caller computed them once for several calls."""
         Bsz, S = input_ids.shape
         A, Bk = anchors.shape[1], self.cfg.block_size
         dev = input_ids.device
@@ -230,8 +232,9 @@ class DFlashDrafter(nn.Module):
         mask = self.block_mask(anchors, anchor_valid, S, Bk)
 
         with compute_precision(embed.weight):
-            ctx = self.fuse(features.to(embed.weight.dtype))
-            ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
+            if ctx_kv is None:
+                ctx = self.fuse(features.to(embed.weight.dtype))
+                ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
             h = self.blocks_hidden(embed(block_ids.view(Bsz, -1)), pos.view(Bsz, -1), ctx_kv, mask)
             h = h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
             # flatten to rows first: on the strided 4-D slice, matmul falls back to a bmm

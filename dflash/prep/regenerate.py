@@ -108,10 +108,22 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     return out
 
 
+def greedy_continuations(model, prompts: list[list[int]], n: int, *, pad: int, device,
+                         batch_size: int = 16) -> list[list[int]]:
+    """Exactly ``n`` greedy tokens after each prompt, an end-of-turn token no stop (the held-out
+    estimate reads the target's tokens past it: run/acceptance_estimate.py); batched and
+    left-padded as regeneration is."""
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        out += _generate_left_padded(model, prompts[b:b + batch_size], pad, set(), n, device)[0]
+    return out
+
+
 def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_tokens: int, device,
                           layer_ids=None) -> tuple[list[list[int]], list | None]:
-    """Greedy continuations of a batch of prompts, cut after the first eos; with ``layer_ids``
-    also each row's features over prompt + continuation (see `regenerate`)."""
+    """Greedy continuations of a batch of prompts, cut after the first eos (no eos ids: never
+    cut, never stopped); with ``layer_ids`` also each row's features over prompt +
+    continuation (see `regenerate`)."""
     width = max(map(len, prompts))
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -120,7 +132,7 @@ def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_token
         # use_cache: a checkpoint may ship `use_cache: false`, and then every step would re-run
         # the whole sequence (what the capture below reads as one new token per step)
         seqs = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False,
-                              pad_token_id=pad, eos_token_id=sorted(eos), use_cache=True)
+                              pad_token_id=pad, eos_token_id=sorted(eos) or None, use_cache=True)
     gens = []
     for row in seqs[:, width:].tolist():
         cut = next((k + 1 for k, t in enumerate(row) if t in eos), len(row))

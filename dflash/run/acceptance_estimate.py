@@ -1,68 +1,186 @@
-"""A cheap learning curve for acceptance: every `train.estimate_every` steps, one no-grad
-drafter forward over a fixed held-out batch, no decoding.
+"""The held-out acceptance estimate: every `train.estimate_every` steps, the tau that decoding
+the held-out prompts would give, per verify step as engines count it, from one no-grad drafter
+pass over anchors at every reply position; no decoding.
 
-The held-out batch is a few regenerated samples kept out of training; their target
-features are captured once at setup, so an estimate costs one drafter forward. For each
-sampled anchor the drafter's greedy guesses for slots 1..B-1 are compared with the
-labels, which are the target's own greedy tokens (regenerated replies). DFlash drafts all
-slots of a block in parallel, so the number of leading correct slots is exactly what a
-verify step would accept at that anchor: the mean of (leading correct + 1) is an estimate
-of tau over the held-out replies, and the per-slot accuracies say where a block breaks.
-(It skips decoding's feedback: real anchors are wherever the last verify stopped.)
-A drafter with a copy head (model/copy_head.py) is scored with and without its copy
-proposals, from the same forward: the curve shows what the drafter itself learned too.
+The rows (`eval_prompt_rows`, built once at setup). The first `train.estimate_samples` held-out
+eval prompts: the ones `train --eval` and `dflash eval RUN/checkpoint` decode first, their first
+user turn cut to `eval.max_prompt_len` exactly as the eval cuts it (`prompts_for_eval`). Each is
+followed by the target's greedy continuation: `eval.max_new_tokens` tokens and B - 2 more, past
+an end-of-turn token too, so that every slot the last verify step drafts has its label (the
+target's own token there). The continuation is generated batched and left-padded, as
+regeneration is, and the target's features over the rows are captured in one forward; both
+once. Decoding generates one prompt at a time: the tokens agree up to near-ties in the
+target's logits (what the eval's losslessness check sees too).
+Why not the held-out training samples the estimate read before: they are other conversations,
+cut at `data.regen_max_prompt_len`, with replies as long as regeneration made them and ending at
+an end-of-turn token whose successor is unknown, so their walk cannot equal the eval's decode.
+The eval prompts are out of training already (`split_heldout`): no training sample is kept back
+for the estimate any more. A capture run (`train --features`: no target model, no
+conversations) has only its captured samples: it keeps `train.estimate_samples` of them out of
+training as before (`held_out_rows`); each sample's reply is walked as a decode with
+max_new_tokens = the reply's length would go, labels past the row's end counted as rejected.
 
-Values come back through a deferred read-back (no host sync on the drafter's thread).
+The walk. At anchor i (reply token i: the block [token i, MASK x (B-1)], the context every
+position before it) the drafter sees exactly what it sees while decoding, and the tokens after
+it are the target's greedy ones; so acc(i), the number of leading slots whose greedy guess
+equals the label, is what a verify step at i accepts. One pass scores anchors at every reply
+position (the block mask gives each block its own context). The walk then does what
+`speculative_generate` does: the prompt's forward gives reply token 0 and the first verify step
+anchors there; a step at i counts acc(i) + 1 and moves to i + acc(i) + 1; there is no step once
+max_new_tokens tokens are out (i >= max_new_tokens - 1) or an end-of-turn token is (i >= its
+index); the last step counts in full, as the decode loop counts it. The walk runs on the device
+by pointer doubling (log2 of the reply length gathers): nothing syncs the drafter's thread, and
+the values come back through the deferred read-back.
+
+Figures, pooled over the verify steps of all rows like `dflash eval`'s histogram (its
+`tau_per_step`): tau = sum(accepted + 1) / steps, the histogram of accepted + 1, and
+per-position acceptance (the share of steps that accepted draft position k). Up to near-ties
+they are what decoding the same prompts gives (tests/unit/test_acceptance_estimate.py). Also
+`tau_anchor_mean`: accepted + 1 averaged over every reply anchor instead of over the steps a
+decode takes; the estimate reported that (over sampled anchors) before: it flatters, because
+decoding takes more steps where acceptance is low.
+
+A drafter with a copy head (model/copy_head.py) is walked with and without its copy proposals
+from the same pass (`dflash eval` and `dflash eval --no-copy-head`); the best checkpoint
+(run/best.py) is chosen by the served figure, without them.
+
+Cost: up to max_new_tokens - 1 anchors per row (one per reply position the walk can reach: the
+cap), each with B - 1 slots through the lm_head, which is most of it. The blocks go through in
+chunks of at most ESTIMATE_LOGITS logits over one context, so memory stays bounded whatever
+the lengths; the figures do not depend on the chunking.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from ..config import derived_seed
-from ..data import dataset as data_mod
-from ..model.drafter import sample_anchors
+from ..data.batch import Batch
+from ..data.dataset import collate
+from ..data.sample import Sample
+from ..decode.evaluate import per_position, per_step_tau
 from ..model.features import target_features
 from .step import DeferredScalars, TrainStep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from ..config import Config
-    from ..data.sample import Sample
     from ..offline.feature_shards import FeatureStore
     from ..offline.train_from_features import FeatureSide
     from .best import BestKeeper
 
-ESTIMATE_ANCHORS = 16   # per held-out sequence; the lm_head over every slot is most of the cost
+ESTIMATE_LOGITS = 1 << 26   # logits per chunk of blocks (256 MB in fp32)
+CONVENTION = ("per verify step: sum(accepted + 1) / verify steps, pooled over the prompts, as engines "
+              "count it (dflash eval's tau_per_step)")
+
+
+@dataclass
+class WalkRows:
+    """What the estimate walks: right-padded rows (prompt + the target's tokens), per row the
+    position of the first anchor (`start`: reply token 0) and the end of the walk (no verify
+    step anchors at a position >= `stop`), and what the rows are (`source`, for the summary)."""
+    batch: Batch
+    start: list[int]
+    stop: list[int]
+    source: dict = field(default_factory=dict)
+
+
+def eval_prompt_rows(target: PreTrainedModel, tokenizer, convs: list, *, n: int, max_prompt_len: int,
+                     max_new_tokens: int, block_size: int, pad_id: int, batch_size: int = 16) -> WalkRows:
+    """The first ``n`` held-out conversations as the eval decodes them, and the target's greedy
+    continuation (see the module docstring)."""
+    from ..data.dataset import prompts_for_eval
+    from ..decode.evaluate import stop_token_ids
+    from ..prep.regenerate import greedy_continuations
+
+    prompts = prompts_for_eval(tokenizer, convs[:n], max_prompt_len=max_prompt_len)
+    gens = greedy_continuations(target, prompts, max(1, max_new_tokens + block_size - 2), pad=pad_id,
+                                device=target.device, batch_size=batch_size)
+    eos = stop_token_ids(target, tokenizer)
+    start, stop = [], []
+    for p, g in zip(prompts, gens):
+        out = next((i for i, t in enumerate(g) if t in eos), len(g))  # decoding stops once it is out
+        start.append(len(p))
+        stop.append(len(p) + max(0, min(max_new_tokens - 1, out)))
+    rows = [Sample(p + g, [0] * len(p) + [1] * len(g)) for p, g in zip(prompts, gens)]
+    return WalkRows(collate(rows, pad_id, 0), start, stop,
+                    {"rows": "held-out eval prompts", "max_new_tokens": max_new_tokens,
+                     "max_prompt_len": max_prompt_len})
+
+
+def held_out_rows(samples: list[Sample], *, pad_id: int) -> WalkRows:
+    """Held-out training samples (a capture run): each walked over its first reply, from its
+    first loss token to its last."""
+    start, stop = [], []
+    for s in samples:
+        m = s.loss_mask
+        first = next((i for i, x in enumerate(m) if x), len(m))
+        end = first
+        while end < len(m) and m[end]:
+            end += 1
+        start.append(first)
+        stop.append(max(first, end - 1))  # the reply's last token drafts nothing it could check
+    return WalkRows(collate(samples, pad_id, 0), start, stop, {"rows": "held-out training samples"})
+
+
+def walk(acc: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """The anchors a decode verifies at: bool [R, L]. ``acc`` [R, L]: the drafts accepted at
+    reply anchor i; ``limit`` [R]: no step at i >= limit. From anchor 0 a step at i moves to
+    i + acc[i] + 1. Pointer doubling, on the device: after round k the first 2^k anchors of the
+    path are marked (each round marks where the marked ones jump to, then doubles the jumps)."""
+    R, L = acc.shape
+    dev = acc.device
+    idx = torch.arange(L, device=dev)
+    inside = idx[None] < limit[:, None]
+    sink = torch.full((R, 1), L, device=dev, dtype=torch.long)  # past the end; it stays there
+    jump = torch.cat([torch.where(inside, idx + acc.long() + 1, L).clamp(max=L), sink], dim=1)
+    seen = torch.zeros(R, L + 1, device=dev, dtype=torch.long)
+    seen[:, 0] = 1
+    for _ in range(L.bit_length()):  # 2^rounds >= L + 1: every node of the path
+        seen = seen | torch.zeros_like(seen).scatter_add_(1, jump, seen).clamp(max=1)
+        jump = jump.gather(1, jump)
+    return seen[:, :L].bool() & inside
+
+
+def _leading(logits, labels, ok):
+    """Drafts a verify step accepts per block: leading slots whose greedy guess is the label."""
+    return ((logits.argmax(-1) == labels) & ok).int().cumprod(-1).sum(-1)
 
 
 class AcceptanceEstimate:
-    def __init__(self, train_step: TrainStep, target: PreTrainedModel | FeatureSide, samples: list[Sample], *,
-                 cfg: Config, pad_id: int, layer_ids: list[int], feature_store: FeatureStore | None, every: int):
-        self.every = every
-        self.train_step = train_step
-        self.batch = next(data_mod.batches(samples, batch_size=len(samples), seed=cfg.train.seed,
-                                           pad_id=pad_id, bucket=False))
-        dev = self.train_step.device
+    def __init__(self, train_step: TrainStep, target: PreTrainedModel | FeatureSide, rows: WalkRows, *,
+                 layer_ids: list[int], feature_store: FeatureStore | None, every: int):
+        self.every, self.train_step, self.rows = every, train_step, rows
+        self.batch = rows.batch
+        dev = train_step.device
         if feature_store is not None:  # train --features: the held-out rows were captured too
             feature_store.attach(self.batch)
         with torch.no_grad():
             self.features = target_features(target, self.batch, layer_ids, target.device).to(dev)
-        g = torch.Generator().manual_seed(derived_seed(cfg.train.seed, 7919))
-        anchors, valid = sample_anchors(self.batch.loss_mask, ESTIMATE_ANCHORS, cfg.model.block_size, generator=g)
+        Bk = self.block_size = train_step.drafter.cfg.block_size
+        R = len(rows.start)
+        lim = torch.tensor([max(0, b - a) for a, b in zip(rows.start, rows.stop)])
+        L = max(1, int(lim.max()) if R else 1)  # anchors per row: every reply position the walk can reach
+        i = torch.arange(L)
+        anchors = torch.tensor(rows.start)[:, None] + i
+        valid = i[None] < lim[:, None]
+        pos = anchors[..., None] + torch.arange(1, Bk)
+        lengths = torch.tensor(self.batch.lengths)
         self.ids = self.batch.input_ids.to(dev)
-        self.anchors, self.valid = anchors.to(dev), valid.to(dev)
-        Bk = cfg.model.block_size
-        pos = self.anchors[..., None] + torch.arange(1, Bk, device=dev)
-        lm = self.batch.loss_mask.to(dev)
-        self.label_ok = torch.gather(lm, 1, pos.clamp(max=self.ids.shape[1] - 1).view(self.ids.shape[0], -1)
-                                     ).view_as(pos).bool() & self.valid[..., None]
+        self.limit = lim.to(dev)
+        self.anchors = torch.where(valid, anchors, 0).to(dev)
+        self.valid = valid.to(dev)
+        self.label_ok = ((pos < lengths[:, None, None]) & valid[..., None]).to(dev)
+        # chunks of blocks with at most ESTIMATE_LOGITS logits: rows [r0, r1) x anchors [a0, a1)
+        per_anchor = (Bk - 1) * train_step.lm_head.weight.shape[0]
+        C = max(1, min(L, ESTIMATE_LOGITS // per_anchor))
+        G = max(1, min(R, ESTIMATE_LOGITS // (C * per_anchor)))
+        self.chunks = [((r, min(R, r + G)), [(a, min(L, a + C)) for a in range(0, L, C)]) for r in range(0, R, G)]
         self.readback = DeferredScalars()
-        self.history: list = []          # (step, tau_estimate, [accuracy of slot 1..B-1], tau without copies)
+        # (step, tau, [share of steps accepting position 1..B-1], tau without copies, details)
+        self.history: list = []
         self.keeper: BestKeeper | None = None  # run/best.py: keeps the best checkpoint by this estimate
-        self.block_size = Bk
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -70,40 +188,70 @@ class AcceptanceEstimate:
     @torch.no_grad()
     def __call__(self, step: int) -> None:
         """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
-        st = self.train_step
-        model = st.drafter
+        model = self.train_step.drafter
         was_training = model.training
         model.eval()
         try:
-            own, hidden, labels = model.slot_outputs(self.features, self.ids, self.anchors, self.valid,
-                                                     st.embed, st.lm_head)
-            logits = model.add_copies(own, hidden, self.ids, self.anchors, st.lm_head)
+            acc, own = self._accepted(model)
         finally:
             model.train(was_training)
-        tau, per_slot = self._score(logits, labels)
-        extra = {"tau_no_copy": self._score(own, labels)[0]} if model.copying else {}
-        self.readback.put(step, tau=tau, **extra, **{f"acc{k}": per_slot[k - 1] for k in range(1, self.block_size)})
+        vals = self._walked(acc, "")
+        if own is not None:  # a copy head's drafter: the same walk without its proposals
+            vals |= self._walked(own, "own_")
+        self.readback.put(step, **vals)
         if self.keeper is not None:  # the weights this estimate judges, until its value is known
             self.keeper.queued(step)
         self.collect()
 
-    def _score(self, logits, labels):
-        """(tau estimate, per-slot accuracy) as device tensors."""
-        ok = self.label_ok
-        correct = (logits.argmax(-1) == labels) & ok
-        blocks = ok[..., 0]                                   # anchors whose slot 1 is a reply token
-        leading = correct.int().cumprod(-1).sum(-1).float()   # accepted drafts per block
-        n = blocks.sum().clamp_min(1)
-        tau = 1.0 + (leading * blocks).sum() / n
-        return tau, correct.float().sum((0, 1)) / ok.float().sum((0, 1)).clamp_min(1)
+    def _accepted(self, model):
+        """Drafts accepted at every reply anchor [R, L], with the copy head's proposals and (a
+        copy head's drafter) without them: one pass over one context, in chunks of blocks."""
+        st = self.train_step
+        R, S = self.ids.shape
+        ctx_kv = model.context_from_features(self.features, torch.arange(S, device=self.ids.device).expand(R, S),
+                                             st.embed)
+        accs, owns = [], []
+        for (r0, r1), spans in self.chunks:
+            ids, feats = self.ids[r0:r1], self.features[r0:r1]
+            kv = [(k[r0:r1], v[r0:r1]) for k, v in ctx_kv]
+            acc, own = [], []
+            for a0, a1 in spans:
+                anchors, valid, ok = (t[r0:r1, a0:a1] for t in (self.anchors, self.valid, self.label_ok))
+                logits, hidden, labels = model.slot_outputs(feats, ids, anchors, valid, st.embed, st.lm_head,
+                                                            ctx_kv=kv)
+                acc.append(_leading(model.add_copies(logits, hidden, ids, anchors, st.lm_head), labels, ok))
+                if model.copying:
+                    own.append(_leading(logits, labels, ok))
+            accs.append(torch.cat(acc, 1))
+            if own:
+                owns.append(torch.cat(own, 1))
+        return torch.cat(accs, 0), (torch.cat(owns, 0) if owns else None)
+
+    def _walked(self, acc, prefix: str) -> dict:
+        """Device scalars: the histogram of accepted + 1 over the walk's verify steps (h1..hB),
+        and accepted + 1 averaged over every anchor (`anchor_mean`)."""
+        steps = walk(acc, self.limit)
+        onehot = torch.nn.functional.one_hot(acc.long().clamp(0, self.block_size - 1), self.block_size)
+        hist = (onehot * steps[..., None]).sum((0, 1))
+        anchor_mean = ((acc + 1) * self.valid).sum() / self.valid.sum().clamp_min(1)
+        return {f"{prefix}h{a}": hist[a - 1] for a in range(1, self.block_size + 1)} | \
+            {f"{prefix}anchor_mean": anchor_mean}
+
+    def _hist(self, v: dict, prefix: str) -> dict:
+        return {str(a): int(round(v[f"{prefix}h{a}"])) for a in range(1, self.block_size + 1)}
 
     def collect(self, blocking: bool = False) -> list:
         done = self.readback.drain_blocking() if blocking else self.readback.ready()
         for s, v in done:
-            self.history.append((s, v["tau"], [v[f"acc{k}"] for k in range(1, self.block_size)],
-                                 v.get("tau_no_copy")))
+            hist = self._hist(v, "")
+            tau = per_step_tau(hist, self.block_size)
+            no_copy = per_step_tau(self._hist(v, "own_"), self.block_size) if "own_h1" in v else None
+            detail = {"histogram": hist, "verify_steps": sum(hist.values()), "tau_anchor_mean": v["anchor_mean"]}
+            if no_copy is not None:
+                detail["histogram_no_copy"] = self._hist(v, "own_")
+            self.history.append((s, tau, per_position(hist, self.block_size), no_copy, detail))
             if self.keeper is not None:  # judged as served: without a copy head's proposals
-                self.keeper.result(s, v["tau_no_copy"] if v.get("tau_no_copy") is not None else v["tau"])
+                self.keeper.result(s, no_copy if no_copy is not None else tau)
         return done
 
     def latest(self):
@@ -111,12 +259,14 @@ class AcceptanceEstimate:
 
     def summary(self) -> dict:
         self.collect(blocking=True)
-        out = {"every": self.every, "held_out_sequences": len(self.batch.lengths),
-               "history": [[s, round(t, 4)] for s, t, *_ in self.history], "last": None}
+        out = {"every": self.every, "held_out_sequences": len(self.batch.lengths), **self.rows.source,
+               "convention": CONVENTION, "history": [[s, round(t, 4)] for s, t, *_ in self.history], "last": None}
         if self.history:
-            step, tau, slots, no_copy = self.history[-1]
-            out["last"] = {"step": step, "tau": round(tau, 4), "slot_accuracy": [round(a, 4) for a in slots]}
-            if no_copy is not None:  # a copy head's drafter: the same estimate without its proposals
-                out["history_no_copy"] = [[s, round(nc, 4)] for s, _, _, nc in self.history]
+            step, tau, per_pos, no_copy, detail = self.history[-1]
+            out["last"] = {"step": step, "tau": round(tau, 4), "per_position_acceptance": per_pos,
+                           "verify_steps": detail["verify_steps"], "histogram": detail["histogram"],
+                           "tau_anchor_mean": round(detail["tau_anchor_mean"], 4)}
+            if no_copy is not None:  # a copy head's drafter: the same walk without its proposals
+                out["history_no_copy"] = [[s, round(nc, 4)] for s, _, _, nc, _ in self.history]
                 out["last"]["tau_no_copy"] = round(no_copy, 4)
         return out

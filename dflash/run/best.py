@@ -1,4 +1,6 @@
-"""The best checkpoint by the held-out acceptance estimate (`train.estimate_every`).
+"""The best checkpoint by the held-out acceptance estimate (`train.estimate_every`): tau per
+verify step on the held-out prompts, walked from one drafter pass (run/acceptance_estimate.py),
+which equals what decoding them gives up to near-ties.
 
 Every estimate is queued with a device-side copy of the drafter's weights at that step
 (`checkpoint.snapshot`, weights only: a best checkpoint is for serving and evaluating,

@@ -52,7 +52,7 @@ class RunSpec:
     start_step: int               # 0, or where a resumed run goes on
     target_config: PretrainedConfig   # the target's HF config (kept where the target is not)
     samples: list[Sample]         # this run's training samples (all ranks; each takes its shard)
-    held_out: list[Sample] = field(default_factory=list)  # kept out of training for the estimate
+    held_out: list[Sample] = field(default_factory=list)  # kept out of training for the estimate (capture runs)
     eval_convs: list[list[dict]] = field(default_factory=list)  # held-out conversations: eval prompts
     feature_store: FeatureStore | None = None  # train --features: the captured rows
     groups: Groups | None = None  # a layout's process groups

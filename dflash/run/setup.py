@@ -67,8 +67,11 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
     samples, held_out = prep.samples, []
     train_step = vote = sync_timer = None
     tokens, history = 0, []
+    # the acceptance estimate walks the held-out eval prompts (run/acceptance_estimate.py); a
+    # capture run has none (nor a target to continue them): it keeps some samples back instead
+    walk_prompts = bool(cfg.train.estimate_every) and store is None and bool(prep.eval_convs)
     if place.has_drafter:
-        if cfg.train.estimate_every and len(samples) > cfg.train.estimate_samples:
+        if cfg.train.estimate_every and not walk_prompts and len(samples) > cfg.train.estimate_samples:
             # kept out of training: the acceptance estimate must measure held-out replies
             samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
         train_step, vote, sync_timer, jstate = _setup_drafter(cfg, place, out, groups, target, tok, layer_ids,
@@ -88,10 +91,19 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
             caches = [None] * len(targets)
         else:
             targets, caches = _setup_targets(spec, target, resume, prep.features)
-        if held_out:
-            from .acceptance_estimate import AcceptanceEstimate
-            estimate = AcceptanceEstimate(train_step, targets[0], held_out, cfg=cfg, pad_id=tok.pad_token_id,
-                                          layer_ids=layer_ids, feature_store=store, every=cfg.train.estimate_every)
+        if place.has_drafter and (walk_prompts or held_out):
+            from . import acceptance_estimate as est_mod
+            if walk_prompts:  # the target's greedy continuations, as regeneration batches them
+                gen_batch = cfg.data.regen_batch_size or (64 if str(targets[0].device).startswith("cuda") else 16)
+                rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
+                                                max_prompt_len=cfg.eval.max_prompt_len,
+                                                max_new_tokens=cfg.eval.max_new_tokens,
+                                                block_size=cfg.model.block_size, pad_id=tok.pad_token_id,
+                                                batch_size=gen_batch)
+            else:
+                rows = est_mod.held_out_rows(held_out, pad_id=tok.pad_token_id)
+            estimate = est_mod.AcceptanceEstimate(train_step, targets[0], rows, layer_ids=layer_ids,
+                                                  feature_store=store, every=cfg.train.estimate_every)
     del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
     if tel is None:  # after the data and the models: the profile's wall time is the training's
         tel = make_telemetry(cfg, out, place, run_id)
@@ -102,7 +114,8 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
         est = estimate
         tel.observable_gauge("dflash.train.acceptance_estimate",
                              lambda: [(e[1], {})] if (e := est.latest()) else [], "1",
-                             "Estimated acceptance length on held-out replies (one forward, no decoding).")
+                             "Held-out acceptance length per verify step, walked from one drafter pass "
+                             "(no decoding).")
     state = RunState(tel=tel, train_step=train_step, targets=targets, feature_caches=caches, vote=vote,
                      sync_timer=sync_timer, estimate=estimate, tokens=tokens, history=history)
     return spec, state

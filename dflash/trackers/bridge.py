@@ -195,7 +195,8 @@ class _Runner:
         return True
 
     def _estimate_history(self) -> list:
-        """(step, tau, [slot accuracies], tau without copies) of the held-out estimate, if any."""
+        """(step, tau, [share of verify steps accepting position k], tau without copies, details)
+        of the held-out estimate, if any."""
         return getattr(getattr(self.state, "estimate", None), "history", None) or []
 
     def _metrics(self) -> dict:

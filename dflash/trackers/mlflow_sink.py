@@ -163,7 +163,7 @@ class MlflowSink(Sink):
             items.append(("estimate/tau", tau, s))
             if rest and rest[0] is not None:
                 items.append(("estimate/tau_no_copy", rest[0], s))
-            items += [(f"estimate/acc_slot/{k}", a, s) for k, a in enumerate(slots or [], 1)]
+            items += [(f"estimate/accepted_at_position/{k}", a, s) for k, a in enumerate(slots or [], 1)]
         items += [(k, v, step) for k, v in numeric({k: v for k, v in metrics.items() if k not in _PER_STEP}).items()]
         for batch in _metrics_batches(items):
             self.client.log_batch(self.run_id, metrics=batch, synchronous=True)

@@ -6,7 +6,7 @@ extra). What goes in:
 - every step: train/loss, train/acc, train/grad_norm (the run's whole loss history,
   the same values as summary.json's `loss_history`);
 - each held-out acceptance estimate (train.estimate_every): estimate/tau,
-  estimate/tau_no_copy, estimate/acc_slot/<k>;
+  estimate/tau_no_copy, estimate/accepted_at_position/<k>;
 - every interval, at the step reached: tokens/s, stage p50/p95/..., busy fractions,
   telemetry health (the same names as W&B);
 - at the end: the run summary as summary/<key> (summary/tokens_per_s,
@@ -60,7 +60,7 @@ class TensorBoardSink(Sink):
             if rest and rest[0] is not None:
                 w.add_scalar("estimate/tau_no_copy", rest[0], s)
             for k, a in enumerate(slots or [], 1):
-                w.add_scalar(f"estimate/acc_slot/{k}", a, s)
+                w.add_scalar(f"estimate/accepted_at_position/{k}", a, s)
         for k, v in numeric({k: v for k, v in metrics.items() if k not in _PER_STEP}).items():
             w.add_scalar(k, v, step)
         w.flush()
