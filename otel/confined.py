@@ -69,9 +69,14 @@ def python_argv(python: str, module: str, args=()) -> list[str]:
 
 def start_python(python: str, module: str, args=(), *, env: dict | None = None, **popen) -> subprocess.Popen:
     """``python -m module args`` that imports nothing from any cwd (see the module doc);
-    ``popen``: the rest of subprocess.Popen's arguments (a ``cwd`` of the caller's wins)."""
+    ``popen``: the rest of subprocess.Popen's arguments (a ``cwd`` of the caller's wins).
+    ``module`` may also be the absolute path of a script: ``python script args``, whose own
+    directory is then not put on ``sys.path`` either (-P)."""
     popen.setdefault("cwd", private_cwd())
-    return subprocess.Popen(python_argv(python, module, args), env=child_env(env), **popen)
+    argv = python_argv(python, module, args)
+    if os.path.isabs(module) and module.endswith(".py"):
+        argv.remove("-m")
+    return subprocess.Popen(argv, env=child_env(env), **popen)
 
 
 # -------------------------------------------------------------------- files

@@ -2,8 +2,9 @@
 
 dflash and vLLM never share an interpreter: vLLM pins an older transformers (deploy/vllm_env.py
 says why). Every engine child runs
-- with `-I` (nothing from the cwd, PYTHONPATH or the user's site-packages can be imported),
-  in a private temp dir of its own as its cwd;
+- through otel/confined.py, as every child of ours: `-P`, PYTHONSAFEPATH, absolute PYTHONPATH
+  entries only (nothing from the cwd or a run dir can be imported), in a private temp dir of
+  its own as its cwd;
 - in a process group of its own, so that a signal, a timeout or an error stops vLLM's engine
   and worker processes too, and no orphan keeps the cores busy;
 - with its log in a file, whose path and last line are what a failure reports.
@@ -81,11 +82,14 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             continue
 
 
-def start(args: list[str], *, log: Path, env: dict, cwd: Path) -> subprocess.Popen:
-    """`engine_python() -I ARGS`, in its own process group and cwd, output to `log`."""
-    with open(log, "ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen([str(engine_python()), "-I", *args], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+def start(module: str, args: list[str], *, log: Path, env: dict, cwd: Path) -> subprocess.Popen:
+    """`engine_python() -P -m MODULE ARGS` (or a script's absolute path), through the one
+    place children start (otel/confined.py), in its own process group and cwd, output to `log`."""
+    from otel.confined import open_for_write, start_python
+
+    with open_for_write(log, "ab") as out:  # the child keeps its own descriptor
+        return start_python(str(engine_python()), module, args, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def last_line(log: Path) -> str:
@@ -105,7 +109,7 @@ def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: fl
     (work / "job.json").write_text(json.dumps(job))
     local = is_local(job["target"]) and (not job.get("speculative") or "model" not in job["speculative"]
                                          or is_local(job["speculative"]["model"]))
-    proc = start([str(WORKER), str(work / "job.json"), str(work / "result.json")], log=log,
+    proc = start(str(WORKER), [str(work / "job.json"), str(work / "result.json")], log=log,
                  env=engine_env(offline=local), cwd=work)
     t0 = time.monotonic()
     ok = False

@@ -65,7 +65,7 @@ def otlp_endpoint(flag: str | None) -> str | None:
 def server_args(*, target: str, export: str, k: int, port: int, dtype: str, max_model_len: int,
                 name: str, otlp: str | None) -> list[str]:
     spec = {"method": "dflash", "model": str(Path(export).resolve()), "num_speculative_tokens": k}
-    args = ["-m", "vllm.entrypoints.openai.api_server", "--model", target, "--served-model-name", name,
+    args = ["--model", target, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
             "--speculative-config", json.dumps(spec), "--enable-prefix-caching" if False else "--no-enable-prefix-caching"]
     if otlp:
@@ -106,7 +106,7 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int 
         attrs = f"dflash.drafter={Path(export).resolve()},dflash.target={target_spec}"
         env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(x for x in (env.get("OTEL_RESOURCE_ATTRIBUTES", ""), attrs) if x)
     name = target_spec
-    proc = runner.start(server_args(target=target, export=export, k=k, port=port, dtype=dtype,
+    proc = runner.start("vllm.entrypoints.openai.api_server", server_args(target=target, export=export, k=k, port=port, dtype=dtype,
                                     max_model_len=max_model_len, name=name, otlp=endpoint),
                         log=log_path, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"

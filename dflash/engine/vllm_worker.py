@@ -1,10 +1,10 @@
 """Runs inside `.venv-vllm` (never imported by dflash): one vLLM engine, one job, JSON out.
 
-    .venv-vllm/bin/python -I dflash/engine/vllm_worker.py JOB.json RESULT.json
+    .venv-vllm/bin/python -P /abs/path/dflash/engine/vllm_worker.py JOB.json RESULT.json
 
 It imports only the standard library and vLLM (dflash needs a newer transformers than vLLM
-allows, so the two never share an interpreter; `-I`: nothing from the cwd or the
-environment's PYTHONPATH). The job (written by dflash/engine/runner.py):
+allows, so the two never share an interpreter; started through otel/confined.py: nothing from
+its cwd or directory is importable). The job (written by dflash/engine/runner.py):
 
     {"target": DIR, "dtype": "float32", "max_model_len": N, "seed": 0,
      "speculative": null | {vLLM's speculative_config},
