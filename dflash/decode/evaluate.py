@@ -9,11 +9,14 @@ during training walks (run/acceptance_estimate.py).
 `per_position_acceptance[k-1]` = the share of verify steps that accepted draft position k.
 
 "Lossless" means: for every prompt, the speculative output equals the target's own greedy
-decode computed by the same target object (same dtype, device and cache implementation;
-see spec_decode). In float32 that holds exactly. In bf16 a near-tie in the target's logits
-can flip a token between the block-verify forward and the one-token reference forward,
-so instead of a bare False we report how many prompts diverged, where each first
-diverged, and the reference's top-1/top-2 logit margin there.
+decode by the same target object (same dtype and device). It is checked with one
+teacher-forced forward over prompt + output (`spec_decode.greedy_divergence`): an output is
+the greedy decode exactly when each token is the target's argmax given the ones before it,
+so no decode of its own is needed (it was a third of eval's time). In float32 that holds
+exactly. In bf16 a near-tie in the target's logits can flip a token between the
+block-verify forward and the whole-sequence forward, so instead of a bare False we report
+how many prompts diverged, where each first diverged, and the target's top-1/top-2 logit
+margin there.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from ..config import ConfigError, derived_seed
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
 from ..model.prompt_lookup import METHOD, RULE, PromptLookup
-from .spec_decode import first_divergence, greedy_generate, speculative_generate, speculative_sample
+from .spec_decode import greedy_divergence, speculative_generate, speculative_sample
 
 
 def describe_lossless(res: dict) -> str:
@@ -205,12 +208,13 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
                                        stop=stop)
         return res, time.perf_counter() - t1
 
-    def divergence(i, t, ref, out, margins):
-        pos = first_divergence(ref, out) if ref is not None else None
-        if pos is None:
+    def divergence(i, t, prompt, out):
+        """Where `out` departs from the target's greedy decode (one teacher-forced forward)."""
+        found = greedy_divergence(target, prompt, out, max_new_tokens=max_new_tokens, eos_ids=eos) \
+            if check_lossless else None
+        if found is None:
             return None
-        margin = margins[pos] if pos < len(margins) else float("nan")
-        return {"prompt": i, "turn": t, "position": pos, "margin": round(margin, 6)}
+        return {"prompt": i, "turn": t, "position": found[0], "margin": round(found[1], 6)}
 
     for i, dialog in enumerate(tqdm(prompt_set.dialogs, desc="eval", disable=not progress, leave=False)):
         if stop is not None and stop.is_set():
@@ -228,15 +232,16 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
                           f"counted (prompts_cut)", file=sys.stderr)
             _check_fits(target, prompt, max_new_tokens, f"prompt {dialog.id!r} of {prompt_set.name} (turn {t + 1})")
             runs = {name: decode(m, prompt, gens[name]) for name, m in methods.items()}
-            margins: list = []
-            ref = greedy_generate(target, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                                  margins=margins, stop=stop) if check_lossless else None
             if stop is not None and stop.is_set():
                 break
+            checked: dict = {}  # methods with the same output share one check
             for name, (res, secs) in runs.items():
+                key = tuple(res.tokens)
+                if key not in checked:
+                    checked[key] = divergence(i, t, prompt, res.tokens)
                 records[name].append({"id": dialog.id, "turn": t, "res": res, "s": secs,
                                       "prompt_ids": prompt if name == "drafter" else None,
-                                      "divergence": divergence(i, t, ref, res.tokens, margins)})
+                                      "divergence": checked[key]})
             out = runs["drafter"][0].tokens
             replies.append(tokenizer.decode([x for x in out if x not in eos], skip_special_tokens=True))
         if stop is not None and stop.is_set():

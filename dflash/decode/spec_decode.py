@@ -381,6 +381,49 @@ def greedy_generate(target, prompt: list[int], *, max_new_tokens: int, eos_ids: 
     return out
 
 
+@torch.no_grad()
+def greedy_divergence(target, prompt: list[int], output: list[int], *, max_new_tokens: int,
+                      eos_ids: set[int] = frozenset(), rows: int = 256) -> tuple[int, float] | None:
+    """Where `output` first departs from the target's greedy decode of `prompt`, and the
+    greedy choice's top-1 minus top-2 logit there; None when it is the greedy decode.
+
+    One teacher-forced forward over prompt + output instead of a decode of its own: greedy
+    decoding picks y_t = argmax p(. | prompt, y_<t), so an output is the greedy one exactly
+    when each of its tokens is the argmax given those before it, and it ends where greedy
+    would (at an EOS, or at max_new_tokens). The first token that is not the argmax is
+    where the two decodes part; up to it they are the same. The logits come in chunks of
+    `rows` positions (the lm_head over a long output at once would hold outputs x vocab).
+    Rounding: a forward over the whole sequence reduces in another order than one-token
+    steps, so a near-tie can tip; the margin says how near (see the module docstring)."""
+    n = len(output)
+    if n == 0:
+        return None
+    ids = torch.tensor([list(prompt) + list(output[:-1])], device=target.device)
+    if lazy_logits.supported(target):
+        hidden = target.get_decoder()(input_ids=ids, use_cache=False).last_hidden_state[0, -n:]
+        head = target.get_output_embeddings()
+        logits_of = lambda a, b: head(hidden[a:b]).float()  # noqa: E731
+    else:
+        kw = {"logits_to_keep": n} if _takes_logits_to_keep(type(target)) else {}
+        full = target(input_ids=ids, use_cache=False, **kw).logits[0, -n:]
+        logits_of = lambda a, b: full[a:b].float()  # noqa: E731
+    for a in range(0, n, rows):
+        logits = logits_of(a, min(n, a + rows))
+        top = logits.topk(2, dim=-1)
+        want = torch.tensor(output[a:a + rows], device=logits.device)
+        bad = torch.nonzero(top.indices[:, 0] != want).flatten()
+        if len(bad):
+            k = int(bad[0])
+            return a + k, float(top.values[k, 0] - top.values[k, 1])
+        if a + rows >= n:
+            break
+    stopped_early = n < max_new_tokens and output[-1] not in eos_ids   # greedy would have gone on
+    ends_late = any(t in eos_ids for t in output[:-1])                  # greedy would have stopped sooner
+    if ends_late:
+        return next(i for i, t in enumerate(output) if t in eos_ids) + 1, float("nan")
+    return (n, float("nan")) if stopped_early else None
+
+
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     """Index of the first token where two outputs differ (a length difference counts), else None."""
     for i, (x, y) in enumerate(zip(a, b)):

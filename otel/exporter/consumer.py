@@ -49,6 +49,7 @@ class BatchConsumer:
         self.console_interval_s = config.console_interval_s or 0
         self.title = f"{config.service_name} telemetry profile ({config.mode} mode)"
         self._last_console = time.monotonic()
+        self._received_at_print = 0      # records consumed when the last periodic table was printed
         self.metric_failures = 0
         self.received = 0                # stage records consumed
         self.idle = None
@@ -109,6 +110,9 @@ class BatchConsumer:
         ci = self.console_interval_s
         if ci and time.monotonic() - self._last_console >= ci:
             self._last_console = time.monotonic()
+            if self.received == self._received_at_print:
+                return  # nothing new since the last table (training over, an eval running): not again
+            self._received_at_print = self.received
             st = self.pipeline.status()
             h = health(st["buffer_full"], 0, self.received, {**st, "dropped": dict(st["dropped"])})
             print(format_table({**self.summary(), "health": h}, self.title, self.config.wait_attributes),

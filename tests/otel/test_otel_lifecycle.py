@@ -78,6 +78,24 @@ def test_summary_and_profile_table(tmp_path, mode, make_tel, capfd):
     assert err.count("telemetry profile") >= 2  # periodic + at shutdown
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_periodic_table_is_not_repeated_while_nothing_new_arrives(tmp_path, mode, make_tel, capfd):
+    """After training, an eval can run for minutes with no new stages: the table printed every
+    interval would be the same one again (five copies in one demo); it is printed once."""
+    tel = make_tel(mode=mode, file_dir=str(tmp_path), console=True, console_interval_s=0.1)
+    with tel.stage("only"):
+        pass
+    tel.flush(timeout_s=5.0)
+    deadline = time.monotonic() + 10
+    while "telemetry profile" not in (seen := capfd.readouterr().err) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "telemetry profile" in seen, "one periodic table for the stage that arrived"
+    time.sleep(0.6)  # six intervals with nothing new
+    assert "telemetry profile" not in capfd.readouterr().err
+    tel.shutdown()
+    assert capfd.readouterr().err.count("telemetry profile") == 1  # the final table, once
+
+
 def test_forked_child_neither_buffers_nor_holds_the_pipe(tmp_path, make_tel):
     tel = make_tel(mode="process", file_dir=str(tmp_path))
     r, w = os.pipe()

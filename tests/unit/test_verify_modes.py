@@ -253,3 +253,25 @@ def test_lazy_logits_only_where_logits_are_plain_lm_head(hybrid):
     finally:
         del model.config.final_logit_softcapping
     assert lazy_logits.supported(model)
+
+
+@pytest.mark.parametrize("spec", ["tiny-qwen3", "tiny-qwen3.5"])
+def test_one_forward_finds_where_an_output_leaves_the_greedy_decode(spec, hybrid):
+    """The lossless check reads one teacher-forced forward, not a decode of its own: the
+    greedy output passes, a token changed at k is found at k with the greedy decode's own
+    margin there, and an output cut short (or running past an EOS) is found at its end."""
+    from dflash.decode.spec_decode import greedy_divergence
+
+    model, tok = hybrid if spec == "tiny-qwen3.5" else T.load_target(spec, seed=0)
+    prompt = _prompts(tok)[2]
+    margins: list = []
+    ref = greedy_generate(model, prompt, max_new_tokens=20, margins=margins)
+    assert greedy_divergence(model, prompt, ref, max_new_tokens=20) is None
+    for k in (0, 7, 19):
+        bad = ref[:k] + [(ref[k] + 1) % 1000] + ref[k + 1:]
+        pos, margin = greedy_divergence(model, prompt, bad, max_new_tokens=20, rows=4)  # several chunks
+        assert pos == k and margin == pytest.approx(margins[k], abs=1e-4)
+    assert greedy_divergence(model, prompt, ref[:12], max_new_tokens=20)[0] == 12
+    eos = {ref[5]}
+    if ref[5] not in ref[:5]:
+        assert greedy_divergence(model, prompt, ref[:8], max_new_tokens=20, eos_ids=eos)[0] == 6
