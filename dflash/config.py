@@ -97,6 +97,9 @@ class EvalConfig:
     top_p: float = 1.0                   # with temperature > 0: nucleus sampling (1: off)
     top_k: int = 0                       # with temperature > 0: only the k most likely tokens (0: off)
     baseline: str = "prompt_lookup"      # also decode every prompt with prompt lookup (the free baseline) | none
+    engine: str = "none"                 # with `train --eval`: the engine's verdict on OUT/export after the eval:
+                                         # vllm (.venv-vllm, `make vllm`) | auto (vllm where set up, else a line
+                                         # saying how) | none (docs/serving.md)
 
 
 @dataclass
@@ -430,6 +433,8 @@ def validate(cfg: Config) -> None:
     m, d, p = cfg.model, cfg.data, cfg.pipeline
     if cfg.eval.baseline not in ("prompt_lookup", "none"):
         raise ConfigError(f"eval.baseline={cfg.eval.baseline!r}: expected prompt_lookup or none")
+    if cfg.eval.engine not in ("none", "auto", "vllm"):
+        raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)
     check_sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, prefix="eval.")
     if m.drafter_init not in ("random", "target"):

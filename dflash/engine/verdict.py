@@ -162,3 +162,39 @@ def table(v: dict) -> str:
     return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:],
                       "* tau per verify step as engines count it (ngram: only steps where it matched); "
                       "tau/prompt: z-lab's per-prompt mean"])
+
+
+def after_training(spec, summary: dict) -> dict | None:
+    """`train --eval` with eval.engine: the engine's verdict on OUT/export, on the prompts the
+    eval after training decoded (their ids and output lengths), printed and returned for
+    summary.json. `auto` without the engine venv: one line on how to get it, and None."""
+    import sys
+
+    cfg = spec.cfg
+    after, export = summary.get("eval_after") or {}, summary.get("export") or {}
+    if cfg.eval.engine == "none" or "per_prompt_steps" not in after or "out" not in export:
+        return None
+    try:
+        runner.engine_python()
+    except runner.EngineError as e:
+        if cfg.eval.engine == "auto":
+            print(f"dflash train: the engine's verdict (vLLM serving OUT/export beside ngram and no speculation) "
+                  f"needs its venv: run `make vllm`, then dflash eval --checkpoint {export['out']} --engine vllm "
+                  f"({e})", file=sys.stderr)
+            return None
+        raise
+    from .targets import engine_target
+
+    k = after["block_size"] - 1
+    logs = spec.out / "engine"
+    logs.mkdir(exist_ok=True)
+    try:
+        v = engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=after["dtype"],
+                           steps=after["per_prompt_steps"], drafters=[{"label": export["out"], "export": export["out"],
+                                                                        "k": k, "steps": after["per_prompt_steps"]}],
+                           ngram_k=k, log_dir=logs, temperature=cfg.eval.temperature, seed=cfg.train.seed)
+    except runner.EngineFailed as e:  # the run's own results stand: reported, not fatal
+        print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)
+        return {"error": str(e)}
+    print(table(v), file=sys.stderr)
+    return v

@@ -150,11 +150,12 @@ _RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", 
               "tensorboard_fallback.jsonl", "mlflow_fallback.jsonl", "mlflow_run.json",
               "tensorboard/*/events.out.tfevents.*", "mlflow/mlflow.db", "mlflow/artifacts/**/*",
               "telemetry/traces.jsonl", "telemetry/metrics.jsonl",
-              "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl")
+              "telemetry/rank*/traces.jsonl", "telemetry/rank*/metrics.jsonl",
+              "engine/vllm-*.log")  # eval.engine: the engine's own logs
 # the dirs a run (or a tracker in it) writes into; a link in their place is never followed
 _RUN_DIRS = ("tensorboard", "tensorboard/*", "mlflow", "mlflow/artifacts", "mlflow/artifacts/**", "telemetry",
              "telemetry/rank*", "ranks", "wandb", "checkpoint", "checkpoint.old", ".checkpoint.tmp-*", "best",
-             "best/checkpoint", "best/checkpoint.old", "best/.checkpoint.tmp-*", "best/export", "export")
+             "best/checkpoint", "best/checkpoint.old", "best/.checkpoint.tmp-*", "best/export", "export", "engine")
 
 
 def _matches(rel: str, pattern: str) -> bool:
@@ -210,7 +211,7 @@ def clear_earlier_run(p: Path) -> None:
         pass
     store = sorted((q for rel, q in _entries(p) if _matches(rel, "mlflow/artifacts/**") and q.is_dir()
                     and not q.is_symlink()), key=lambda d: -len(d.parts)) + [p / "mlflow"]
-    for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks"] + sorted(
+    for d in sorted(p.glob("telemetry/rank*")) + [p / "telemetry", p / "ranks", p / "engine"] + sorted(
             p.glob("tensorboard/*")) + [p / "tensorboard"] + store:
         try:
             d.rmdir()  # only when empty (a link is not a dir: it fails and stays)

@@ -135,6 +135,11 @@ class Trainer:
         if spec.is_lead:  # a servable copy: OUT/export/ (or why not)
             from ..checkpoint.export import export_after_run
             summary["export"] = export_after_run(spec, st.drafter, summary)
+        if spec.is_lead and eval_before_after and not state.stop.is_set():  # eval.engine: what vLLM makes of it
+            from ..engine.verdict import after_training
+            verdict = after_training(spec, summary)
+            if verdict is not None:
+                summary["engine"] = verdict
 
     def _end_telemetry(self, summary: dict, report: dict | None) -> None:
         """However training ended: the telemetry's last export and health, a layout rank's

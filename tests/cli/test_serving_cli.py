@@ -119,3 +119,19 @@ def test_side_by_side_wandb_summary_names_every_drafter(monkeypatch, tmp_path):
     assert run_dir == tmp_path / "run"  # the training run's W&B run gets the comparison
     assert kw["summary"]["compare/0/tau"] == 2.5 and kw["summary"]["compare/1/tau"] == 3.5
     assert kw["summary"]["compare/1/checkpoint"] == str(tmp_path / "pub")
+
+
+def test_serve_refuses_a_busy_port_and_a_training_checkpoint_in_one_line(tmp_path):
+    """Bad input for `dflash serve` is one line and exit 2, before any engine starts."""
+    import socket
+
+    from helpers import cli_before_torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        out, err = cli_before_torch("serve", str(tmp_path), "--target", "tiny-qwen3", "--port", port)
+    assert out["rc"] == 2 and len(err) == 1 and f"127.0.0.1:{port} is busy" in err[0], err
+    out, err = cli_before_torch("serve", str(tmp_path / "missing"), "--target", "tiny-qwen3", "--port", 1)
+    assert out["rc"] == 2 and len(err) == 1, err

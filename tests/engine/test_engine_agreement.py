@@ -101,3 +101,28 @@ def _l1(samples: list[list[int]], exact: dict) -> tuple[float, float]:
         counts[key] = counts.get(key, 0) + 1
     l1 = sum(abs(counts.get(k, 0) / N - exact.get(k, 0.0)) for k in set(counts) | set(exact))
     return l1, math.sqrt(len(exact) / N) + math.sqrt(2 * math.log(1 / DELTA) / N)
+
+
+
+
+def test_smollm2_engine_verdict_from_the_command_line(tmp_path):
+    """`dflash eval --engine vllm` on the demo's target: the table, the JSON `engine` object,
+    lossless in the engine, and agreement with our decoder per prompt."""
+    run = tmp_path / "smol"
+    run_dflash("train", "--config", "configs/demo.yaml", "--out", run, "--steps", 2, "--no-telemetry",
+               "--set", "data.regenerate=off", "--set", "train.feature_cache=false", "--set", "train.estimate_every=0",
+               "--set", "data.num_conversations=60")
+    p = run_dflash("eval", "--checkpoint", run / "export", "--target", "smollm2", "--prompts", 3,
+                   "--max-new-tokens", 24, "--engine", "vllm", "--json", timeout=1500)
+    assert "engine verdict: vLLM" in p.stdout and "tau per verify step" in p.stdout
+    v = last_json(p.stdout)["engine"]
+    m = v["methods"]
+    label = str(run / "export")
+    assert set(m) == {"none", "ngram", label}
+    assert m["none"]["outputs_equal_ours"] == 3, "vLLM without speculation = our greedy outputs"
+    drafter = m[label]
+    assert drafter["lossless"] and m["ngram"]["lossless"]
+    assert drafter["agreement"]["prompts_within_1"] == 3, drafter["agreement"]
+    assert abs(drafter["tau_per_step"] - drafter["ours"]["tau_per_step"]) < 0.1
+    assert all(x > 0 for x in drafter["tokens_per_s"].values())
+    assert "concurrency_1" in drafter["speedup_vs_none"] and "concurrency_1" in drafter["speedup_vs_ngram"]
