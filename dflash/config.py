@@ -34,6 +34,8 @@ class ModelConfig:
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     drafter_init: str = "random"         # random | target (decoder layers from the target's last ones)
     copy_head: bool = False              # propose copies from the context, trust learned (model/copy_head.py)
+    draft_vocab: int = 0                 # >0: draft from the K most frequent training tokens only, through their
+                                         # lm_head rows (exported as lm_head + d2t, as vLLM reads EAGLE-3's)
     init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; checkpoint/init_from.py)
 
 
@@ -370,6 +372,7 @@ RANGES: dict[str, Range] = {
     "train.estimate_every": Range(0, MAX_STEPS, note="0: off"),
     "train.estimate_samples": Range(1),
     "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
+    "model.draft_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
     "train.lk_eta": Range(0, 1000),
@@ -433,6 +436,9 @@ def validate(cfg: Config) -> None:
     m, d, p = cfg.model, cfg.data, cfg.pipeline
     if cfg.eval.baseline not in ("prompt_lookup", "none"):
         raise ConfigError(f"eval.baseline={cfg.eval.baseline!r}: expected prompt_lookup or none")
+    if m.draft_vocab and m.copy_head:
+        raise ConfigError("model.draft_vocab with model.copy_head=true: a copy may propose any token, a draft "
+                          "vocabulary only its own; choose one")
     if cfg.eval.engine not in ("none", "auto", "vllm"):
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)

@@ -85,13 +85,15 @@ def load(d: DrafterDir, device="cpu"):
         headers = {f.name: checkpoint_files.check_safetensors(f) for f in files}
     except checkpoint_files.CheckpointError as e:
         raise DrafterDirError(f"--{e}") from None
-    err = checkpoint_files.header_mismatch(expected_shapes(cfg), headers, fmt.from_export_name)
+    own_head = cfg.draft_vocab_size > 0  # then lm_head.weight and d2t are the drafter's own
+    err = checkpoint_files.header_mismatch(expected_shapes(cfg), headers,
+                                           lambda k: fmt.from_export_name(k, own_head))
     if err:  # before a single weight is read or a module built
         raise DrafterDirError(f"--checkpoint {str(d.path)!r}: {err}")
     state = {}
     try:
         for f in files:
-            state.update(fmt.import_state_dict(load_file(str(f))))
+            state.update(fmt.import_state_dict(load_file(str(f)), own_head))
     except fmt.FormatError as e:
         raise DrafterDirError(f"{d.path}: {e}") from None
     drafter = DFlashDrafter(cfg)
@@ -104,7 +106,7 @@ def load(d: DrafterDir, device="cpu"):
         if tuple(v.shape) != tuple(want[k].shape):
             raise DrafterDirError(f"{d.path}: weight {fmt.to_export_name(k)} has shape {tuple(v.shape)}; "
                                   f"its config implies {tuple(want[k].shape)}")
-    drafter.load_state_dict({k: v.float() for k, v in state.items()})
+    drafter.load_state_dict({k: v if k == "draft_ids" else v.float() for k, v in state.items()})
     return drafter.to(device)
 
 

@@ -150,6 +150,8 @@ def served_drafter(drafter, device, dtype: str = "bfloat16"):
         for name, p in served.named_parameters():
             if not name.startswith("copy."):
                 p.copy_(p.to(getattr(torch, dtype)).float())
+        if getattr(served, "draft_head", None) is not None:  # a draft vocabulary's head travels in dtype too
+            served.draft_head.copy_(served.draft_head.to(getattr(torch, dtype)).float())
     return served
 
 
@@ -204,7 +206,7 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
 
     dcfg = drafter.cfg
     state = {k: v for k, v in drafter.state_dict().items() if not k.startswith("copy.")}
-    tensors = {k: v.detach().to("cpu", getattr(torch, dtype)).contiguous()
+    tensors = {k: v.detach().to("cpu", getattr(torch, dtype) if v.is_floating_point() else torch.int64).contiguous()
                for k, v in fmt.export_state_dict(state).items()}
     cfg = fmt.export_config(dcfg, target_config, dtype=dtype)
     dst = Path(out)

@@ -36,6 +36,9 @@ _TOP = ("fc.weight", "hidden_norm.weight", "norm.weight")
 _LAYER_OWN = ("input_layernorm", "post_attention_layernorm")
 # what a reader may ship beside the drafter and we can drop: engines use the target's
 _TARGET_OWNED = ("embed_tokens.weight", "lm_head.weight")
+# a draft vocabulary (model.draft_vocab): its own head and, as EAGLE-3 stores it and vLLM
+# reads it, `d2t` = target id - draft id (int64 offsets), beside `draft_vocab_size` in config.json
+_DRAFT_VOCAB = {"draft_head": "lm_head.weight", "draft_ids": "d2t"}
 
 
 class FormatError(ConfigError):
@@ -61,6 +64,8 @@ def to_export_name(name: str) -> str:
     """Our state-dict name -> the format's; FormatError for a part the format cannot carry."""
     if name in _TOP:
         return name
+    if name in _DRAFT_VOCAB:
+        return _DRAFT_VOCAB[name]
     m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.weight", name)
     if m:
         i, part = m.groups()
@@ -71,11 +76,15 @@ def to_export_name(name: str) -> str:
     raise FormatError(f"weight {name!r}: the DFlash format has no place for it")
 
 
-def from_export_name(name: str) -> str | None:
-    """The format's name -> ours; None for target-owned weights a writer may have added."""
+def from_export_name(name: str, draft_vocab: bool = False) -> str | None:
+    """The format's name -> ours; None for target-owned weights a writer may have added.
+    `draft_vocab` (config.json has a draft_vocab_size): `lm_head.weight` and `d2t` are the
+    drafter's own."""
     name = name.removeprefix("model.")  # vLLM / speculators prefix the drafter's weights
     if name in _TOP:
         return name
+    if draft_vocab and name in _DRAFT_VOCAB.values():
+        return next(k for k, v in _DRAFT_VOCAB.items() if v == name)
     if name in _TARGET_OWNED:
         return None
     m = re.fullmatch(r"layers\.(\d+)\.(?:(self_attn|mlp)\.)?(\w+)\.weight", name)
@@ -88,15 +97,23 @@ def from_export_name(name: str) -> str | None:
 
 
 def export_state_dict(state: dict) -> dict:
-    return {to_export_name(k): v for k, v in state.items()}
+    out = {to_export_name(k): v for k, v in state.items()}
+    if "d2t" in out:  # draft ids -> offsets: target id = draft id + d2t[draft id]
+        import torch
+        ids = out["d2t"].long()
+        out["d2t"] = ids - torch.arange(len(ids), device=ids.device)
+    return out
 
 
-def import_state_dict(state: dict) -> dict:
+def import_state_dict(state: dict, draft_vocab: bool = False) -> dict:
     out = {}
     for k, v in state.items():
-        ours = from_export_name(k)
+        ours = from_export_name(k, draft_vocab)
         if ours is not None:
             out[ours] = v
+    if "draft_ids" in out:
+        import torch
+        out["draft_ids"] = out["draft_ids"].long() + torch.arange(len(out["draft_ids"]))
     return out
 
 
@@ -140,6 +157,8 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
         "block_size": flags["block_size"],     # older readers (MLX) look at the top level
         "num_target_layers": num_target_layers,
     }
+    if getattr(dcfg, "draft_vocab_size", 0):  # drafts from these tokens only: own lm_head + d2t (EAGLE-3's way)
+        cfg["draft_vocab_size"] = int(dcfg.draft_vocab_size)
     # plain RoPE is `rope_scaling: null` to transformers-4 readers (vLLM, SGLang), as in z-lab's
     # published configs; transformers 5 reads rope_parameters. A scaling is copied as it is.
     scaled = _rope_type(tc) != "default"
@@ -216,9 +235,16 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
             "block_size": int(_value(raw, "block_size", 16)),
             "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
+            "draft_vocab_size": draft_vocab_size(raw),
         }
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{where}: config.json lacks or garbles {e} (expected a DFlash drafter config)") from None
+
+
+def draft_vocab_size(raw: dict) -> int:
+    """A served config's draft vocabulary (0: drafts over the target's whole vocabulary)."""
+    n = raw.get("draft_vocab_size")
+    return 0 if n is None or int(n) == int(raw.get("vocab_size", -1)) else int(n)
 
 
 # What a drafter may be, whoever wrote its config: checked before any module is built, so a
@@ -270,6 +296,9 @@ def bounds_error(fields: dict, where: str) -> str | None:
     n = parameter_count(fields)
     if n > MAX_PARAMETERS:
         return f"{where}: the config describes a drafter of {n:,} parameters (at most {MAX_PARAMETERS:,} accepted)"
+    dv = fields.get("draft_vocab_size") or 0
+    if isinstance(dv, bool) or not isinstance(dv, int) or not 0 <= dv <= fields["vocab_size"]:
+        return f"{where}: draft_vocab_size={dv!r}: expected an integer in [1, vocab_size={fields['vocab_size']}]"
     return None
 
 

@@ -41,6 +41,8 @@ class DrafterConfig:
     num_hidden_layers: int = 1
     block_size: int = 16
     copy_head: bool = False          # mix in copies from the context, weight learned (copy_head.py)
+    draft_vocab_size: int = 0        # > 0: drafts come from these tokens only, through a head of their rows
+                                     # (draft_head, draft_ids): what an engine reads per step shrinks with it
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     target: str = ""
@@ -183,6 +185,22 @@ class DFlashDrafter(nn.Module):
         # module, so the rest starts from the same weights with or without it
         self.copy = CopyHead(cfg.block_size - 1, cfg.hidden_size) if cfg.copy_head else None
         self.use_copy = True  # False: the same drafter without its copy proposals (an ablation)
+        if cfg.draft_vocab_size:  # frozen: the target's lm_head rows of draft_ids (set_draft_vocab)
+            self.register_buffer("draft_head", torch.zeros(cfg.draft_vocab_size, cfg.hidden_size))
+            self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size))
+
+    @torch.no_grad()
+    def set_draft_vocab(self, ids: torch.Tensor, lm_head: nn.Module) -> None:
+        """Draft from the tokens `ids` (sorted target ids) only: their lm_head rows become
+        the drafter's own head, as an engine stores it (`lm_head.weight` + `d2t` in the export)."""
+        self.draft_ids.copy_(ids.to(self.draft_ids.device))
+        self.draft_head.copy_(lm_head.weight.index_select(0, ids.to(lm_head.weight.device)).to(self.draft_head))
+
+    def serving_head(self, lm_head: nn.Module) -> nn.Module:
+        """The head drafts are read through: the target's lm_head, or with a draft vocabulary
+        its rows of draft_ids (logits elsewhere -inf, full width: argmax and sampling as before)."""
+        return DraftVocabHead(self.draft_head, self.draft_ids, lm_head.weight.shape[0]) \
+            if self.cfg.draft_vocab_size else lm_head
 
     @staticmethod
     def _init(m):
@@ -289,7 +307,7 @@ class DFlashDrafter(nn.Module):
         pos = (anchor_pos + torch.arange(Bk, device=dev)).expand(ids.shape[0], Bk)
         with compute_precision(embed.weight):
             h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)[:, 1:]
-            logits = lm_head(h)
+            logits = self.serving_head(lm_head)(h)
         if self.copying:  # outside autocast, as in training
             if context_ids is None:
                 raise ValueError("a drafter with a copy head drafts from context_ids (the tokens so far)")
@@ -303,6 +321,21 @@ class DFlashDrafter(nn.Module):
         in the same precision as training (see compute_precision)."""
         with compute_precision(embed.weight):
             return self.context_kv(self.fuse(features.to(embed.weight.dtype)), positions)
+
+
+class DraftVocabHead(nn.Module):
+    """Logits over the draft vocabulary (rows `head` of token ids `ids`), scattered into the
+    full vocabulary with -inf elsewhere: what vLLM's DFlash head computes from `lm_head` +
+    `d2t` (target id = draft id + d2t[draft id])."""
+
+    def __init__(self, head: torch.Tensor, ids: torch.Tensor, vocab_size: int):
+        super().__init__()
+        self.head, self.ids, self.vocab_size = head, ids, vocab_size
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        sub = F.linear(h, self.head.to(h.dtype))
+        full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
+        return full.scatter_(-1, self.ids.expand(*sub.shape[:-1], -1), sub)
 
 
 def weighted_block_loss(logits, labels, anchor_valid, label_mask, weights):

@@ -80,6 +80,7 @@ def check_drafter_bounds(path, raw: dict) -> None:
 
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
+_INDEX_TENSORS = ("draft_ids",)   # a draft vocabulary's token ids (d2t in the served format): integers
 
 
 def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None:
@@ -97,7 +98,7 @@ def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None
                 continue
             if ours not in want:
                 return f"{fname}: tensor {k!r} is not part of the drafter its config describes"
-            if dtype not in _FLOAT_DTYPES:
+            if dtype not in _FLOAT_DTYPES and not (ours in _INDEX_TENSORS and dtype in ("I64", "I32")):
                 return f"{fname}: tensor {k!r} has dtype {dtype!r} (expected one of {', '.join(_FLOAT_DTYPES)})"
             if tuple(shape) != want[ours]:
                 return f"{fname}: tensor {k!r} has shape {list(shape)}; its config implies {list(want[ours])}"

@@ -217,8 +217,9 @@ class AcceptanceEstimate:
             acc, own = [], []
             for a0, a1 in spans:
                 anchors, valid, ok = (t[r0:r1, a0:a1] for t in (self.anchors, self.valid, self.label_ok))
-                logits, hidden, labels = model.slot_outputs(feats, ids, anchors, valid, st.embed, st.lm_head,
-                                                            ctx_kv=kv)
+                # drafts are read through the served head (a draft vocabulary's rows, if any), as decoding reads them
+                logits, hidden, labels = model.slot_outputs(feats, ids, anchors, valid, st.embed,
+                                                            model.serving_head(st.lm_head), ctx_kv=kv)
                 acc.append(_leading(model.add_copies(logits, hidden, ids, anchors, st.lm_head), labels, ok))
                 if model.copying:
                     own.append(_leading(logits, labels, ok))

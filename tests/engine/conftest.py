@@ -28,9 +28,12 @@ def engine_venv():
 
 @pytest.fixture(scope="session")
 def tiny_export(tmp_path_factory):
-    """A tiny-qwen3 drafter trained for 30 steps, and its served-format export (float32)."""
+    """A tiny-qwen3 drafter trained for 30 steps, and its served-format export (float32). It
+    drafts from a vocabulary of its 2,048 most frequent training tokens (model.draft_vocab): the
+    engine then reads its own head and `d2t` (the full-vocabulary path: the SmolLM2 test)."""
     run = tmp_path_factory.mktemp("engine") / "tiny"
-    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 30, "--no-telemetry", *TINY)
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 30, "--no-telemetry", *TINY,
+               "--set", "model.draft_vocab=2048", "--set", "train.loss_vocab=2048")
     export = run.parent / "tiny-export"
     run_dflash("export", "--checkpoint", run / "checkpoint", "--out", export, "--dtype", "float32")
     return export
