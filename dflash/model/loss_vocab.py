@@ -17,10 +17,16 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def frequent_tokens(samples, k: int) -> torch.Tensor:
-    """The ``k`` most frequent token ids over the samples' tokens (ties: smaller id first)."""
+def frequent_tokens(samples, k: int, exactly: bool = False) -> torch.Tensor:
+    """The ``k`` most frequent token ids over the samples' tokens (ties: smaller id first).
+    ``exactly``: always ``k`` ids, the unseen smallest ids filling in when the samples hold
+    fewer distinct tokens (a draft vocabulary is a fixed-size head; a small data set has
+    fewer distinct tokens than it)."""
     ids, counts = np.unique(np.concatenate([s.ids for s in samples]), return_counts=True)
     top = ids[np.lexsort((ids, -counts))[:k]]  # by count, descending; ties by id
+    if exactly and len(top) < k:
+        unseen = np.setdiff1d(np.arange(k + len(top)), top)[: k - len(top)]
+        top = np.concatenate([top, unseen])
     return torch.tensor(np.sort(top), dtype=torch.long)
 
 

@@ -206,7 +206,7 @@ def _setup_drafter(cfg: Config, place: Placement, out: Path, groups: Groups | No
     train_step.use_loss_vocab(samples)
     if cfg.model.draft_vocab:  # model.draft_vocab: the most frequent training tokens (a resume restores the same)
         from ..model.loss_vocab import frequent_tokens
-        drafter.set_draft_vocab(frequent_tokens(samples, drafter.cfg.draft_vocab_size), head)
+        drafter.set_draft_vocab(frequent_tokens(samples, drafter.cfg.draft_vocab_size, exactly=True), head)
     if resume:
         train_step.load_state(tstate)
     return train_step, vote, sync_timer, jstate

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import TrainConfig, derived_seed
+from ..config import MAX_SEED, TrainConfig
 from ..data.batch import Batch
 from ..model.drafter import DFlashDrafter, compute_precision, loss_weights, sample_anchors, weighted_block_loss
 from ..model.loss_vocab import RowsHead, batch_vocab, frequent_tokens
@@ -106,7 +106,9 @@ class TrainStep:
         ids = batch.input_ids.to(self.device, non_blocking=True)
         lm = batch.loss_mask.to(self.device, non_blocking=True)
         # anchors depend only on (seed, batch id): the same whichever worker or loop runs it
-        g = torch.Generator().manual_seed(derived_seed(self.train.seed * 1_000_003, batch.index))
+        # (wrapped into torch's seed range as config.derived_seed does; inline, so that a step
+        # reads through no more files than it must: tests/integration/test_step_files.py)
+        g = torch.Generator().manual_seed((self.train.seed * 1_000_003 + batch.index) % (MAX_SEED + 1))
         anchors, valid = sample_anchors(batch.loss_mask, self.train.num_anchors,
                                         self.block_size, generator=g)
         anchors, valid = anchors.to(self.device, non_blocking=True), valid.to(self.device, non_blocking=True)

@@ -40,15 +40,13 @@ def test_pipelined_matches_reference_loop(tmp_path):
 
 @pytest.mark.slow
 def test_training_raises_tau_well_above_untrained(tmp_path):
-    base, trained = tmp_path / "base", tmp_path / "trained"
-    run_dflash("train", "--out", base, "--target", "tiny-qwen3", "--steps", 0, "--no-telemetry", *TINY)
-    p = run_dflash("eval", "--checkpoint", base / "checkpoint", "--json")
-    before = last_json(p.stdout)
-    assert {"acceptance_length", "block_size", "prompts", "histogram", "lossless"} <= set(before)
+    # one process: the eval before training (the untrained drafter), 120 steps, the eval after
+    trained = tmp_path / "trained"
     run_dflash("train", "--out", trained, "--target", "tiny-qwen3", "--steps", 120, "--no-telemetry", *TINY,
-               "--set", "train.estimate_every=40")
-    after = last_json(run_dflash("eval", "--checkpoint", trained / "checkpoint", "--json").stdout)
+               "--set", "train.estimate_every=40", "--eval")
     s = _summary(trained)
+    before, after = s["eval_before"], s["eval_after"]
+    assert {"acceptance_length", "block_size", "prompts", "histogram", "lossless"} <= set(before)
     # the learning curve: the held-out tau walked per verify step at steps 0, 40, 80, 120, and its picture
     est = s["acceptance_estimate"]
     assert [step for step, _ in est["history"]] == [0, 40, 80, 120]
@@ -107,7 +105,8 @@ def test_local_hf_model_dir_as_target(tmp_path):
     tok.save_pretrained(mdir)
     run = tmp_path / "run"
     run_dflash("train", "--out", run, "--target", mdir, "--steps", 2, "--no-telemetry", *TINY,
-               "--set", "data.regenerate=on")
+               "--set", "data.regenerate=on", "--set", "data.num_conversations=16",  # a new target: no cache,
+               "--set", "data.regen_max_new_tokens=16")                             # so few, short replies
     cfg = json.loads((run / "checkpoint" / "config.json").read_text())
     assert cfg["target"] == str(mdir) and cfg["hidden_size"] == 256 and cfg["block_size"] == 8
     res = last_json(run_dflash("eval", "--checkpoint", run / "checkpoint", "--json", "--prompts", 2).stdout)

@@ -32,6 +32,8 @@ def _step(k: int):
 def test_frequent_tokens_and_batch_vocab():
     s = [data_mod.Sample([5, 5, 9, 2, 9, 5], [1] * 6)]
     assert frequent_tokens(s, 2).tolist() == [5, 9]
+    assert frequent_tokens(s, 5).tolist() == [2, 5, 9]  # as many as there are
+    assert frequent_tokens(s, 5, exactly=True).tolist() == [0, 1, 2, 5, 9]  # a fixed-size head: unseen fill in
     assert batch_vocab(torch.tensor([5, 9]), torch.tensor([[7, 5], [1, 1]])).tolist() == [1, 5, 7, 9]
     head = RowsHead(torch.nn.Linear(4, 10, bias=False), torch.tensor([1, 5, 7, 9]))
     assert head.to_subset(torch.tensor([[9, 1], [7, 5]])).tolist() == [[3, 0], [2, 1]]

@@ -91,13 +91,14 @@ def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
     state, _ = load_training_state(run / "checkpoint")
     assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
 
-    run_dflash("train", "--steps", 4, *common, "--resume")
+    # resumed, then evaluated in the same process (the eval a `train --eval` runs after training)
+    run_dflash("train", "--steps", 4, *common, "--resume", "--eval", "--set", "eval.before=false",
+               "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=16", "--set", "eval.baseline=none")
     resumed = json.loads((run / "summary.json").read_text())
     assert resumed["steps"] == 4 and [s for s, _ in resumed["loss_history"]] == [0, 1, 2, 3]
     assert all(l == l and l < 20 for _, l in resumed["loss_history"])  # finite
 
-    p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--prompts", 2, "--max-new-tokens", 16, "--json")
-    res = last_json(p.stdout)
+    res = resumed["eval_after"]
     assert res["dtype"] == "bfloat16", "eval runs in the precision training used"
     assert res["prompts"] == 2 and 1.0 <= res["acceptance_length"] <= 8
     # lossless is reported with its evidence, never as a bare flag
