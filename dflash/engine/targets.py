@@ -21,8 +21,8 @@ def engine_target(spec: str, seed: int = 0) -> str:
 
     if spec == SMOLLM2:
         return str(T._smollm2_model_dir())
-    if spec not in TINY_TARGETS:
-        return spec
+    if spec not in TINY_TARGETS:  # a local dir absolute (the engine runs in a cwd of its own), or a hub id
+        return str(Path(spec).resolve()) if Path(spec).is_dir() else spec
     import transformers
 
     entry = cache_dir() / "engine-targets" / f"{spec}-seed{seed}-tf{transformers.__version__}"

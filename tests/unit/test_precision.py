@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from helpers import TINY, last_json, run_dflash
+from helpers import TINY, run_dflash
 
 
 @pytest.fixture(scope="module")
