@@ -195,15 +195,19 @@ def sliding_layout(raw: dict, where: str) -> tuple[list[str], int]:
     layer is full. FormatError for a layer it would run causal (this drafter is bidirectional
     inside a block) or a sliding layer without a window."""
     dc = raw.get("dflash_config") or {}
-    n = int(raw["num_hidden_layers"])
-    window = dc.get("swa_window_size", raw.get("sliding_window") if raw.get("use_sliding_window") else None)
     types = raw.get("layer_types")
+    if types is None and not raw.get("use_sliding_window") and not dc.get("use_swa"):
+        return [], 0
+    n = int(raw["num_hidden_layers"])
+    if not 1 <= n <= BOUNDS["num_hidden_layers"][1]:
+        return [], 0  # bounds_error names it, before anything of that size is built
+    window = dc.get("swa_window_size", raw.get("sliding_window") if raw.get("use_sliding_window") else None)
     if types is None:  # transformers derives them: sliding from layer max_window_layers on
         on = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
         types = [SLIDING if on and i >= int(raw.get("max_window_layers", 28)) else FULL for i in range(n)]
     types = [str(t) for t in types]
     if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
-        raise FormatError(f"{where}: layer_types={types}: expected {n} of {SLIDING!r} / {FULL!r}")
+        raise FormatError(f"{where}: layer_types={str(types)[:120]}: expected {n} of {SLIDING!r} / {FULL!r}")
     legacy_causal = list(types)  # without a causal flag vLLM runs the sliding layers causal
     if dc.get("use_swa") and SLIDING not in types:
         types = [SLIDING] * n
