@@ -37,6 +37,9 @@ class ModelConfig:
     draft_vocab: int = 0                 # >0: draft from the K most frequent training tokens only, through their
                                          # lm_head rows (exported as lm_head + d2t, as vLLM reads EAGLE-3's)
     init_from: str = ""                  # a drafter dir to start from (dflash train --init-from; checkpoint/init_from.py)
+    layer_types: list[str] = field(default_factory=list)  # one per drafter layer: sliding_attention |
+                                         # full_attention; empty: all full (docs/architectures.md)
+    sliding_window: int = 0              # W of the sliding layers: a block query at t sees positions j with |t-j| < W
 
 
 @dataclass
@@ -373,6 +376,7 @@ RANGES: dict[str, Range] = {
     "train.estimate_samples": Range(1),
     "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.draft_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
+    "model.sliding_window": Range(0, 1 << 24, note="0: no sliding layers"),
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
     "train.lk_eta": Range(0, 1000),
@@ -427,6 +431,26 @@ def _check_ranges(cfg: Config) -> None:
                 raise ConfigError(f"{shown}={v!r}: expected {rng.describe(scalar)}")
 
 
+LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def check_layer_types(m: ModelConfig) -> None:
+    """model.layer_types / model.sliding_window: one clear line naming the value."""
+    bad = [t for t in m.layer_types if t not in LAYER_TYPES]
+    if bad:
+        raise ConfigError(f"model.layer_types: {bad[0]!r}: expected sliding_attention or full_attention")
+    if m.layer_types and len(m.layer_types) != m.num_layers:
+        raise ConfigError(f"model.layer_types={m.layer_types}: {len(m.layer_types)} entries for "
+                          f"model.num_layers={m.num_layers} (one per drafter layer)")
+    sliding = "sliding_attention" in m.layer_types
+    if sliding and m.sliding_window < 1:
+        raise ConfigError(f"model.sliding_window={m.sliding_window}: expected >= 1 with sliding_attention in "
+                          f"model.layer_types")
+    if m.sliding_window and not sliding:
+        raise ConfigError(f"model.sliding_window={m.sliding_window} without a sliding_attention layer in "
+                          f"model.layer_types (e.g. --set model.layer_types=sliding_attention)")
+
+
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
@@ -443,6 +467,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)
     check_sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, prefix="eval.")
+    check_layer_types(m)
     if m.drafter_init not in ("random", "target"):
         raise ConfigError(f"model.drafter_init={m.drafter_init!r}: expected random or target")
     if m.dtype == "float16":  # refused, not half-supported: see docs/gpu.md "Precision"

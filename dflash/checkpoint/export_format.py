@@ -159,6 +159,9 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
     }
     if getattr(dcfg, "draft_vocab_size", 0):  # drafts from these tokens only: own lm_head + d2t (EAGLE-3's way)
         cfg["draft_vocab_size"] = int(dcfg.draft_vocab_size)
+    if SLIDING in (getattr(dcfg, "layer_types", None) or []):
+        cfg.update(sliding_fields(dcfg.layer_types, dcfg.sliding_window))
+        flags.update(swa_window_size=int(dcfg.sliding_window), causal=False)
     # plain RoPE is `rope_scaling: null` to transformers-4 readers (vLLM, SGLang), as in z-lab's
     # published configs; transformers 5 reads rope_parameters. A scaling is copied as it is.
     scaled = _rope_type(tc) != "default"
@@ -170,6 +173,55 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
     if cfg["rope_parameters"] is None:
         del cfg["rope_parameters"]
     return cfg
+
+
+# -- sliding-window layers (docs/architectures.md, "Sliding-window layers") -----------------
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def sliding_fields(layer_types: list[str], window: int) -> dict:
+    """What a reader needs to build the sliding layers we trained (top level of config.json;
+    dflash_config gets swa_window_size and causal beside them). vLLM 0.32 takes a layer as
+    causal when no flag says otherwise and layer_types names it sliding, while this drafter
+    (as DFlash and SpecForge train it) is bidirectional inside the block: `is_causal: false`
+    says so for every layer. transformers drops `sliding_window` unless `use_sliding_window`."""
+    return {"layer_types": list(layer_types), "sliding_window": int(window), "use_sliding_window": True,
+            "max_window_layers": 0, "is_causal": False}
+
+
+def sliding_layout(raw: dict, where: str) -> tuple[list[str], int]:
+    """(layer_types, window) of a served config as vLLM 0.32 resolves them
+    (qwen3_dflash._resolve_layer_attention, over transformers' Qwen3Config): ([], 0) when every
+    layer is full. FormatError for a layer it would run causal (this drafter is bidirectional
+    inside a block) or a sliding layer without a window."""
+    dc = raw.get("dflash_config") or {}
+    types = raw.get("layer_types")
+    if types is None and not raw.get("use_sliding_window") and not dc.get("use_swa"):
+        return [], 0
+    n = int(raw["num_hidden_layers"])
+    if not 1 <= n <= BOUNDS["num_hidden_layers"][1]:
+        return [], 0  # bounds_error names it, before anything of that size is built
+    window = dc.get("swa_window_size", raw.get("sliding_window") if raw.get("use_sliding_window") else None)
+    if types is None:  # transformers derives them: sliding from layer max_window_layers on
+        on = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
+        types = [SLIDING if on and i >= int(raw.get("max_window_layers", 28)) else FULL for i in range(n)]
+    types = [str(t) for t in types]
+    if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
+        raise FormatError(f"{where}: layer_types={str(types)[:120]}: expected {n} of {SLIDING!r} / {FULL!r}")
+    legacy_causal = list(types)  # without a causal flag vLLM runs the sliding layers causal
+    if dc.get("use_swa") and SLIDING not in types:
+        types = [SLIDING] * n
+    if SLIDING not in types:
+        return [], 0
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise FormatError(f"{where}: sliding layers with window {window!r}: expected dflash_config.swa_window_size "
+                          f"or sliding_window (with use_sliding_window) >= 1")
+    flag = raw.get("is_causal", dc.get("causal"))
+    causal = [bool(flag)] * n if flag is not None else [t == SLIDING for t in legacy_causal]
+    if any(causal):
+        raise FormatError(f"{where}: layer {causal.index(True)} attends causally (set is_causal: false if it "
+                          f"was trained bidirectional): this trainer's drafter is bidirectional inside a block")
+    return types, int(window)
 
 
 def rope_warning(target_config) -> str | None:
@@ -207,8 +259,6 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
         raise FormatError(f"{where}: final_logit_softcapping: not supported by this trainer's drafter")
     if raw.get("attention_bias"):
         raise FormatError(f"{where}: attention_bias=true: this trainer's drafter has no attention biases")
-    if raw.get("use_sliding_window") or "sliding_attention" in (raw.get("layer_types") or []):
-        raise FormatError(f"{where}: sliding-window attention: this trainer's drafter attends to the whole context")
     if raw.get("hidden_act", "silu") != "silu":
         raise FormatError(f"{where}: hidden_act={raw['hidden_act']!r}: expected silu")
     mask = _value(raw, "mask_token_id")
@@ -222,6 +272,7 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
         if ids is None:
             ids = spread_layer_ids(int(_value(raw, "num_target_layers")), layers)
         rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        layer_types, window = sliding_layout(raw, where)
         return {
             "hidden_size": hidden,
             "num_attention_heads": heads,
@@ -236,6 +287,8 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
             "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
             "draft_vocab_size": draft_vocab_size(raw),
+            "layer_types": layer_types,
+            "sliding_window": window,
         }
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{where}: config.json lacks or garbles {e} (expected a DFlash drafter config)") from None

@@ -2,7 +2,7 @@
 
 DIR is a served-format DFlash drafter (a published one, a SpecForge or `dflash export`
 output) or a `dflash train` checkpoint. Its shape decides the run's: the number of drafter
-layers, the block size and the fused target layers come from DIR (`init_flags`, torch-free,
+layers, the block size, the fused target layers and the sliding-window layout come from DIR (`init_flags`, torch-free,
 applied over the config before validation), its weights from `load_into_run` once the
 target is loaded (a drafter that does not fit the target is one line, exit 2). Optimizer
 and schedule start fresh: this is a new run from those weights, not a resume.
@@ -17,7 +17,8 @@ def init_flags(path: str) -> dict:
     d = drafter_dirs.inspect(path)
     f = drafter_dirs.fields(d)
     return {"model.init_from": str(d.path), "model.num_layers": int(f["num_hidden_layers"]),
-            "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"])}
+            "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
+            "model.layer_types": list(f.get("layer_types") or []), "model.sliding_window": int(f.get("sliding_window") or 0)}
 
 
 def load_into_run(cfg, target):

@@ -16,7 +16,8 @@ def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
     return DrafterConfig.from_target(
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
-        copy_head=cfg.model.copy_head, draft_vocab_size=min(cfg.model.draft_vocab, vocab_rows))
+        copy_head=cfg.model.copy_head, draft_vocab_size=min(cfg.model.draft_vocab, vocab_rows),
+        layer_types=list(cfg.model.layer_types), sliding_window=cfg.model.sliding_window)
 
 
 def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:

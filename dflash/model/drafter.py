@@ -6,7 +6,10 @@ Facts this file is built to (see docs/design.md, "The DFlash drafter"):
   that enters every layer only as extra keys/values (same k_proj / v_proj / k_norm as
   the block tokens), never through the residual stream;
 - a block is [anchor, MASK x (B-1)], bidirectional inside the block; a block sees
-  context positions strictly before its anchor and nothing of other blocks.
+  context positions strictly before its anchor and nothing of other blocks;
+- a sliding-window layer (`layer_types`, `sliding_window` W) narrows that per query
+  position t as vLLM applies it: key position j is seen only when |t - j| <= W - 1 (so
+  slot k of a block at p sees context p+k-W+1 .. p-1), still non-causal in the block.
 
 One forward serves both training (many blocks per sequence, one pass, block mask) and
 inference (one block, context keys/values from a cache).
@@ -28,6 +31,9 @@ from torch import nn
 from .copy_head import CopyHead
 
 
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -43,6 +49,9 @@ class DrafterConfig:
     copy_head: bool = False          # mix in copies from the context, weight learned (copy_head.py)
     draft_vocab_size: int = 0        # > 0: drafts come from these tokens only, through a head of their rows
                                      # (draft_head, draft_ids): what an engine reads per step shrinks with it
+    layer_types: list[str] = field(default_factory=list)  # per layer "sliding_attention" | "full_attention";
+                                     # empty: all full (the exported config's own names)
+    sliding_window: int = 0          # W of the sliding layers: a query at t sees keys j with |t - j| < W
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     target: str = ""
@@ -51,6 +60,11 @@ class DrafterConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def layer_window(self, i: int) -> int | None:
+        """Layer i's sliding window W, or None for a full-attention layer."""
+        sliding = self.layer_types and self.layer_types[i] == SLIDING
+        return int(self.sliding_window) if sliding else None
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
@@ -132,8 +146,9 @@ def apply_rope(x, cos, sin):
 
 
 class DrafterLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterConfig, window: int | None = None):
         super().__init__()
+        self.window = window  # sliding window W, or None: full attention (the masks carry it)
         H, D = cfg.hidden_size, cfg.head_dim
         self.nh, self.nkv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, D
         self.q_proj = nn.Linear(H, self.nh * D, bias=False)
@@ -178,7 +193,7 @@ class DFlashDrafter(nn.Module):
         n = len(cfg.target_layer_ids)
         self.fc = nn.Linear(n * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DrafterLayer(cfg, cfg.layer_window(i)) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.apply(self._init)
         # after the init above (which would redraw its zeroed gate) and after every other
@@ -218,12 +233,45 @@ class DFlashDrafter(nn.Module):
         return [layer.kv(ctx, cos, sin) for layer in self.layers]
 
     def blocks_hidden(self, block_emb, block_pos, ctx_kv, mask):
-        """block_emb [B, Q, H] at block_pos [B, Q] -> final-normed hidden [B, Q, H]."""
+        """block_emb [B, Q, H] at block_pos [B, Q] -> final-normed hidden [B, Q, H].
+        ``mask``: one for every layer, or a list of one per layer (sliding windows)."""
         cos, sin = rope_cos_sin(block_pos, self.cfg.head_dim, self.cfg.rope_theta, block_emb.dtype)
+        masks = mask if isinstance(mask, list) else [mask] * len(self.layers)
         h = block_emb
-        for layer, kv in zip(self.layers, ctx_kv):
-            h = layer(h, kv, cos, sin, mask)
+        for layer, kv, m in zip(self.layers, ctx_kv, masks):
+            h = layer(h, kv, cos, sin, m)
         return self.norm(h)
+
+    def layer_masks(self, make) -> list:
+        """One mask per layer from ``make(window)`` (window None: full attention), each
+        distinct window built once."""
+        built = {}
+        for layer in self.layers:
+            if layer.window not in built:
+                built[layer.window] = make(layer.window)
+        return [built[layer.window] for layer in self.layers]
+
+    def windowed_context(self, ctx_kv, anchor_pos: int):
+        """Inference: (ctx_kv, mask) for one block at anchor_pos whose context cache holds the
+        positions just before it. Without sliding layers: unchanged, mask None (all visible).
+        A sliding layer keeps only its last W-1 context positions (the most any slot sees)
+        and gets a mask [1, 1, Bk, kept + Bk] of |t - j| <= W - 1, as in training."""
+        if not any(layer.window for layer in self.layers):
+            return ctx_kv, None
+        Bk, kv_out, masks = self.cfg.block_size, [], []
+        for layer, (k, v) in zip(self.layers, ctx_kv):
+            W = layer.window
+            if W is None:
+                kv_out.append((k, v))
+                masks.append(None)
+                continue
+            keep = min(k.shape[2], W - 1)
+            k, v = k[:, :, k.shape[2] - keep:], v[:, :, v.shape[2] - keep:]
+            q = anchor_pos + torch.arange(Bk, device=k.device)
+            keys = torch.cat([anchor_pos - keep + torch.arange(keep, device=k.device), q])
+            kv_out.append((k, v))
+            masks.append(((q[:, None] - keys[None, :]).abs() < W)[None, None])
+        return kv_out, masks
 
     # -- training: many blocks per sequence in one pass ---------------------------------
     def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
@@ -247,7 +295,7 @@ class DFlashDrafter(nn.Module):
         block_ids = torch.full_like(pos, self.cfg.mask_token_id)
         block_ids[..., 0] = torch.gather(input_ids, 1, anchors)
         labels = torch.gather(input_ids, 1, pos.clamp(max=S - 1).view(Bsz, -1)).view(Bsz, A, Bk)
-        mask = self.block_mask(anchors, anchor_valid, S, Bk)
+        mask = self.layer_masks(lambda window: self.block_mask(anchors, anchor_valid, S, Bk, window))
 
         with compute_precision(embed.weight):
             if ctx_kv is None:
@@ -275,9 +323,11 @@ class DFlashDrafter(nn.Module):
         return self.copy is not None and self.use_copy
 
     @staticmethod
-    def block_mask(anchors, anchor_valid, S, Bk):
+    def block_mask(anchors, anchor_valid, S, Bk, window: int | None = None):
         """bool [B, 1, A*Bk, S + A*Bk]: block j sees context < p_j and its own block only.
-        Invalid (padding) anchors still see their own block so softmax stays finite."""
+        Invalid (padding) anchors still see their own block so softmax stays finite.
+        ``window`` W (a sliding layer): besides, the query at position t = p_j + k sees key
+        position j only when |t - j| <= W - 1 (vLLM's non-causal window, both sides)."""
         Bsz, A = anchors.shape
         dev = anchors.device
         ctx_ok = torch.arange(S, device=dev)[None, None, :] < anchors[..., None]  # [B, A, S]
@@ -286,6 +336,11 @@ class DFlashDrafter(nn.Module):
         own = (blk[:, None] == blk[None, :])  # [A, A]
         ctx_part = ctx_ok[:, :, None, :].expand(Bsz, A, Bk, S).reshape(Bsz, A * Bk, S)
         own_part = own[:, None, :, None].expand(A, Bk, A, Bk).reshape(A * Bk, A * Bk)
+        if window:
+            offs = torch.arange(Bk, device=dev)
+            t = (anchors[..., None] + offs).reshape(Bsz, A * Bk)  # each query's position
+            ctx_part = ctx_part & (t[..., None] - torch.arange(S, device=dev) < window)
+            own_part = own_part & ((offs[:, None] - offs[None, :]).abs() < window).repeat(A, A)
         own_part = own_part[None].expand(Bsz, -1, -1)
         return torch.cat([ctx_part, own_part], dim=-1)[:, None]
 
@@ -305,8 +360,9 @@ class DFlashDrafter(nn.Module):
         ids = torch.full((anchor_id.shape[0], Bk), self.cfg.mask_token_id, device=dev, dtype=torch.long)
         ids[:, 0] = anchor_id
         pos = (anchor_pos + torch.arange(Bk, device=dev)).expand(ids.shape[0], Bk)
+        ctx_kv, mask = self.windowed_context(ctx_kv, anchor_pos)
         with compute_precision(embed.weight):
-            h = self.blocks_hidden(embed(ids), pos, ctx_kv, None)[:, 1:]
+            h = self.blocks_hidden(embed(ids), pos, ctx_kv, mask)[:, 1:]
             logits = self.serving_head(lm_head)(h)
         if self.copying:  # outside autocast, as in training
             if context_ids is None:

@@ -37,3 +37,16 @@ def tiny_export(tmp_path_factory):
     export = run.parent / "tiny-export"
     run_dflash("export", "--checkpoint", run / "checkpoint", "--out", export, "--dtype", "float32")
     return export
+
+
+@pytest.fixture(scope="session")
+def tiny_swa_export(tmp_path_factory):
+    """As tiny_export, with its one layer a sliding-window layer of window 16 (shorter than
+    the prompts): trained, exported and so served with the window (docs/architectures.md)."""
+    run = tmp_path_factory.mktemp("engine") / "tiny-swa"
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 30, "--no-telemetry", *TINY,
+               "--set", "model.draft_vocab=2048", "--set", "train.loss_vocab=2048",
+               "--set", "model.layer_types=sliding_attention", "--set", "model.sliding_window=16")
+    export = run.parent / "tiny-swa-export"
+    run_dflash("export", "--checkpoint", run / "checkpoint", "--out", export, "--dtype", "float32")
+    return export
