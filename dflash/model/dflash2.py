@@ -32,6 +32,7 @@ from torch import nn
 
 from .drafter import DFlashDrafter, DrafterLayer, apply_rope, compute_precision
 
+
 def _f32(x: torch.Tensor) -> torch.Tensor:
     """At least float32, as vLLM scores candidates (float64 stays float64: tests)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))

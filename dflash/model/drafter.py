@@ -181,7 +181,7 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __new__(cls, cfg: DrafterConfig, *args, **kwargs):
+    def __new__(cls, cfg: DrafterConfig | None = None, *args, **kwargs):
         """DFlashDrafter(cfg) builds what cfg.arch names: dflash2 is model/dflash2.py's subclass."""
         if cls is DFlashDrafter and getattr(cfg, "arch", "dflash") == "dflash2":
             from .dflash2 import DFlash2Drafter
