@@ -73,7 +73,8 @@ def load(d: DrafterDir, device="cpu"):
         return drafter
     from safetensors.torch import load_file
 
-    from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
+    from ..model.architectures import expected_shapes, make_drafter
+    from ..model.drafter import DrafterConfig
 
     fields = fmt.drafter_config_fields(d.raw, str(d.path))
     files = sorted(d.path.glob("*.safetensors"))
@@ -96,7 +97,7 @@ def load(d: DrafterDir, device="cpu"):
             state.update(fmt.import_state_dict(load_file(str(f)), own_head))
     except fmt.FormatError as e:
         raise DrafterDirError(f"{d.path}: {e}") from None
-    drafter = DFlashDrafter(cfg)
+    drafter = make_drafter(cfg)
     want = drafter.state_dict()
     missing = sorted(set(want) - set(state))
     if missing:

@@ -30,7 +30,7 @@ def load_into_run(cfg, target):
     """The run's drafter, initialised from cfg.model.init_from (float32, on the CPU)."""
     from dataclasses import replace
 
-    from ..model.drafter import DFlashDrafter
+    from ..model.architectures import make_drafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
     drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target)
@@ -49,7 +49,7 @@ def load_into_run(cfg, target):
         src_cfg = replace(src.cfg, **dflash2_fields(cfg.model))
     else:
         src_cfg = src.cfg
-    drafter = DFlashDrafter(replace(src_cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
+    drafter = make_drafter(replace(src_cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
     # a copy head the source lacks starts fresh (its own init); one it has but the run
     # does not want is dropped
     state = {k: v for k, v in src.state_dict().items() if cfg.model.copy_head or not k.startswith("copy.")}

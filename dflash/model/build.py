@@ -6,6 +6,7 @@ import torch
 
 from ..config import Config
 from . import target as target_mod
+from .architectures import make_drafter
 from .drafter import DFlashDrafter, DrafterConfig
 
 
@@ -32,7 +33,7 @@ def dflash2_fields(m) -> dict:
 def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
     dcfg = drafter_config(cfg, target, tokenizer, layer_ids)
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(dcfg)
+    drafter = make_drafter(dcfg)
     if cfg.model.drafter_init == "target":
         init_from_target(drafter, target)
     return drafter

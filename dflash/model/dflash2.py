@@ -154,7 +154,7 @@ def walk(candidate_ids: torch.Tensor, scores: torch.Tensor, pick=None) -> tuple[
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """DFlashDrafter(cfg) with cfg.arch == "dflash2" builds this (DFlashDrafter.__new__)."""
+    """What model/architectures.make_drafter builds for cfg.arch == "dflash2"."""
 
     def __init__(self, cfg):
         err = check(cfg)
@@ -245,8 +245,6 @@ class DFlash2Drafter(DFlashDrafter):
         """Temperature > 0: walk by sampling each slot from `dist` (the sampling rule) of its
         realized score row, -inf off the k candidates (vLLM's draft logits), one sequence.
         Returns (tokens [L], q [L, V]: the distributions they were drawn from)."""
-        from ..decode import sampling
-
         cand, _, scores = self.candidates(anchor_id, anchor_pos, ctx_kv, embed, lm_head)
         V = lm_head.weight.shape[0]
         qs = []
@@ -255,7 +253,7 @@ class DFlash2Drafter(DFlashDrafter):
             full = row.new_full((V,), float("-inf")).scatter_(0, cand[0, l], row[0])
             q = dist(full)
             qs.append(q)
-            tok = sampling.draw(q[None], generator)[0].to(cand.device)
+            tok = torch.multinomial(q[None], 1, generator=generator)[0, 0].to(cand.device)  # sampling.draw
             return (cand[0, l] == tok).float().argmax()[None]
 
         tokens, _ = walk(cand, scores, pick)

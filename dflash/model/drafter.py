@@ -48,7 +48,8 @@ class DrafterConfig:
     target: str = ""
     architectures: list[str] = field(default_factory=lambda: ["DFlashDrafter"])
     model_type: str = "dflash_drafter"
-    # model.arch=dflash2: the DFlash2 parts and their sizes (model/dflash2.py; unused by dflash)
+    # model.arch=dflash2: the DFlash2 parts and their sizes (model/dflash2.py; unused by dflash);
+    # model/architectures.py builds the drafter cfg.arch names
     arch: str = "dflash"
     conv_kernel_size: int = 2
     conv_group_size: int = 16
@@ -181,13 +182,6 @@ class DrafterLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
-    def __new__(cls, cfg: DrafterConfig | None = None, *args, **kwargs):
-        """DFlashDrafter(cfg) builds what cfg.arch names: dflash2 is model/dflash2.py's subclass."""
-        if cls is DFlashDrafter and getattr(cfg, "arch", "dflash") == "dflash2":
-            from .dflash2 import DFlash2Drafter
-            cls = DFlash2Drafter
-        return super().__new__(cls)
-
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg

@@ -31,7 +31,8 @@ def test_vllm_dflash2_modules_compute_our_drafts(tmp_path, engine_venv):
 
     from dflash.checkpoint import export_format as fmt
     from dflash.engine.runner import engine_env
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.architectures import make_drafter
+    from dflash.model.drafter import DrafterConfig
 
     H, V, BK = 64, 101, 6
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -40,7 +41,7 @@ def test_vllm_dflash2_modules_compute_our_drafts(tmp_path, engine_venv):
                         conv_group_size=16, selector_rank=8, selector_top_k=5, output_multiplier=0.7,
                         final_logit_softcapping=9.0, input_embedding_scale=1.3)
     torch.manual_seed(0)
-    d = DFlashDrafter(cfg)
+    d = make_drafter(cfg)
     with torch.no_grad():
         for name, p in d.named_parameters():
             if "conv" in name:

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.checkpoint import export_format as fmt
+from dflash.model.architectures import make_drafter
 from dflash.model.dflash2 import DFlash2Drafter, walk
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
@@ -31,7 +32,7 @@ def make(seed=0, randomize=True, **over):
     raw["dflash_config"].update(over)
     cfg = DrafterConfig(**fmt.drafter_config_fields(raw, "test"))
     torch.manual_seed(seed)
-    d = DFlashDrafter(cfg)
+    d = make_drafter(cfg)
     assert isinstance(d, DFlash2Drafter)
     if randomize:  # off identity, so the convolutions matter
         with torch.no_grad():
@@ -211,3 +212,23 @@ def test_bad_dflash2_configs_are_one_line():
     del raw["dflash_config"]["selector_rank"]
     with pytest.raises(fmt.FormatError, match="selector_rank"):
         fmt.drafter_config_fields(raw, "x")
+
+
+def test_sampled_chain_draws_each_slot_from_its_selector_row():
+    from dflash.decode import sampling
+
+    d, embed, head = make()
+    p = 8
+    feats = torch.randn(1, p, 3 * H, dtype=torch.float64)
+    kv = d.context_kv(d.fuse(feats), torch.arange(p)[None])
+    anchor = torch.tensor([3])
+    cand, _, scores = d.candidates(anchor, p, kv, embed, head)
+    g = torch.Generator().manual_seed(0)
+    tokens, q = d.sample_chain(anchor, p, kv, embed, head, lambda x: sampling.probs(x, 0.9), g)
+    assert q.shape == (BK - 1, V) and torch.allclose(q.sum(-1), torch.ones(BK - 1, dtype=q.dtype))
+    prev = 0
+    for l, t in enumerate(tokens.tolist()):
+        assert set(q[l].nonzero().flatten().tolist()) <= set(cand[0, l].tolist())  # mass on the k candidates
+        want = sampling.probs(scores[0, l, prev], 0.9)  # the row of the previous pick
+        assert torch.allclose(q[l, cand[0, l]], want)
+        prev = cand[0, l].tolist().index(t)
