@@ -229,6 +229,16 @@ class DFlash2Drafter(DFlashDrafter):
         return cand, unary, scores
 
     @torch.no_grad()
+    def chain_drafts(self, logits, hidden, anchor_ids):
+        """The greedy chains of many blocks at once from their slot logits [..., L, V] and
+        hidden [..., L, H] (slot_outputs), anchors [...]: [..., L] (the held-out estimate)."""
+        lead = logits.shape[:-2]
+        values, cand = logits.flatten(0, -3).topk(self.cfg.selector_top_k, dim=-1)
+        scores = self.candidate_selector.chain_scores(cand, self.unary(_f32(values)), hidden.flatten(0, -3),
+                                                      anchor_ids.flatten())
+        return walk(cand, scores)[0].view(*lead, -1)
+
+    @torch.no_grad()
     def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head, context_ids=None):
         cand, _, scores = self.candidates(anchor_id, anchor_pos, ctx_kv, embed, lm_head)
         return walk(cand, scores)[0]

@@ -1,6 +1,7 @@
 """model.arch=dflash2 through the command line (docs/architectures.md): two training steps,
 the export vLLM loads (DFlash2DraftModel), eval of that export lossless with drafts chosen by
-the selector walk (greedy and sampled), and --init-from that export."""
+the selector walk (greedy and sampled), the held-out estimate walking the same chain, and
+--init-from that export."""
 import json
 
 from helpers import TINY, last_json, run_dflash
@@ -10,7 +11,15 @@ D2 = ["--set", "model.arch=dflash2", "--set", "model.selector_rank=16", "--set",
 
 def test_dflash2_trains_exports_evals_losslessly_and_inits_from_its_export(tmp_path):
     run = tmp_path / "run"
-    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY, *D2)
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY, *D2,
+               "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--set", "eval.before=false",
+               "--set", "eval.baseline=none", "--set", "train.estimate_every=2", "--set", "train.estimate_samples=1",
+               "--eval")
+    s = json.loads((run / "summary.json").read_text())
+    est, after = s["acceptance_estimate"], s["eval_after"]
+    assert after["lossless"]
+    # the held-out estimate walks the selector's chain, as the decoder drafts (one pass, no decode)
+    assert est["last"]["histogram"] == after["histogram"] and est["last"]["tau"] == after["tau_per_step"]
     export = run / "export"
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["is_causal"] is False

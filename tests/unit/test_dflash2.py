@@ -232,3 +232,17 @@ def test_sampled_chain_draws_each_slot_from_its_selector_row():
         want = sampling.probs(scores[0, l, prev], 0.9)  # the row of the previous pick
         assert torch.allclose(q[l, cand[0, l]], want)
         prev = cand[0, l].tolist().index(t)
+
+
+def test_chain_drafts_of_many_blocks_are_the_per_block_drafts():
+    d, embed, head = make()
+    S = 36
+    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (1, S))
+    anchors = torch.tensor([[4, 13, 25]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    logits, h, _ = d.slot_outputs(feats, ids, anchors, valid, embed, head)
+    chains = d.chain_drafts(logits, h, torch.gather(ids, 1, anchors))
+    for j, p in enumerate(anchors[0].tolist()):
+        kv = d.context_kv(d.fuse(feats[:, :p]), torch.arange(p)[None])
+        assert chains[0, j].tolist() == d.draft(ids[:, p], p, kv, embed, head)[0].tolist()
