@@ -36,3 +36,17 @@ def test_dflash2_trains_exports_evals_losslessly_and_inits_from_its_export(tmp_p
                "--init-from", export)
     back = json.loads((again / "checkpoint" / "config.json").read_text())
     assert back["arch"] == "dflash2" and back["selector_top_k"] == 8
+
+
+def test_dflash2_resumes_bit_for_bit_and_a_dflash_run_cannot_resume_it(tmp_path):
+    full, part = tmp_path / "full", tmp_path / "part"
+    common = ["--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY, *D2]
+    run_dflash("train", "--out", full, *common)
+    run_dflash("train", "--out", part, *common, "--set", "train.stop_after=2")
+    run_dflash("train", "--out", part, *common, "--resume")
+    a = json.loads((full / "summary.json").read_text())["loss_history"]
+    b = json.loads((part / "summary.json").read_text())["loss_history"]
+    assert a == b, "a resumed DFlash2 run (selector loss included) follows the uninterrupted one exactly"
+    p = run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+                   "--set", "model.selector_rank=16", "--resume", check=False)
+    assert p.returncode == 2 and "arch='dflash2'" in p.stderr, p.stderr[-500:]

@@ -246,3 +246,21 @@ def test_chain_drafts_of_many_blocks_are_the_per_block_drafts():
     for j, p in enumerate(anchors[0].tolist()):
         kv = d.context_kv(d.fuse(feats[:, :p]), torch.arange(p)[None])
         assert chains[0, j].tolist() == d.draft(ids[:, p], p, kv, embed, head)[0].tolist()
+
+
+def test_selector_loss_through_a_loss_vocabulary_head():
+    """train.loss_vocab: logits over a subset of rows (RowsHead); candidates map back to token ids."""
+    from dflash.model.loss_vocab import RowsHead
+
+    d, embed, head = make()
+    S = 30
+    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
+    ids = torch.randint(0, 40, (1, S))
+    anchors, valid = torch.tensor([[3, 14]]), torch.ones(1, 2, dtype=torch.bool)
+    rows = RowsHead(head, torch.arange(0, 60))  # the batch's tokens (< 40) and more
+    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, rows)
+    sub = d.selector_ce
+    assert logits.shape[-1] == 60 and torch.isfinite(sub).all()
+    d.train_forward(feats, ids, anchors, valid, embed, head)
+    # the k-way CE differs only through which candidates the subset's top-k holds: same where equal
+    assert sub.shape == d.selector_ce.shape
