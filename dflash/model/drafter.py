@@ -380,11 +380,3 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, g
     # sorted anchors make traces/debugging readable; validity travels with them
     order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, S + 1)), dim=1)
     return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
-
-
-def expected_shapes(cfg) -> dict:
-    """Our state-dict names -> shapes of the drafter ``cfg`` describes, built on the meta
-    device: no memory, whatever the sizes (the bounds were checked first)."""
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
