@@ -194,18 +194,15 @@ class DFlash2Drafter(DFlashDrafter):
 
     def _selector_ce(self, logits, h, labels, input_ids, anchors, lm_head):
         """Per-slot k-way CE of the selector [B, A, K], predecessors teacher-forced."""
-        k = self.cfg.selector_top_k
+        k = min(self.cfg.selector_top_k, logits.shape[-1])
         ids = getattr(lm_head, "ids", None)  # a loss-vocabulary head (RowsHead): logits over its rows
         cols = lm_head.to_subset(labels) if ids is not None else labels
-        top_val, top_col = logits.detach().topk(k, dim=-1)
+        top_col = logits.detach().topk(k, dim=-1).indices
         cand = ids[top_col] if ids is not None else top_col
-        hit = cand == labels[..., None]
-        missing = ~hit.any(-1)
         # the true token replaces the k-th candidate where it is not among the top-k
-        cand = torch.where(missing[..., None] & (torch.arange(k, device=cand.device) == k - 1), labels[..., None],
-                           cand)
-        top_col = torch.where(missing[..., None] & (torch.arange(k, device=cand.device) == k - 1),
-                              cols[..., None], top_col)
+        put = ~(cand == labels[..., None]).any(-1, keepdim=True) & (torch.arange(k, device=cand.device) == k - 1)
+        cand = torch.where(put, labels[..., None], cand)
+        top_col = torch.where(put, cols[..., None], top_col)
         unary = torch.gather(logits, -1, top_col)  # with gradient
         target = (cand == labels[..., None]).float().argmax(-1)
         anchor_tok = torch.gather(input_ids, 1, anchors)[..., None]
