@@ -42,7 +42,8 @@ def train(arch: str, seed: int, steps: int, out: Path) -> dict:
     s = json.loads((run / "summary.json").read_text())
     ev = s["eval_after"]
     return {"arch": arch, "seed": seed, "steps": s["steps"], "wall_s": round(s["wall_s"], 1),
-            "loss_last": s["loss_last"], "tau": ev["acceptance_length"], "lossless": ev["lossless"],
+            "loss_last": s["loss_last"], "tau": ev["tau_per_step"], "tau_per_response": ev["acceptance_length"],
+            "lossless": ev["lossless"], "histogram": ev["histogram"],
             "per_position": ev.get("per_position_acceptance")}
 
 
@@ -55,12 +56,14 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "2")
     rows = [train(arch, int(s), a.steps, Path(a.out)) for s in a.seeds.split(",") for arch in ARCHS]
     print(f"\nequal steps ({a.steps}), tiny-qwen3, block 8")
-    print(f"{'arch':8} {'train s':>8} {'tau per step':>16}  lossless  per seed")
+    print(f"{'arch':8} {'train s':>8} {'tau per step':>16} {'per response':>16}  lossless  per seed (per step)")
     for arch in ARCHS:
         rs = [r for r in rows if r["arch"] == arch]
-        taus = [r["tau"] for r in rs]
+        taus, resp = [r["tau"] for r in rs], [r["tau_per_response"] for r in rs]
         sd = statistics.stdev(taus) if len(taus) > 1 else 0.0
-        print(f"{arch:8} {statistics.mean(r['wall_s'] for r in rs):8.0f} {statistics.mean(taus):9.3f} ± {sd:.3f}  "
+        sd_r = statistics.stdev(resp) if len(resp) > 1 else 0.0
+        print(f"{arch:8} {statistics.mean(r['wall_s'] for r in rs):8.0f} {statistics.mean(taus):9.3f} ± {sd:.3f} "
+              f"{statistics.mean(resp):9.3f} ± {sd_r:.3f}  "
               f"{all(r['lossless'] for r in rs)!s:8}  " + " ".join(f"{t:.3f}" for t in taus))
     print(json.dumps({"steps": a.steps, "rows": rows}))
 
