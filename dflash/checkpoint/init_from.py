@@ -58,5 +58,6 @@ def load_into_run(cfg, target):
     allowed += ("candidate_selector.", "attention_conv.", "mlp_conv.") if upgrade else ()
     bad = list(unexpected) + [k for k in missing if not any(k.startswith(a) or f".{a}" in k for a in allowed)]
     if bad:
-        raise drafter_dirs.DrafterDirError(f"--init-from {cfg.model.init_from!r}: weights that do not fit: {', '.join(bad[:4])}")
+        raise drafter_dirs.DrafterDirError(f"--init-from {cfg.model.init_from!r}: weights that do not fit: "
+                                           f"{', '.join(bad[:4])}")
     return drafter

@@ -84,7 +84,8 @@ def test_vllm_dflash2_modules_compute_our_drafts(tmp_path, engine_venv):
                scores=scores.float(), drafts=drafts, port=_free_port())
     torch.save(rec, tmp_path / "record.pt")
 
-    out = subprocess.run([str(engine_venv), str(HERE / "vllm_dflash2_check.py"), str(export), str(tmp_path / "record.pt")],
+    script = HERE / "vllm_dflash2_check.py"
+    out = subprocess.run([str(engine_venv), str(script), str(export), str(tmp_path / "record.pt")],
                          capture_output=True, text=True, timeout=300, env=engine_env(offline=True))
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])

@@ -116,8 +116,8 @@ def main(export: str, record: str) -> None:
                     prev = idx
                 drafts.append(out)
 
-        unused = sorted(set(weights) - used - {k for k in weights if ".self_attn." in k or k in ("fc.weight",
-                                                                                                  "hidden_norm.weight")})
+        dflash_own = {k for k in weights if ".self_attn." in k or k in ("fc.weight", "hidden_norm.weight")}
+        unused = sorted(set(weights) - used - dflash_own)  # attention and context fusion: DFlash's
         print(json.dumps({
             "architectures": cfg["architectures"],
             "attn_in_err": max(layer.attn_err for layer in layers),
