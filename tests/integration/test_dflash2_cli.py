@@ -50,3 +50,18 @@ def test_dflash2_resumes_bit_for_bit_and_a_dflash_run_cannot_resume_it(tmp_path)
     p = run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
                    "--set", "model.selector_rank=16", "--resume", check=False)
     assert p.returncode == 2 and "arch='dflash2'" in p.stderr, p.stderr[-500:]
+
+
+def test_a_dflash_export_starts_a_dflash2_run(tmp_path):
+    """--init-from a DFlash dir with model.arch=dflash2: its weights (a step at lr ~0 keeps them),
+    plus identity convolutions and a fresh selector."""
+    from safetensors.torch import load_file
+
+    src = tmp_path / "src"
+    run_dflash("train", "--out", src, "--target", "tiny-qwen3", "--steps", 1, "--no-telemetry", *TINY)
+    up = tmp_path / "up"
+    run_dflash("train", "--out", up, "--target", "tiny-qwen3", "--steps", 1, "--no-telemetry", *TINY, *D2,
+               "--init-from", src / "export", "--set", "train.lr=1e-12")
+    assert json.loads((up / "export" / "config.json").read_text())["architectures"] == ["DFlash2DraftModel"]
+    a, b = load_file(str(src / "export" / "model.safetensors")), load_file(str(up / "export" / "model.safetensors"))
+    assert set(a) < set(b) and all((a[k].float() - b[k].float()).abs().max() < 1e-2 for k in a)
