@@ -60,7 +60,11 @@ class DrafterConfig:
     input_embedding_scale: float = 1.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["arch"] == "dflash":  # a DFlash drafter's config.json stays what it was
+            for k in _DFLASH2_FIELDS:
+                del d[k]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "DrafterConfig":
@@ -89,6 +93,10 @@ class DrafterConfig:
             rope_theta=float(theta),
             **kw,
         )
+
+
+_DFLASH2_FIELDS = ("arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                   "output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 
 
 def compute_precision(frozen: torch.Tensor):
