@@ -40,6 +40,14 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)  # one per drafter layer: sliding_attention |
                                          # full_attention; empty: all full (docs/architectures.md)
     sliding_window: int = 0              # W of the sliding layers: a block query at t sees positions j with |t-j| < W
+    arch: str = "dflash"                 # dflash | dflash2 (grouped convs + candidate selector; model/dflash2.py)
+    conv_kernel_size: int = 2            # dflash2: taps of the convolution across a block's slots
+    conv_group_size: int = 16            # dflash2: channels sharing one per-token kernel (divides hidden size)
+    selector_rank: int = 256             # dflash2: rank of the selector's codebooks
+    selector_top_k: int = 16             # dflash2: candidates per slot the selector walks
+    output_multiplier: float = 1.0       # dflash2: scale of the candidates' logits
+    final_logit_softcapping: float = 0.0  # dflash2: soft cap of the candidates' logits (0: none)
+    input_embedding_scale: float = 1.0   # dflash2: scale of the block's token embeddings
 
 
 @dataclass
@@ -87,6 +95,7 @@ class TrainConfig:
                                          # paper's fixed decay, loss_gamma); run/step.py
     kl_topk: int = 64                    # kl / lk: the target's k most likely tokens + one bucket for the rest;
                                          # 0: the whole distribution (online only). Captures keep k per token
+    selector_loss_alpha: float = 1.0     # dflash2: weight of the selector's k-way CE in the loss
     dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a
     lk_eta: float = 3.0                  # lk: lam = exp(-eta * acceptance) blends KL into 1 - acceptance
 
@@ -377,6 +386,14 @@ RANGES: dict[str, Range] = {
     "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.draft_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.sliding_window": Range(0, 1 << 24, note="0: no sliding layers"),
+    "model.conv_kernel_size": Range(1, 1024, note="dflash2"),
+    "model.conv_group_size": Range(1, 65536, note="dflash2; divides the hidden size"),
+    "model.selector_rank": Range(1, 65536, note="dflash2"),
+    "model.selector_top_k": Range(1, 65536, note="dflash2"),
+    "model.output_multiplier": Range(0, 1e6, lo_open=True, note="dflash2"),
+    "model.final_logit_softcapping": Range(0, 1e6, note="dflash2; 0: none"),
+    "model.input_embedding_scale": Range(0, 1e6, lo_open=True, note="dflash2"),
+    "train.selector_loss_alpha": Range(0, 1e6, note="dflash2"),
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
     "train.lk_eta": Range(0, 1000),
@@ -463,6 +480,11 @@ def validate(cfg: Config) -> None:
     if m.draft_vocab and m.copy_head:
         raise ConfigError("model.draft_vocab with model.copy_head=true: a copy may propose any token, a draft "
                           "vocabulary only its own; choose one")
+    if m.arch not in ("dflash", "dflash2"):
+        raise ConfigError(f"model.arch={m.arch!r}: expected dflash or dflash2")
+    if m.arch == "dflash2" and (m.copy_head or m.draft_vocab):
+        raise ConfigError("model.arch=dflash2 with model.copy_head or model.draft_vocab: the DFlash2 selector walks "
+                          "the full-vocabulary head's top-k (as vLLM serves it); choose one")
     if cfg.eval.engine not in ("none", "auto", "vllm"):
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
+from ..model.architectures import expected_shapes, make_drafter
+from ..model.drafter import DFlashDrafter, DrafterConfig
 from ..preflight import checkpoint_files as files
 from ..preflight.checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
 from ..preflight.inputs import read_json_object
@@ -202,7 +203,7 @@ def load_drafter(path, device="cpu", dtype=torch.float32) -> tuple[DFlashDrafter
     err = files.header_mismatch(expected_shapes(cfg), {files.WEIGHTS: files.check_safetensors(p / files.WEIGHTS)})
     if err:  # before a module is built or a weight read
         raise CheckpointError(f"checkpoint {str(path)!r}: {err}")
-    drafter = DFlashDrafter(cfg)
+    drafter = make_drafter(cfg)
     try:
         drafter.load_state_dict(load_file(str(p / files.WEIGHTS)))
     except RuntimeError as e:  # missing / unexpected / mis-shaped weights

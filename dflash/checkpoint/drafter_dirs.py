@@ -73,7 +73,8 @@ def load(d: DrafterDir, device="cpu"):
         return drafter
     from safetensors.torch import load_file
 
-    from ..model.drafter import DFlashDrafter, DrafterConfig, expected_shapes
+    from ..model.architectures import expected_shapes, make_drafter
+    from ..model.drafter import DrafterConfig
 
     fields = fmt.drafter_config_fields(d.raw, str(d.path))
     files = sorted(d.path.glob("*.safetensors"))
@@ -96,7 +97,7 @@ def load(d: DrafterDir, device="cpu"):
             state.update(fmt.import_state_dict(load_file(str(f)), own_head))
     except fmt.FormatError as e:
         raise DrafterDirError(f"{d.path}: {e}") from None
-    drafter = DFlashDrafter(cfg)
+    drafter = make_drafter(cfg)
     want = drafter.state_dict()
     missing = sorted(set(want) - set(state))
     if missing:
@@ -120,6 +121,10 @@ _FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "hea
                "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
 
 
+# model.arch=dflash2's sizes (model/dflash2.py); a checkpoint without "arch" is a DFlash one
+_DFLASH2_FIT = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
 def check_fits(have: dict, where: str, *, target=None, built=None) -> None:
     """One line (bad input, exit 2) naming the first way a drafter does not fit, from its
     DrafterConfig fields ``have`` (config.json: before its weights are read).
@@ -131,8 +136,9 @@ def check_fits(have: dict, where: str, *, target=None, built=None) -> None:
     if built is not None:
         from ..preflight.checkpoint_files import CheckpointError
 
-        for f in _FIT_FIELDS:
-            a, b = have[f], getattr(built, f)
+        extra = ("arch", *(_DFLASH2_FIT if getattr(built, "arch", "dflash") == "dflash2" else ()))
+        for f in (*_FIT_FIELDS, *extra):
+            a, b = have.get(f, "dflash") if f == "arch" else have[f], getattr(built, f)
             if a != b:
                 raise CheckpointError(f"{where}: {f}={a!r} does not fit this run's target (expected {b!r})")
     if target is not None:

@@ -25,6 +25,7 @@ import re
 from pathlib import Path
 
 from ..config import ConfigError
+from . import dflash2_format as dflash2
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -66,6 +67,8 @@ def to_export_name(name: str) -> str:
         return name
     if name in _DRAFT_VOCAB:
         return _DRAFT_VOCAB[name]
+    if dflash2.is_dflash2_name(name):
+        return name
     m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.weight", name)
     if m:
         i, part = m.groups()
@@ -87,6 +90,8 @@ def from_export_name(name: str, draft_vocab: bool = False) -> str | None:
         return next(k for k, v in _DRAFT_VOCAB.items() if v == name)
     if name in _TARGET_OWNED:
         return None
+    if dflash2.is_dflash2_name(name):
+        return name
     m = re.fullmatch(r"layers\.(\d+)\.(?:(self_attn|mlp)\.)?(\w+)\.weight", name)
     if m:
         i, group, part = m.groups()
@@ -157,6 +162,10 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
         "block_size": flags["block_size"],     # older readers (MLX) look at the top level
         "num_target_layers": num_target_layers,
     }
+    if getattr(dcfg, "arch", "dflash") == "dflash2":  # conv + selector (checkpoint/dflash2_format.py)
+        cfg["architectures"] = [dflash2.ARCHITECTURE]
+        flags.update(dflash2.export_fields(dcfg))
+        cfg["is_causal"] = False
     if getattr(dcfg, "draft_vocab_size", 0):  # drafts from these tokens only: own lm_head + d2t (EAGLE-3's way)
         cfg["draft_vocab_size"] = int(dcfg.draft_vocab_size)
     if SLIDING in (getattr(dcfg, "layer_types", None) or []):
@@ -249,13 +258,14 @@ def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
 def drafter_config_fields(raw: dict, where: str) -> dict:
     """DrafterConfig fields from a served config.json; FormatError for what we cannot run."""
     for arch in raw.get("architectures") or []:
-        if arch != ARCHITECTURE:
-            raise FormatError(f"{where}: architecture {arch!r}: expected {ARCHITECTURE} (DFlash2 and other "
-                              f"variants add parts this trainer does not have)")
+        if arch not in (ARCHITECTURE, dflash2.ARCHITECTURE):
+            raise FormatError(f"{where}: architecture {arch!r}: expected {ARCHITECTURE} or {dflash2.ARCHITECTURE} "
+                              f"(other variants add parts this trainer does not have)")
+    extra = dflash2.import_fields(raw, where, FormatError) if dflash2.is_dflash2(raw) else {}
     for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
-        if float(_value(raw, key, neutral)) != neutral:
+        if not extra and float(_value(raw, key, neutral)) != neutral:
             raise FormatError(f"{where}: {key}={_value(raw, key)}: this trainer's drafter supports {neutral} only")
-    if _value(raw, "final_logit_softcapping"):
+    if not extra and _value(raw, "final_logit_softcapping"):
         raise FormatError(f"{where}: final_logit_softcapping: not supported by this trainer's drafter")
     if raw.get("attention_bias"):
         raise FormatError(f"{where}: attention_bias=true: this trainer's drafter has no attention biases")
@@ -289,6 +299,7 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
             "draft_vocab_size": draft_vocab_size(raw),
             "layer_types": layer_types,
             "sliding_window": window,
+            **extra,
         }
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{where}: config.json lacks or garbles {e} (expected a DFlash drafter config)") from None
@@ -316,7 +327,8 @@ def parameter_count(fields: dict) -> int:
     a copy head is a few thousand more)."""
     h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
-    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h
+    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h \
+        + dflash2.parameter_count(fields)
 
 
 def bounds_error(fields: dict, where: str) -> str | None:

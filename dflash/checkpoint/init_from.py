@@ -16,16 +16,23 @@ def init_flags(path: str) -> dict:
     """Config keys DIR fixes (dotted, as the CLI's flags are)."""
     d = drafter_dirs.inspect(path)
     f = drafter_dirs.fields(d)
-    return {"model.init_from": str(d.path), "model.num_layers": int(f["num_hidden_layers"]),
-            "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
-            "model.layer_types": list(f.get("layer_types") or []), "model.sliding_window": int(f.get("sliding_window") or 0)}
+    flags = {"model.init_from": str(d.path), "model.num_layers": int(f["num_hidden_layers"]),
+             "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
+             "model.layer_types": list(f.get("layer_types") or []),
+             "model.sliding_window": int(f.get("sliding_window") or 0)}
+    if f.get("arch") == "dflash2":  # DIR's DFlash2 parts and their sizes (model/dflash2.py)
+        flags["model.arch"] = "dflash2"
+        flags.update({f"model.{k}": f[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                   "selector_top_k", "output_multiplier",
+                                                   "final_logit_softcapping", "input_embedding_scale")})
+    return flags
 
 
 def load_into_run(cfg, target):
     """The run's drafter, initialised from cfg.model.init_from (float32, on the CPU)."""
     from dataclasses import replace
 
-    from ..model.drafter import DFlashDrafter
+    from ..model.architectures import make_drafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
     drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target)
@@ -36,9 +43,23 @@ def load_into_run(cfg, target):
             raise drafter_dirs.DrafterDirError(f"{key}={have}: model.init_from={cfg.model.init_from!r} has {want} "
                                                f"(dflash train --init-from DIR takes DIR's shape)")
     src = drafter_dirs.load(d)
-    drafter = DFlashDrafter(replace(src.cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
+    # a DFlash DIR under model.arch=dflash2 starts a DFlash2 from it: its convolutions start as
+    # the identity and its selector fresh (model/dflash2.py), the rest is DIR's
+    upgrade = cfg.model.arch == "dflash2" and src.cfg.arch != "dflash2"
+    if upgrade:
+        from ..model.build import dflash2_fields
+        src_cfg = replace(src.cfg, **dflash2_fields(cfg.model))
+    else:
+        src_cfg = src.cfg
+    drafter = make_drafter(replace(src_cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
     # a copy head the source lacks starts fresh (its own init); one it has but the run
     # does not want is dropped
     state = {k: v for k, v in src.state_dict().items() if cfg.model.copy_head or not k.startswith("copy.")}
-    drafter.load_state_dict(state, strict=not cfg.model.copy_head or src.copy is not None)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    allowed = ("copy.",) if cfg.model.copy_head and src.copy is None else ()
+    allowed += ("candidate_selector.", "attention_conv.", "mlp_conv.") if upgrade else ()
+    bad = list(unexpected) + [k for k in missing if not any(k.startswith(a) or f".{a}" in k for a in allowed)]
+    if bad:
+        raise drafter_dirs.DrafterDirError(f"--init-from {cfg.model.init_from!r}: weights that do not fit: "
+                                           f"{', '.join(bad[:4])}")
     return drafter

@@ -289,6 +289,9 @@ class _DrafterSource:
     def sample(self, seq: list[int], anchor: int, new_feats, dist, generator):
         """(drafted tokens, q: the distribution they were drawn from, [K, V])."""
         args, kw = self._args(seq, anchor, new_feats)
+        if hasattr(self.drafter, "sample_chain"):  # DFlash2: each slot drawn from its selector row
+            tokens, q = self.drafter.sample_chain(*args, dist, generator)
+            return tokens.tolist(), q
         q = dist(self.drafter.draft_logits(*args, **kw)[0])
         return sampling.draw(q, generator).tolist(), q
 

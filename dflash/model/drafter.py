@@ -57,9 +57,23 @@ class DrafterConfig:
     target: str = ""
     architectures: list[str] = field(default_factory=lambda: ["DFlashDrafter"])
     model_type: str = "dflash_drafter"
+    # model.arch=dflash2: the DFlash2 parts and their sizes (model/dflash2.py; unused by dflash);
+    # model/architectures.py builds the drafter cfg.arch names
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float = 0.0
+    input_embedding_scale: float = 1.0
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if d["arch"] == "dflash":  # a DFlash drafter's config.json stays what it was
+            for k in _DFLASH2_FIELDS:
+                del d[k]
+        return d
 
     def layer_window(self, i: int) -> int | None:
         """Layer i's sliding window W, or None for a full-attention layer."""
@@ -93,6 +107,10 @@ class DrafterConfig:
             rope_theta=float(theta),
             **kw,
         )
+
+
+_DFLASH2_FIELDS = ("arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
+                   "output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 
 
 def compute_precision(frozen: torch.Tensor):
@@ -426,11 +444,3 @@ def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, g
     # sorted anchors make traces/debugging readable; validity travels with them
     order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, S + 1)), dim=1)
     return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)
-
-
-def expected_shapes(cfg) -> dict:
-    """Our state-dict names -> shapes of the drafter ``cfg`` describes, built on the meta
-    device: no memory, whatever the sizes (the bounds were checked first)."""
-    with torch.device("meta"):
-        model = DFlashDrafter(cfg)
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}

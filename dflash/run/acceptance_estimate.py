@@ -220,6 +220,10 @@ class AcceptanceEstimate:
                 # drafts are read through the served head (a draft vocabulary's rows, if any), as decoding reads them
                 logits, hidden, labels = model.slot_outputs(feats, ids, anchors, valid, st.embed,
                                                             model.serving_head(st.lm_head), ctx_kv=kv)
+                if hasattr(model, "chain_drafts"):  # DFlash2: the selector's chain, as decoding drafts it
+                    drafts = model.chain_drafts(logits, hidden, torch.gather(ids, 1, anchors))
+                    acc.append(((drafts == labels) & ok).int().cumprod(-1).sum(-1))
+                    continue
                 acc.append(_leading(model.add_copies(logits, hidden, ids, anchors, st.lm_head), labels, ok))
                 if model.copying:
                     own.append(_leading(logits, labels, ok))

@@ -124,11 +124,24 @@ class TrainStep:
         pos = anchors[..., None] + torch.arange(1, Bk, device=self.device)
         label_mask = torch.gather(lm, 1, pos.clamp(max=ids.shape[1] - 1).view(ids.shape[0], -1)).view_as(pos)
         if self.paper_loss:
-            return weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
-        targets = self.slot_targets(last, batch, anchors, head) if self.target_dist else None
-        t = self.train
-        return block_loss(logits, labels, valid, label_mask.float(), self.weights, loss=t.loss,
-                          weighting=t.loss_weights, targets=targets, dpace_alpha=t.dpace_alpha, lk_eta=t.lk_eta)
+            loss, acc = weighted_block_loss(logits, labels, valid, label_mask.float(), self.weights)
+        else:
+            targets = self.slot_targets(last, batch, anchors, head) if self.target_dist else None
+            t = self.train
+            loss, acc = block_loss(logits, labels, valid, label_mask.float(), self.weights, loss=t.loss,
+                                   weighting=t.loss_weights, targets=targets, dpace_alpha=t.dpace_alpha,
+                                   lk_eta=t.lk_eta)
+        return self.add_selector_loss(loss, valid, label_mask), acc
+
+    def add_selector_loss(self, loss, valid, label_mask):
+        """DFlash2 (model/dflash2.py): + alpha x the selector's k-way CE, weighted per slot as
+        the paper's loss is (decay x loss mask); a DFlash drafter's loss is returned as it is."""
+        ce = getattr(self.drafter, "selector_ce", None)
+        if ce is None:
+            return loss
+        self.drafter.selector_ce = None  # taken: the module holds no graph between steps (deepcopy, memory)
+        w = self.weights[None, None, :] * label_mask.float() * valid[..., None]
+        return loss + self.train.selector_loss_alpha * (w * ce).sum() / w.sum().clamp_min(1e-6)
 
     def slot_targets(self, last, batch: Batch, anchors, head):
         """The target's next-token distribution for every slot (slot k of the block at p is
