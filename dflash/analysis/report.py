@@ -33,12 +33,13 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
             hist = " ".join(f"{k}:{v}" for k, v in e["histogram"].items() if v)
             partial = f"PARTIAL (interrupted; run: {e['command']}); " if e.get("interrupted") else ""
             served = "served drafter (OUT/export: no copy head), " if e.get("served") else ""
-            t.add_row(label, f"{e['acceptance_length']:.3f}  ({partial}{served}block {e['block_size']}, {e['prompts']} "
+            t.add_row(label, f"{_tau(e)}  ({partial}{served}block {e['block_size']}, {e['prompts']} "
                              f"prompts, {describe_lossless(e)}; accepted+1 histogram {hist})")
             b = e.get("baseline")
             if b:  # the free baseline on the same prompts: a drafter is worth serving above it
-                verdict = "above" if e["acceptance_length"] > b["acceptance_length"] else "NOT above"
-                t.add_row("  prompt lookup", f"{b['acceptance_length']:.3f}  (same prompts, no training; the "
+                key = "tau_per_step" if "tau_per_step" in e and "tau_per_step" in b else "acceptance_length"
+                verdict = "above" if e[key] > b[key] else "NOT above"
+                t.add_row("  prompt lookup", f"{_tau(b)}  (same prompts, no training; the "
                                              f"drafter is {verdict} it)")
             if e.get("per_position_acceptance"):
                 pos = " ".join(f"{x:.2f}" for x in e["per_position_acceptance"])
@@ -77,3 +78,10 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                if (Path(out_dir) / name.rstrip("/")).exists()]
     t.add_row("files", "  ".join(f"{out_dir}/{name}" for name in written) or "none")
     con.print(t)
+
+
+def _tau(e: dict) -> str:
+    """Both conventions, labelled: per verify step (engines' count) first, the per-prompt mean beside."""
+    if "tau_per_step" not in e:
+        return f"{e['acceptance_length']:.3f} per-prompt mean"
+    return f"{e['tau_per_step']:.3f} per verify step / {e['acceptance_length']:.3f} per-prompt mean"

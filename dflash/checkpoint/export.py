@@ -78,11 +78,13 @@ def _eval_lines(figures: dict | None) -> list[str]:
             continue
         temp = res.get("temperature", 0.0)
         base = res.get("baseline") or {}
-        out.append(f"- {label}: tau {res['acceptance_length']:.3f} over {res.get('prompts')} prompts "
+        step = f"{res['tau_per_step']:.3f} per verify step, " if "tau_per_step" in res else ""
+        out.append(f"- {label}: tau {step}{res['acceptance_length']:.3f} per-prompt mean over {res.get('prompts')} prompts "
                    f"(block {res.get('block_size')}, T={temp}, {res.get('dtype', '?')}, "
                    f"lossless={res.get('lossless')})"
-                   + (f"; prompt lookup on the same prompts: tau {base['acceptance_length']:.3f}"
-                      if "acceptance_length" in base else "")
+                   + (f"; prompt lookup on the same prompts: tau "
+                      + (f"{base['tau_per_step']:.3f} per verify step, " if "tau_per_step" in base else "")
+                      + f"{base['acceptance_length']:.3f} per-prompt mean" if "acceptance_length" in base else "")
                    + (" [partial: the eval was interrupted]" if res.get("interrupted") else ""))
     return out or ["Not measured."]
 

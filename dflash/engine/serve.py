@@ -67,7 +67,7 @@ def server_args(*, target: str, export: str, k: int, port: int, dtype: str, max_
     spec = {"method": "dflash", "model": str(Path(export).resolve()), "num_speculative_tokens": k}
     args = ["--model", target, "--served-model-name", name,
             "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--speculative-config", json.dumps(spec), "--enable-prefix-caching" if False else "--no-enable-prefix-caching"]
+            "--speculative-config", json.dumps(spec), "--no-enable-prefix-caching"]
     if otlp:
         args += ["--otlp-traces-endpoint", otlp]
     return args

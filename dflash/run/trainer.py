@@ -235,9 +235,13 @@ def run_eval(spec: RunSpec, state: RunState, label: str, *, served: bool = False
     if drafter.copy is not None:
         res["copy_head"] = drafter.copying
     base = res.get("baseline")
-    print(f"tau {label}: {res['acceptance_length']:.3f} (block {res['block_size']}, "
+    # the headline in engines' convention (per verify step, what vLLM reports), the per-prompt
+    # mean (z-lab's benchmark) beside it
+    def both(r):
+        return f"{r.get('tau_per_step', float('nan')):.3f} per verify step ({r['acceptance_length']:.3f} per-prompt mean)"
+    print(f"tau {label}: {both(res)} (block {res['block_size']}, "
           f"{res['prompts']} prompts, {res['dtype']}, {describe_lossless(res)})"
-          + (f"; prompt lookup on the same prompts: {base['acceptance_length']:.3f}" if base else "")
+          + (f"; prompt lookup on the same prompts: {both(base)}" if base else "")
           + (" [interrupted]" if res["interrupted"] else ""), file=sys.stderr)
     if state.stop.is_set():  # cut short by a signal: marked, with the command that redoes it
         res.update(interrupted=True, command=eval_command(spec.cfg))
