@@ -1,0 +1,40 @@
+"""`data.regen_engine: vllm` (issue 39): vLLM writes the replies HF's greedy generate writes,
+token for token, from the same prompt ids, stopping where HF stops (after the first
+end-of-sequence id, that id kept). One engine start: tiny-qwen3 at float32.
+
+A random tiny target seldom emits its eos, so the stop is exercised with an extra stop id:
+a token HF's own reply to one prompt emits mid-reply joins the target's eos ids, for both
+engines (what `_eos_ids` reads: the generation config)."""
+from __future__ import annotations
+
+import time
+
+N_CONVS, NEW, PROMPT = 6, 24, 48
+
+
+def test_vllm_regenerates_what_hf_regenerates_token_for_token():
+    from dflash.data import dataset as data_mod
+    from dflash.model.target import load_target
+    from dflash.config import load_config
+    from dflash.prep.prepare import vllm_regenerator
+    from dflash.prep.regenerate import regenerate
+
+    target, tok = load_target("tiny-qwen3")
+    convs = data_mod.load_conversations(None, limit=N_CONVS, seed=0)
+    free = regenerate(target, tok, convs, max_new_tokens=NEW, max_prompt_len=PROMPT)
+    replies = [c[-1]["token_ids"] for c in free]
+    assert all(len(r) == NEW for r in replies), [len(r) for r in replies]  # no eos: the stop is ours
+    stop = replies[0][NEW // 2]
+    target.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    hf = [c[-1]["token_ids"] for c in regenerate(target, tok, convs, max_new_tokens=NEW, max_prompt_len=PROMPT)]
+    assert len(hf[0]) <= NEW // 2 + 1 and hf[0][-1] == stop  # HF stopped after the stop id, kept it
+
+    cfg = load_config(None, [], **{"model.target": "tiny-qwen3", "data.regen_engine": "vllm"})
+    t0 = time.perf_counter()
+    ours = [c[-1]["token_ids"] for c in regenerate(target, tok, convs, max_new_tokens=NEW, max_prompt_len=PROMPT,
+                                                   engine=vllm_regenerator(cfg, target))]
+    print(f"\nvLLM regeneration of {len(convs)} prompts: {time.perf_counter() - t0:.1f} s (engine start included)")
+    for i, (a, b) in enumerate(zip(hf, ours)):
+        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        assert a == b, f"prompt {i}: HF {a} vs vLLM {b} (first difference at {first})"
+    print(f"equal: {sum(map(len, hf))} tokens over {len(hf)} replies; lengths {[len(r) for r in hf]}")
