@@ -24,10 +24,13 @@ def test_vllm_regenerates_what_hf_regenerates_token_for_token():
     free = regenerate(target, tok, convs, max_new_tokens=NEW, max_prompt_len=PROMPT)
     replies = [c[-1]["token_ids"] for c in free]
     assert all(len(r) == NEW for r in replies), [len(r) for r in replies]  # no eos: the stop is ours
-    stop = replies[0][NEW // 2]
+    # a token whose first occurrence in the first reply is mid-reply (a repeated or opening
+    # token would cut at its first place, as both engines must: still a stop, but a short one)
+    k = next((k for k in range(NEW // 2, NEW) if replies[0][k] not in replies[0][:k]), NEW // 2)
+    stop = replies[0][k]
     target.generation_config.eos_token_id = [tok.eos_token_id, stop]
     hf = [c[-1]["token_ids"] for c in regenerate(target, tok, convs, max_new_tokens=NEW, max_prompt_len=PROMPT)]
-    assert len(hf[0]) <= NEW // 2 + 1 and hf[0][-1] == stop  # HF stopped after the stop id, kept it
+    assert len(hf[0]) == replies[0].index(stop) + 1 and hf[0][-1] == stop  # HF stopped after it, kept it
 
     cfg = load_config(None, [], **{"model.target": "tiny-qwen3", "data.regen_engine": "vllm"})
     t0 = time.perf_counter()
