@@ -26,6 +26,9 @@ def add_parser(sub) -> None:
     c.add_argument("--engine", choices=("hf", "vllm"), default="hf",
                    help="who runs the target: hf (the loaded model's forward, default) or vllm (vLLM's "
                         "extract_hidden_states in .venv-vllm, one engine start per rank)")
+    c.add_argument("--engine-tp", type=int, default=1, metavar="N",
+                   help="--engine vllm (and data.regen_engine=vllm): vLLM's tensor_parallel_size, the GPUs "
+                        "CUDA_VISIBLE_DEVICES names (default 1; sets DFLASH_VLLM_TP)")
     c.add_argument("--overwrite", action="store_true", help="replace an earlier capture in FEATS")
     c.add_argument("--resume", action="store_true",
                    help="continue a stopped capture in FEATS (same settings): its whole shards are kept, only "
@@ -49,6 +52,13 @@ def run(a) -> int:
         raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
                           "set train.kl_topk=K (6 bytes a token each)")
+    if a.engine_tp < 1:
+        raise ConfigError(f"--engine-tp={a.engine_tp}: expected an integer >= 1")
+    if a.engine_tp > 1:
+        if a.engine != "vllm" and cfg.data.regen_engine != "vllm":
+            raise ConfigError(f"--engine-tp={a.engine_tp} without vLLM: give --engine vllm or "
+                              "--set data.regen_engine=vllm (the HF target runs on one device)")
+        os.environ["DFLASH_VLLM_TP"] = str(a.engine_tp)
     if a.engine == "vllm":
         check_vllm_capture(cfg)
     check_torchrun_env()

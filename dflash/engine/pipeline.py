@@ -10,11 +10,20 @@ is: our layer i, whose output we keep, is vLLM's i + 1).
 """
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from .runner import note, run_job
+from .runner import EngineError, note, run_job
+
+
+def tensor_parallel() -> int:
+    """vLLM's tensor_parallel_size: `$DFLASH_VLLM_TP` (`dflash capture --engine-tp N` sets it), 1 unless set."""
+    raw = os.environ.get("DFLASH_VLLM_TP", "").strip() or "1"
+    if not raw.isdigit() or int(raw) < 1:
+        raise EngineError(f"DFLASH_VLLM_TP={raw!r}: expected an integer >= 1")
+    return int(raw)
 
 
 def _target_dir(spec: str, seed: int) -> str:
@@ -28,6 +37,7 @@ def replies(spec: str, seed: int, prompts: list[list[int]], *, max_new_tokens: i
     if not prompts:
         return []
     job = {"kind": "regenerate", "target": _target_dir(spec, seed), "dtype": dtype, "seed": 0,
+           "tensor_parallel_size": tensor_parallel(),
            "max_model_len": max(map(len, prompts)) + max_new_tokens + 1, "prompts": [list(p) for p in prompts],
            "max_tokens": [max_new_tokens] * len(prompts), "stop_token_ids": sorted(int(t) for t in stop_ids)}
     res = run_job(job, label="regenerate", timeout_s=timeout_s)
@@ -54,6 +64,7 @@ def hidden_states(spec: str, seed: int, prompts: list[list[int]], layer_ids, *, 
     store = Path(tempfile.mkdtemp(prefix="dflash-hidden-"))
     try:
         job = {"kind": "hidden_states", "target": _target_dir(spec, seed), "dtype": dtype, "seed": 0,
+               "tensor_parallel_size": tensor_parallel(),
                "max_model_len": max(map(len, prompts)) + 2, "prompts": [list(p) for p in prompts],
                "layer_ids": [int(i) + 1 for i in layer_ids], "store": str(store)}
         res = run_job(job, label="capture", timeout_s=timeout_s)

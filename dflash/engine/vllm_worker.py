@@ -91,7 +91,8 @@ def _pipeline_job(job: dict, result_path: str) -> int:
     llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
               max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)), enable_prefix_caching=False,
               enforce_eager=bool(job.get("enforce_eager", False)),
-              max_num_seqs=min(256, max(1, len(job["prompts"]))), **extra)
+              max_num_seqs=min(256, max(1, len(job["prompts"]))),
+              tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), **extra)
     load_s = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
     t1 = time.perf_counter()
