@@ -38,8 +38,9 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
             engine: str = "hf") -> dict:
     """``engine="vllm"``: the features come from vLLM (engine/pipeline.py: its
     `extract_hidden_states` method, one engine start for this rank's samples) instead of the
-    loaded target's forward; the shards and index are the same (the key and index say
-    ``engine: vllm``). The HF target is still loaded for the data preparation and config."""
+    loaded target's forward; the shards and index are the same (the key says ``engine:
+    vllm``). The HF target is loaded only where HF regenerates; else a meta-device skeleton
+    (config, tokenizer, generation config: `load_target_skeleton`) serves the preparation."""
     from ..model.features import target_features
     from ..prep.prepare import prepare, should_regenerate
     from ..prep.regen_shard import SOLO, Shard
@@ -54,7 +55,12 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     device = local_device(cfg.pipeline.target_devices[0])
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
-    target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    if engine == "vllm" and not (should_regenerate(cfg) and cfg.data.regen_engine == "hf"):
+        # vLLM runs the weights: here only what the data preparation reads (no weights in memory)
+        target, tok = target_mod.load_target_skeleton(cfg.model.target, dtype=dtype, seed=cfg.model.target_seed)
+    else:
+        target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype,
+                                             seed=cfg.model.target_seed)
     chat_template.configure_from(tok, cfg.data)  # the samples render as training would render them
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)

@@ -1,6 +1,9 @@
 """`dflash capture --engine vllm` (issue 39): vLLM's `extract_hidden_states` (through our CPU
 connector, dflash/engine/vllm_ext/) writes the features `dflash capture` writes, in the same
-shards and index, equal within float32 tolerance. One engine start: tiny-qwen3 at float32."""
+shards and index, equal within float32 tolerance. One engine start: tiny-qwen3 at float32,
+given as the model dir the engine reads (engine/targets.py), so the vLLM capture loads no
+weights on our side (a meta-device skeleton: what a 70B target needs); no regeneration (a
+model dir's default), so both captures prepare the same data-set replies."""
 from __future__ import annotations
 
 import json
@@ -11,7 +14,7 @@ from safetensors.torch import load_file
 
 from helpers import run_dflash
 
-SMALL = ["--set", "data.num_conversations=10", "--set", "data.max_len=96", "--set", "data.regen_max_new_tokens=40",
+SMALL = ["--set", "data.num_conversations=10", "--set", "data.regenerate=off", "--set", "data.max_len=96", "--set", "data.regen_max_new_tokens=40",
          "--set", "data.regen_max_prompt_len=48", "--set", "train.batch_size=2", "--set", "model.block_size=8"]
 
 
@@ -28,10 +31,13 @@ def _by_sample(feats):
 
 
 def test_vllm_capture_equals_ours(tmp_path):
+    from dflash.engine.targets import engine_target
+
+    target = engine_target("tiny-qwen3")
     hf, vl = tmp_path / "hf", tmp_path / "vllm"
-    run_dflash("capture", "--target", "tiny-qwen3", "--out", hf, *SMALL)
+    run_dflash("capture", "--target", target, "--out", hf, *SMALL)
     t0 = time.perf_counter()
-    p = run_dflash("capture", "--target", "tiny-qwen3", "--out", vl, "--engine", "vllm", *SMALL)
+    p = run_dflash("capture", "--target", target, "--out", vl, "--engine", "vllm", *SMALL)
     print(f"\n--engine vllm: {time.perf_counter() - t0:.1f} s\n{p.stderr.strip().splitlines()[-3:]}")
     (ia, a), (ib, b) = _by_sample(hf), _by_sample(vl)
     assert ib["key"]["engine"] == "vllm" and "engine" not in ia["key"]
