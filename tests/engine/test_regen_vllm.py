@@ -38,6 +38,22 @@ def test_vllm_regenerates_what_hf_regenerates_token_for_token():
                                                    engine=vllm_regenerator(cfg, target))]
     print(f"\nvLLM regeneration of {len(convs)} prompts: {time.perf_counter() - t0:.1f} s (engine start included)")
     for i, (a, b) in enumerate(zip(hf, ours)):
-        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), None)
-        assert a == b, f"prompt {i}: HF {a} vs vLLM {b} (first difference at {first})"
+        assert a == b, f"prompt {i}: {divergence(target, tok, convs[i], a, b)}"
     print(f"equal: {sum(map(len, hf))} tokens over {len(hf)} replies; lengths {[len(r) for r in hf]}")
+
+
+def divergence(target, tok, conv, a: list[int], b: list[int]) -> str:
+    """Where two replies part: the first differing position and the target's logit gap there
+    between HF's token and vLLM's (a near-tie tips either way; a large gap is a bug)."""
+    import torch
+
+    from dflash.data.dataset import truncated_prompt
+
+    k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    if k == min(len(a), len(b)):
+        return f"one reply stops first: lengths {len(a)} vs {len(b)} (HF {a}, vLLM {b})"
+    ids = truncated_prompt(tok, conv, PROMPT)[1] + a[:k]
+    with torch.no_grad():
+        logits = target(torch.tensor([ids])).logits[0, -1].float()
+    return (f"first difference at reply position {k}: HF {a[k]} (logit {logits[a[k]]:.6f}) vs vLLM {b[k]} "
+            f"(logit {logits[b[k]]:.6f}), gap {float(logits[a[k]] - logits[b[k]]):.3g}")
