@@ -59,6 +59,8 @@ class DataConfig:
     regen_max_new_tokens: int = 96
     regen_max_prompt_len: int = 128
     regen_batch_size: int = 0            # prompts per generate() call, sorted by length; 0: auto (64 on CUDA, 16 on CPU)
+    regen_engine: str = "hf"             # hf (the loaded target's generate) | vllm (vLLM's offline API in .venv-vllm,
+                                         # one engine start per rank: engine/pipeline.py); same prompts, greedy, cache
     eval_fraction: float = 0.05
     features: str = ""                   # a dir from `dflash capture`: train on its features, no target forward
     chat_template: str = ""              # a Jinja file that replaces the target tokenizer's chat template
@@ -504,6 +506,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.loss={t.loss!r}: expected ce, kl or lk")
     if t.loss_weights not in ("decay", "dpace"):
         raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected decay or dpace")
+    if d.regen_engine not in ("hf", "vllm"):
+        raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
     if d.features:

@@ -23,6 +23,12 @@ def add_parser(sub) -> None:
     c.add_argument("--seed", type=int, help="train.seed: which conversations are picked and held out")
     c.add_argument("--target-devices", help="the device of this rank's target, e.g. cuda (default cpu)")
     c.add_argument("--shard-mb", type=int, default=512, help="feature MB per shard file (default 512)")
+    c.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                   help="who runs the target: hf (the loaded model's forward, default) or vllm (vLLM's "
+                        "extract_hidden_states in .venv-vllm, one engine start per rank)")
+    c.add_argument("--engine-tp", type=int, default=1, metavar="N",
+                   help="--engine vllm (and data.regen_engine=vllm): vLLM's tensor_parallel_size, the GPUs "
+                        "CUDA_VISIBLE_DEVICES names (default 1; sets DFLASH_VLLM_TP)")
     c.add_argument("--overwrite", action="store_true", help="replace an earlier capture in FEATS")
     c.add_argument("--resume", action="store_true",
                    help="continue a stopped capture in FEATS (same settings): its whole shards are kept, only "
@@ -46,6 +52,15 @@ def run(a) -> int:
         raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
                           "set train.kl_topk=K (6 bytes a token each)")
+    if a.engine_tp < 1:
+        raise ConfigError(f"--engine-tp={a.engine_tp}: expected an integer >= 1")
+    if a.engine_tp > 1:
+        if a.engine != "vllm" and cfg.data.regen_engine != "vllm":
+            raise ConfigError(f"--engine-tp={a.engine_tp} without vLLM: give --engine vllm or "
+                              "--set data.regen_engine=vllm (the HF target runs on one device)")
+        os.environ["DFLASH_VLLM_TP"] = str(a.engine_tp)
+    if a.engine == "vllm":
+        check_vllm_capture(cfg)
     check_torchrun_env()
     check_inputs(cfg)
     if a.resume:
@@ -59,12 +74,23 @@ def run(a) -> int:
     a.phase = "capture"
     from ..offline.capture import capture
 
-    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume)
+    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume, engine=a.engine)
     if index:
         print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
               f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
               f"{index['key']['dtype']}) -> {out}\ntrain from it: dflash train --features {out} --out RUN")
     return 0
+
+
+def check_vllm_capture(cfg) -> None:
+    """--engine vllm: what it cannot do, one line before torch loads (exit 2), and the engine's
+    venv (EngineError, exit 2, when there is none)."""
+    from ..engine.runner import engine_python
+
+    if cfg.train.loss in ("kl", "lk"):
+        raise ConfigError(f"--engine vllm with train.loss={cfg.train.loss}: vLLM's hidden-state extraction gives "
+                          "no next-token log-probs; capture with --engine hf")
+    engine_python()
 
 
 def what_next(a) -> str | None:

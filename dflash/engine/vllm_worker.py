@@ -14,6 +14,15 @@ its cwd or directory is importable). The job (written by dflash/engine/runner.py
      "batched": true, "enforce_eager": false,
      "sampling": null | {"prompt": [ids], "n": N, "max_tokens": m, "temperature": t}}
 
+Two more job kinds ("kind"; absent: the measurement below), for the training pipeline:
+- "regenerate": every prompt in one `generate` call, greedy, `max_tokens` each, stopping
+  after the first of `stop_token_ids` (vLLM's own end-of-sequence rule off: the caller's ids
+  are the ones HF's generate stops at); {"outputs": [[reply ids], ...]};
+- "hidden_states": the target's auxiliary hidden states over each prompt (vLLM's
+  `extract_hidden_states` method; `layer_ids` in vLLM's numbering, ours + 1), written by the
+  connector in vllm_ext/ (vLLM's own refuses the CPU) under `store`; {"files": [path, ...]},
+  safetensors of {"hidden_states": [tokens, layers, hidden], "token_ids": [tokens]}.
+
 What it measures, after one warm-up request:
 - concurrency 1: the prompts one at a time, their outputs and wall time; with speculation,
   each request's own acceptance record (vLLM's per-request spec-decode metrics, `detailed`:
@@ -50,9 +59,74 @@ def _spec_record(completion) -> dict | None:
                                    "acceptance_histogram", "per_step_accepted", "per_step_drafted")}
 
 
+def _write(result: dict, result_path: str) -> None:
+    tmp = result_path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, result_path)
+
+
+def _pipeline_job(job: dict, result_path: str) -> int:
+    """"regenerate" or "hidden_states" (see the docstring): one engine, all prompts at once."""
+    t0 = time.perf_counter()
+    kind = job["kind"]
+    extra = {}
+    if kind == "hidden_states":
+        ext = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_ext")
+        sys.path.insert(0, ext)  # the connector module; the engine's processes find it through PYTHONPATH
+        os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (ext, os.environ.get("PYTHONPATH", "")) if x)
+        extra = {"speculative_config": {"method": "extract_hidden_states", "num_speculative_tokens": 1,
+                                        "draft_model_config": {"hf_config": {
+                                            "eagle_aux_hidden_state_layer_ids": [int(i) for i in job["layer_ids"]]}}},
+                 "kv_transfer_config": {"kv_connector": "CPUHiddenStatesConnector",
+                                        "kv_connector_module_path": "dflash_hs_connector", "kv_role": "kv_producer",
+                                        "kv_connector_extra_config": {"shared_storage_path": job["store"]}}}
+    elif kind != "regenerate":
+        raise SystemExit(f"unknown job kind {kind!r}")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
+              max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)), enable_prefix_caching=False,
+              enforce_eager=bool(job.get("enforce_eager", False)),
+              max_num_seqs=min(256, max(1, len(job["prompts"]))),
+              tensor_parallel_size=int(job.get("tensor_parallel_size", 1)), **extra)
+    load_s = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+    t1 = time.perf_counter()
+    if kind == "regenerate":
+        stops = sorted(int(t) for t in job.get("stop_token_ids") or [])
+        params = [SamplingParams(max_tokens=int(n), temperature=0.0, ignore_eos=True, stop_token_ids=stops,
+                                 detokenize=False) for n in job["max_tokens"]]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        result = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
+    else:
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import load_hidden_states
+
+        outs = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+                            use_tqdm=False)
+        files = []
+        for o in outs:
+            path = (o.kv_transfer_params or {}).get("hidden_states_path")
+            if not path:
+                raise SystemExit("vLLM returned no hidden_states_path (kv_transfer_params: "
+                                 f"{o.kv_transfer_params!r})")
+            load_hidden_states(path)  # waits for the writer's lock: the file is whole
+            files.append(path)
+        result = {"files": files}
+    result |= {"vllm_version": vllm.__version__, "load_s": round(load_s, 2),
+               "run_s": round(time.perf_counter() - t1, 3)}
+    _write(result, result_path)
+    return 0
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
+    if job.get("kind"):
+        return _pipeline_job(job, result_path)
     t0 = time.perf_counter()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -104,10 +178,7 @@ def main(job_path: str, result_path: str) -> int:
                             use_tqdm=False)
         result["sampling"] = [list(o.outputs[0].token_ids) for o in outs]
     result["counters"] = _counters(llm)
-    tmp = result_path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(result, f)
-    os.replace(tmp, result_path)
+    _write(result, result_path)
     return 0
 
 

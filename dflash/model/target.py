@@ -239,6 +239,31 @@ def load_target(spec: str, *, device="cpu", dtype=torch.float32, seed: int = 0):
     return model, tok
 
 
+def load_target_skeleton(spec: str, *, dtype=torch.float32, seed: int = 0):
+    """``(model, tokenizer)`` where another engine runs the weights (``dflash capture --engine
+    vllm``): a model dir or hub id is built on the meta device from its config (no weights
+    read: a 70B target costs no host memory), with its generation config; what the data
+    preparation reads (config, dtype, embedding rows, eos ids) is there. A tiny target is
+    built as usual (it is small, and built from a seed)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if spec in TINY_TARGETS or spec == SMOLLM2:
+        return load_target(spec, dtype=dtype, seed=seed)
+    check_target_spec(spec)
+    tok = load_tokenizer(spec)
+    config = from_pretrained(AutoConfig, spec, f"target '{spec}'")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(spec)
+    except (OSError, ValueError):  # none shipped: the one from_config derived from the config
+        pass
+    model = model.eval().requires_grad_(False)
+    if model.generation_config.pad_token_id is None:
+        model.generation_config.pad_token_id = tok.pad_token_id
+    return model, tok
+
+
 # ----------------------------------------------------------------------------- capture
 
 

@@ -34,7 +34,13 @@ from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, ch
 from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk
 
 
-def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: bool = False) -> dict:
+def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: bool = False,
+            engine: str = "hf") -> dict:
+    """``engine="vllm"``: the features come from vLLM (engine/pipeline.py: its
+    `extract_hidden_states` method, one engine start for this rank's samples) instead of the
+    loaded target's forward; the shards and index are the same (the key says ``engine:
+    vllm``). The HF target is loaded only where HF regenerates; else a meta-device skeleton
+    (config, tokenizer, generation config: `load_target_skeleton`) serves the preparation."""
     from ..model.features import target_features
     from ..prep.prepare import prepare, should_regenerate
     from ..prep.regen_shard import SOLO, Shard
@@ -49,7 +55,12 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     device = local_device(cfg.pipeline.target_devices[0])
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
-    target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    if engine == "vllm" and not (should_regenerate(cfg) and cfg.data.regen_engine == "hf"):
+        # vLLM runs the weights: here only what the data preparation reads (no weights in memory)
+        target, tok = target_mod.load_target_skeleton(cfg.model.target, dtype=dtype, seed=cfg.model.target_seed)
+    else:
+        target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype,
+                                             seed=cfg.model.target_seed)
     chat_template.configure_from(tok, cfg.data)  # the samples render as training would render them
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
@@ -65,6 +76,8 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     topk = kl_topk(cfg)
     if topk:  # only then: an earlier capture's id is unchanged
         key["kl_topk"] = topk
+    if engine != "hf":  # only then, as above
+        key["engine"] = engine
     cid = capture_id(key)
     # rank 0 alone reads what is on disk, before any rank writes, and every rank gets its
     # answer: ranks that listed the dir themselves could see each other's new shards
@@ -83,9 +96,18 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     first = 1 + max((s["number"] for s in kept if s["rank"] == rank), default=-1)
     writer = ShardWriter(out, rank, shard_bytes, capture=cid, first=first)
     t1 = time.perf_counter()
+    outside = None
+    if engine == "vllm" and mine:
+        from ..engine import pipeline
+        outside = pipeline.hidden_states(cfg.model.target, cfg.model.target_seed, [samples[i].input_ids for i in mine],
+                                         layer_ids, dtype=str(dtype).removeprefix("torch."))
     for b in range(0, len(mine), bs):
         idx = mine[b:b + bs]
         batch = data_mod.collate([samples[i] for i in idx], tok.pad_token_id, b // bs)
+        if outside is not None:
+            for k, i in enumerate(idx):
+                writer.add(i, samples[i], outside[b + k].to(dtype))
+            continue
         if topk:  # the last hidden state too, for the target's top-k next-token log-probs
             feats = target_features(target, batch, list(layer_ids) + [target_mod.FINAL], device)
             feats, dist = feats[..., :-H], top_logprobs(target, feats[..., -H:], topk)

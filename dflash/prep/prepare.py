@@ -56,11 +56,25 @@ def _regen_cached(cfg: Config, target, tokenizer, convs, device, layer_ids=None,
     cache = RegenCache.for_target(cache_dir() / "regenerated", cfg, target, layer_ids)
     # a GPU wants wide batches (one generate() step costs about the same for 1 or 64 rows)
     bs = cfg.data.regen_batch_size or (64 if str(device).startswith("cuda") else 16)
-    feats = {} if layer_ids else None
+    engine = vllm_regenerator(cfg, target) if cfg.data.regen_engine == "vllm" else None
+    feats = {} if layer_ids and engine is None else None
     out = regenerate(target, tokenizer, convs, max_new_tokens=cfg.data.regen_max_new_tokens,
                      max_prompt_len=cfg.data.regen_max_prompt_len, device=device, batch_size=bs,
-                     layer_ids=layer_ids, features=feats, cache=cache, shard=shard, counts=counts)
+                     layer_ids=layer_ids, features=feats, cache=cache, shard=shard, counts=counts, engine=engine)
     return out, feats
+
+
+def vllm_regenerator(cfg: Config, target):
+    """`data.regen_engine: vllm`: the replies from vLLM (engine/pipeline.py), the target's
+    weights at its dtype, the HF path's prompts, length and end-of-sequence ids."""
+    from ..engine import pipeline
+
+    dtype = str(getattr(target, "dtype", "float32")).removeprefix("torch.")
+
+    def gen(prompts, max_new_tokens, eos):
+        return pipeline.replies(cfg.model.target, cfg.model.target_seed, prompts, max_new_tokens=max_new_tokens,
+                                stop_ids=eos, dtype=dtype)
+    return gen
 
 
 def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard: Shard = SOLO,

@@ -52,7 +52,7 @@ class RegenCache:
         # regen_max_prompt_len is not here: the cut is part of the prompt ids, hence of each record's key
         key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch,
                           "dtype": str(getattr(target, "dtype", None)), "new": cfg.data.regen_max_new_tokens,
-                          "v": FORMAT}, sort_keys=True)
+                          "v": FORMAT} | _engine_key(cfg), sort_keys=True)
         tag = None
         if layer_ids:
             fkey = json.dumps({"layers": list(layer_ids),
@@ -157,6 +157,14 @@ class RegenCache:
                         p.unlink(missing_ok=True)
                 except (ValueError, IndexError):
                     continue
+
+
+def _engine_key(cfg) -> dict:
+    """vLLM's replies (data.regen_engine: vllm) go to a cache of their own: a near-tie in the
+    logits may tip a token either way, and a cache holds one engine's replies. HF's key is
+    unchanged (caches written before the setting existed stay valid)."""
+    engine = getattr(cfg.data, "regen_engine", "hf")
+    return {} if engine == "hf" else {"engine": engine}
 
 
 _KEY = re.compile(r"[0-9a-f]{32}")

@@ -25,7 +25,7 @@ def _eos_ids(model, tokenizer) -> set[int]:
 
 def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int = 16, device="cpu",
                max_prompt_len: int = 256, layer_ids=None, features: dict | None = None, cache=None,
-               shard: Shard = SOLO, counts: dict | None = None) -> list[list[dict]] | None:
+               shard: Shard = SOLO, counts: dict | None = None, engine=None) -> list[list[dict]] | None:
     """Let the target write the reply to each conversation's first user turn (batched greedy).
 
     Returns ``[system?, user, assistant]`` conversations in input order; the assistant turn holds
@@ -47,6 +47,12 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     row: a block's context is the positions before its anchor, and an anchor needs a label.
     Cached replies bring their features when the cache kept them (this rank wrote them with
     the same layers); where not, the feature cache misses and training runs the forward.
+
+    ``engine`` (``data.regen_engine: vllm``): a function ``(prompts, max_new_tokens, eos ids)
+    -> replies`` that generates this rank's pending prompts all at once in another engine
+    (engine/pipeline.py: one vLLM start); its replies go to the cache in batches as the HF
+    path's do. A kill during that call loses its replies (nothing is on disk until it
+    returns); no features are kept (training runs the forward).
     """
     from tqdm.auto import tqdm
 
@@ -64,13 +70,17 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     pending = [i for i in first.values() if keys[i] not in done]
     mine = shard.mine(pending)
     eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
-    keep = features is not None and bool(layer_ids)
+    keep = features is not None and bool(layer_ids) and engine is None
     made: dict[str, list[int]] = {}
+    outside = engine([prompts[i][1] for i in mine], max_new_tokens, eos) if engine is not None and mine else None
     with tqdm(total=len(mine), desc="regenerate", unit="conv", file=sys.stderr) as bar:
         for b in range(0, len(mine), batch_size):
             idx = mine[b:b + batch_size]
-            gens, feats = _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens,
-                                                device, layer_ids if keep else None)
+            if outside is not None:
+                gens, feats = outside[b:b + batch_size], None
+            else:
+                gens, feats = _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens,
+                                                    device, layer_ids if keep else None)
             batch = {keys[i]: gen for i, gen in zip(idx, gens)}
             if feats is not None:
                 for i, gen, f in zip(idx, gens, feats):
