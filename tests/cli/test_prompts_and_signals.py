@@ -114,4 +114,4 @@ def test_a_second_signal_stops_eval_and_says_what_was_kept(tmp_path, served):
     assert rc == 130 or (rc == -signal.SIGTERM and "interrupted after" in err), (rc, err[-2000:])
     # the second signal stopped it, or the current prompt ended first and eval reported it
     assert "no figures were reported" in err or "interrupted after" in err, err[-2000:]
-    assert "run it again: dflash eval" in err, err[-2000:]
+    assert "run it again: dflash eval" in err or "run it again for all: dflash eval" in err, err[-2000:]
