@@ -42,6 +42,25 @@ def test_vllm_regenerates_what_hf_regenerates_token_for_token():
     print(f"equal: {sum(map(len, hf))} tokens over {len(hf)} replies; lengths {[len(r) for r in hf]}")
 
 
+def test_vllm_regenerates_smollm2_as_hf_does():
+    """A real target (SmolLM2-135M, fp32): 8 ShareGPT prompts, 32 new tokens, its own eos. The
+    demo's whole data (265 prompts x 96 tokens) was equal too: bench/regen_engines.py."""
+    from dflash.config import load_config
+    from dflash.data import dataset as data_mod
+    from dflash.model.target import load_target
+    from dflash.prep.prepare import vllm_regenerator
+    from dflash.prep.regenerate import regenerate
+
+    target, tok = load_target("smollm2")
+    convs = data_mod.load_conversations(None, limit=8, seed=0)
+    hf = [c[-1]["token_ids"] for c in regenerate(target, tok, convs, max_new_tokens=32, max_prompt_len=PROMPT)]
+    cfg = load_config(None, [], **{"model.target": "smollm2", "data.regen_engine": "vllm"})
+    ours = [c[-1]["token_ids"] for c in regenerate(target, tok, convs, max_new_tokens=32, max_prompt_len=PROMPT,
+                                                   engine=vllm_regenerator(cfg, target))]
+    for i, (a, b) in enumerate(zip(hf, ours)):
+        assert a == b, f"prompt {i}: {divergence(target, tok, convs[i], a, b)}"
+
+
 def divergence(target, tok, conv, a: list[int], b: list[int]) -> str:
     """Where two replies part: the first differing position and the target's logit gap there
     between HF's token and vLLM's (a near-tie tips either way; a large gap is a bug)."""

