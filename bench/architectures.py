@@ -55,6 +55,8 @@ def arms(base: str) -> dict[str, list[str]]:
         "dflash": [],
         # DFlash2 at the released checkpoint's sizes; its selector reads the full vocabulary (no draft vocab)
         "dflash2": ["--set", "model.arch=dflash2", "--set", "model.draft_vocab=0"],
+        # DFlash on the head DFlash2 has (the full vocabulary): what the draft vocabulary is worth
+        "dflash-fullvocab": ["--set", "model.draft_vocab=0"],
         f"sliding-w{w}": ["--set", f"model.layer_types={slide}", "--set", f"model.sliding_window={w}"],
         f"mixed-w{w}": (["--set", "model.layer_types=sliding_attention,full_attention",
                          "--set", f"model.sliding_window={w}"] if two else None),
