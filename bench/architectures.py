@@ -154,22 +154,52 @@ def table(title: str, rows: list[dict], names: list[str]) -> None:
               f"{(f'{statistics.mean(ests):.4f}' if ests else '-'):>15} {decoded:>15} {diff:>18}  {lossless!s:8}  {pos}")
 
 
-def equal_time(rows: list[dict], names: list[str]) -> None:
+def step_times(base: str, names: list[str], all_arms: dict, steps: int, rounds: int, out: Path) -> dict:
+    """Seconds per training step of each arm, timed apart from the long runs: `steps` steps,
+    `rounds` rounds with the arms interleaved (A B C, A B C) so a change in the machine's load
+    falls on all of them; the median over rounds. No estimate, no checkpoint in between."""
+    per: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names:
+            run = out / "timing" / f"{base}-{n}-r{r}"
+            summary = run / "summary.json"
+            if not summary.is_file():
+                cmd = [sys.executable, "-m", "dflash", "train", *BASES[base]["args"], *all_arms[n], "--overwrite",
+                       "--no-telemetry", "--set", f"out={run}", "--set", f"train.steps={steps}",
+                       "--set", "train.estimate_every=0", "--set", "eval.engine=none"]
+                print(f"[timing {n} round {r}] {steps} steps", file=sys.stderr, flush=True)
+                run.parent.mkdir(parents=True, exist_ok=True)
+                with open(run.parent / f"{run.name}.log", "w") as f:
+                    if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
+                        sys.exit(f"bench/architectures.py: {' '.join(cmd)} failed: {run.parent / (run.name + '.log')}")
+            s = json.loads(summary.read_text())
+            per[n].append(s["wall_s"] / s["steps"])
+    return {n: statistics.median(v) for n, v in per.items()}
+
+
+def equal_time(rows: list[dict], names: list[str], per_step: dict | None) -> None:
     """Each arm at the first arm's training time: its walked estimate (equal to decoding per
-    verify step) read off its learning curve at the steps that time buys at its s/step."""
-    t0 = statistics.mean(r["wall_s"] for r in rows if r["arm"] == names[0])
-    print(f"\nequal training time ({t0:.0f} s, the {names[0]} arm's): the walked estimate at the steps it buys")
+    verify step) read off its learning curve at the steps that time buys at its s/step
+    (`per_step`: timed side by side; else the long runs' own, which a changing load skews)."""
+    def sps(name):
+        if per_step:
+            return per_step[name]
+        return statistics.mean(r["wall_s"] / r["steps"] for r in rows if r["arm"] == name)
+    t0 = sps(names[0]) * rows[0]["steps"]
+    how = "timed side by side" if per_step else "from the long runs: load-skewed"
+    print(f"\nequal training time ({t0:.0f} s, the {names[0]} arm's {rows[0]['steps']} steps; s/step {how}): "
+          "the walked estimate at the steps it buys")
     for name in names[1:]:
         rs = [r for r in rows if r["arm"] == name]
         if not rs:
             continue
-        per = statistics.mean(r["wall_s"] / r["steps"] for r in rs)
+        per = sps(name)
         k = t0 / per
         vals = [at_step(r["estimate_history"], k) for r in rs]
         got = [v for v in vals if v is not None]
         why = ("past its last step (cheaper per step: its equal-steps figure is a floor)" if k >= rs[0]["steps"]
                else "no learning-curve points around that step (train.estimate_every)")
-        print(f"{name:14} {k:6.0f} steps  " + (f"{statistics.mean(got):.4f}" if got else why))
+        print(f"{name:14} {k:6.0f} steps ({per:.3f} s/step)  " + (f"{statistics.mean(got):.4f}" if got else why))
 
 
 def main() -> None:
@@ -182,6 +212,8 @@ def main() -> None:
                     help="each arm also `train --eval` (our decoder on the held-out prompts, lossless check, "
                          "per-prompt SE); without it the walked estimate, which equals decoding, is the figure")
     ap.add_argument("--engine", action="store_true", help="then vLLM-CPU's verdict on the servable arms")
+    ap.add_argument("--time-steps", type=int, default=0,
+                    help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time)")
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -195,11 +227,15 @@ def main() -> None:
     seeds = [int(s) for s in a.seeds.split(",")]
     rows = [train(a.base, n, all_arms[n], s, steps, out, a.decode) for s in seeds for n in names]
     table(f"equal steps ({steps}), base {a.base}, seeds {a.seeds}; tau per verify step", rows, names)
-    equal_time(rows, names)
+    per_step = step_times(a.base, names, all_arms, a.time_steps, 2, out) if a.time_steps else None
+    if per_step:
+        print("\ns/step, timed side by side (median of 2 interleaved rounds of "
+              f"{a.time_steps} steps): " + ", ".join(f"{n} {v:.3f}" for n, v in per_step.items()))
+    equal_time(rows, names, per_step)
     verdict = engine_verdict([r for r in rows if r["seed"] == seeds[0]], a.base, out) if a.engine else None
     if verdict:
         print(f"\nvLLM-CPU and our decoder on the servable arms (concurrency 1, the same held-out prompts):\n{verdict}")
-    print(json.dumps({"base": a.base, "steps": steps, "seeds": seeds, "rows": rows}))
+    print(json.dumps({"base": a.base, "steps": steps, "seeds": seeds, "rows": rows, "s_per_step": per_step}))
 
 
 if __name__ == "__main__":
