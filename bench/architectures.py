@@ -6,7 +6,8 @@ Each arm is a real `dflash train` (subprocesses, one after another, so they shar
 machine's load alike); its figure is the held-out estimate walked per verify step
 (`train.estimate_every`), which equals what our decoder decodes on the same prompts
 (tests/unit/test_acceptance_estimate.py; the demo: 1.2693 walked, 1.2693 decoded). --decode
-adds `--eval` to every arm (the decoded figure, the lossless check, a per-prompt SE). At equal
+then decodes every arm's export in one `dflash eval` (the decoded figure, the lossless check,
+a per-prompt SE). At equal
 training time an arm's figure is its estimate at the steps the first arm's time buys at its
 own s/step, read off its learning curve. With --engine, one `dflash eval --engine vllm` then
 serves every arm vLLM-CPU can serve (DFlash, all-sliding; not DFlash2 nor mixed
@@ -16,7 +17,7 @@ held-out prompts, our decoder beside it.
     .venv/bin/python bench/architectures.py --base demo --engine     # SmolLM2, configs/demo.yaml, ~45 min
     .venv/bin/python bench/architectures.py --base tiny --seeds 0,1,2 --arms dflash,dflash2
 
-Noise: with --decode (or --engine) each prompt's tau, so the standard error over prompts and,
+Noise: with --decode each prompt's tau, so the standard error over prompts and,
 paired against the first arm, the mean difference ± its SE; over seeds with --seeds. A run
 dir already in --out is kept (an interrupted bench resumes). The last line is one JSON object.
 """
@@ -63,13 +64,11 @@ def arms(base: str) -> dict[str, list[str]]:
     }
 
 
-def train(base: str, arm: str, extra: list[str], seed: int, steps: int, out: Path, decode: bool) -> dict:
+def train(base: str, arm: str, extra: list[str], seed: int, steps: int, out: Path) -> dict:
     run = out / f"{base}-{arm}-s{seed}-{steps}"
     summary = run / "summary.json"
-    done = summary.is_file() and (not decode or "eval_after" in json.loads(summary.read_text()))
-    if not done:
-        cmd = [sys.executable, "-m", "dflash", "train", *BASES[base]["args"], *extra, *(["--eval"] * decode),
-               "--overwrite", "--no-telemetry", "--set", f"out={run}", "--set", f"train.steps={steps}",
+    if not summary.is_file():
+        cmd = [sys.executable, "-m", "dflash", "train", *BASES[base]["args"], *extra, "--overwrite", "--no-telemetry", "--set", f"out={run}", "--set", f"train.steps={steps}",
                "--set", f"train.seed={seed}", "--set", "eval.engine=none", "--set", "eval.baseline=none"]
         print(f"[{arm} seed {seed}, {steps} steps] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
         log = out / f"{run.name}.log"  # a file, not a pipe: the run outlives a killed bench
@@ -102,6 +101,31 @@ def se(xs: list[float]) -> float:
     return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
 
 
+def decode_side_by_side(rows: list[dict], base: str, out: Path) -> None:
+    """One `dflash eval` over every arm's export (our decoder, the same held-out prompts, one
+    target load): each row gets its decoded tau per verify step, per-prompt taus and the
+    lossless check."""
+    for seed in sorted({r["seed"] for r in rows}):
+        rs = [r for r in rows if r["seed"] == seed]
+        path = out / f"{base}-s{seed}-decoded.json"
+        if not path.is_file():
+            cmd = [sys.executable, "-m", "dflash", "eval", "--json", "--baseline", "none",
+                   "--target", BASES[base]["target"]]
+            for r in rs:
+                cmd += ["--checkpoint", str(Path(r["run"]) / "export")]
+            print(f"[decode seed {seed}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if p.returncode != 0:
+                sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+            path.write_text(p.stdout.strip().splitlines()[-1])
+        got = json.loads(path.read_text())
+        results = got.get("drafters", [got])
+        for r, res in zip(rs, results):
+            r |= {"tau": res["tau_per_step"], "tau_per_response": res["acceptance_length"],
+                  "per_prompt": res["per_prompt"], "lossless": res["lossless"],
+                  "per_position": res["per_position_acceptance"]}
+
+
 def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
     """One `dflash eval --engine vllm` over the servable arms' exports (the same held-out
     prompts): our decoder and vLLM side by side, beside vLLM's ngram and no speculation.
@@ -121,7 +145,7 @@ def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
             sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
         lines = p.stdout.strip().splitlines()
         path.write_text(lines[-1])
-        text.write_text("\n".join(lines[:-1]))
+        text.write_text("\n".join(ln for ln in lines if not ln.startswith("{")))
     return text.read_text()
 
 
@@ -209,8 +233,8 @@ def main() -> None:
     ap.add_argument("--seeds", default="0")
     ap.add_argument("--steps", type=int, default=0, help="default: the base's")
     ap.add_argument("--decode", action="store_true",
-                    help="each arm also `train --eval` (our decoder on the held-out prompts, lossless check, "
-                         "per-prompt SE); without it the walked estimate, which equals decoding, is the figure")
+                    help="then one `dflash eval` over every arm's export (our decoder on the held-out prompts, the "
+                         "lossless check, per-prompt SE); without it the walked estimate, which equals decoding")
     ap.add_argument("--engine", action="store_true", help="then vLLM-CPU's verdict on the servable arms")
     ap.add_argument("--time-steps", type=int, default=0,
                     help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time)")
@@ -225,7 +249,9 @@ def main() -> None:
         sys.exit(f"bench/architectures.py: --arms {','.join(unknown)}: expected some of {', '.join(all_arms)}")
     steps = a.steps or BASES[a.base]["steps"]
     seeds = [int(s) for s in a.seeds.split(",")]
-    rows = [train(a.base, n, all_arms[n], s, steps, out, a.decode) for s in seeds for n in names]
+    rows = [train(a.base, n, all_arms[n], s, steps, out) for s in seeds for n in names]
+    if a.decode:
+        decode_side_by_side(rows, a.base, out)
     table(f"equal steps ({steps}), base {a.base}, seeds {a.seeds}; tau per verify step", rows, names)
     per_step = step_times(a.base, names, all_arms, a.time_steps, 2, out) if a.time_steps else None
     if per_step:
