@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 from ..config import Config
 from ..data import dataset as data_mod
 from .placement import Placement
-from .step import DeferredScalars
+from .readback import DeferredScalars
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class RunSpec:
     run_id: str
     tokenizer: PreTrainedTokenizerBase
     layer_ids: list[int]
-    feature_ids: list[int]        # what the target side captures per token (run/step.py `feature_ids`)
+    feature_ids: list[int]        # what the target side captures per token (model/losses.py `feature_ids`)
     start_step: int               # 0, or where a resumed run goes on
     target_config: PretrainedConfig   # the target's HF config (kept where the target is not)
     samples: list[Sample]         # this run's training samples (all ranks; each takes its shard)
