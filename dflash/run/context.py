@@ -113,18 +113,3 @@ class RunState:
         """The group end-of-run sums go over (None: this rank alone)."""
         return self.vote.group if self.vote is not None else None
 
-    def record(self, step: int, loss, acc, gnorm, nonfinite) -> None:
-        """Called on the drafter thread after each optimizer step: no host read here."""
-        # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
-        self.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
-        for s, v in self.readback.ready():
-            self._log(s, v)
-
-    def _log(self, s: int, v: dict[str, float]) -> None:
-        self.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
-        if v["nonfinite"]:
-            self.nonfinite.append(s)
-
-    def finish_readback(self) -> None:
-        for s, v in self.readback.drain_blocking():
-            self._log(s, v)

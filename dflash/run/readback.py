@@ -1,14 +1,40 @@
-"""Reading a step's device scalars back on the host without stalling the loop: `DeferredScalars`.
+"""Reading a step's device scalars back on the host without stalling the loop: `DeferredScalars`,
+and `record` / `finish`, which read the training step's loss, accuracy, grad norm and
+non-finite flag back into the run's history (`RunState.history`, `.nonfinite`).
 
-The training loop (run/workers.py `StepEnd`) and the held-out estimate (run/acceptance_estimate.py)
-put their loss / accuracy / grad norm here as device tensors and take the values once the
-copies have landed; only a save or the end of the run waits.
+The step end (run/workers.py `StepEnd`) records every step; a save (saving.py) and the end
+of the run (trainer.py) `finish`, the only waits. The held-out estimate
+(run/acceptance_estimate.py) reads its own scalars back through a `DeferredScalars`.
 """
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .context import RunState
+
+
+def record(state: RunState, step: int, loss, acc, gnorm, nonfinite) -> None:
+    """Called on the drafter thread after each optimizer step: no host read here."""
+    # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
+    state.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
+    for s, v in state.readback.ready():
+        _log(state, s, v)
+
+
+def finish(state: RunState) -> None:
+    """Wait for what is left (a save, the end of the run): the history then holds every step."""
+    for s, v in state.readback.drain_blocking():
+        _log(state, s, v)
+
+
+def _log(state: RunState, s: int, v: dict[str, float]) -> None:
+    state.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
+    if v["nonfinite"]:
+        state.nonfinite.append(s)
 
 
 class DeferredScalars:
