@@ -3,19 +3,21 @@
     batch source   data_load: a prefetch thread ahead of the target workers (pipelined), or
                    the worker's own thread (the reference loop, a layout's target rank);
     TargetWorker   model_forward -> pack_hidden -> cpu_copy_enqueue (hand over)
-    DrafterWorker  take (queue_get) -> drafter_forward -> backward -> optimizer_step -> step end
+    DrafterWorker  take (queue_get) -> `step`: drafter_forward -> backward -> optimizer_step -> step end
     StepEnd        tokens, the deferred read-back, metrics, the progress bar, `save_every`
 
 The target worker runs the frozen target (one replica per target device), captures the
 selected layers, keeps valid tokens only and hands them to its channel (channels.py): a
 queue (threads; on CUDA a copy to pinned host buffers on a side stream, announced by an
 event: nobody on this side waits for it), another rank (credit-based, roles/handoff.py),
-or nothing at all (the reference loop, whose drafter takes the item from `make` directly).
+or nothing at all (the reference loop, run_loop.py, hands what `make` returns to the
+drafter worker's `step`).
 
-The drafter worker takes step `s`'s batch from its channel (in step order whatever the
-number of target workers, so training is identical to the reference loop), makes its own
-stream wait on the hand-over's event (never the host), trains (step.py), and hands the
-loss, accuracy and grad norm to the step end as device tensors (read back later, no sync).
+The drafter worker (pipelined: `run`) takes step `s`'s batch from its channel (in step
+order whatever the number of target workers, so training is identical to the reference
+loop); its `step` makes its own stream wait on the hand-over's event (never the host),
+trains (step.py), and hands the loss, accuracy and grad norm to the step end as device
+tensors (read back later, no sync: readback.py).
 
 `--inject-delay` / `--inject-fault` (`inject`, in every stage): reproducible stalls and
 failures, documented as tools for testing dashboards, alerts, stall reports and the
