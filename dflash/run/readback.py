@@ -9,15 +9,13 @@ of the run (trainer.py) `finish`, the only waits. The held-out estimate
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from .context import RunState
 
-
-def record(state: RunState, step: int, loss, acc, gnorm, nonfinite) -> None:
+# `state` below is the run's RunState (context.py): it holds a DeferredScalars, so it sits
+# above this module, which does not import it.
+def record(state, step: int, loss, acc, gnorm, nonfinite) -> None:
     """Called on the drafter thread after each optimizer step: no host read here."""
     # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
     state.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
@@ -25,13 +23,13 @@ def record(state: RunState, step: int, loss, acc, gnorm, nonfinite) -> None:
         _log(state, s, v)
 
 
-def finish(state: RunState) -> None:
+def finish(state) -> None:
     """Wait for what is left (a save, the end of the run): the history then holds every step."""
     for s, v in state.readback.drain_blocking():
         _log(state, s, v)
 
 
-def _log(state: RunState, s: int, v: dict[str, float]) -> None:
+def _log(state, s: int, v: dict[str, float]) -> None:
     state.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
     if v["nonfinite"]:
         state.nonfinite.append(s)
