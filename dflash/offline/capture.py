@@ -155,7 +155,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
 def kl_topk(cfg: Config) -> int:
     """How many of the target's most likely next tokens a capture keeps per token: the run's
     `train.kl_topk` when its loss needs the target's distribution, else none."""
-    from ..run.step import needs_target_distribution
+    from ..config import needs_target_distribution
     return cfg.train.kl_topk if needs_target_distribution(cfg.train.loss) else 0
 
 

@@ -1,7 +1,8 @@
 """Placement as data: which workers this process builds, on which devices, and which
 channel joins them. Everything else about a run is the same code for every placement.
 
-    one process, reference loop   target + drafter on one thread, direct channel
+    one process, reference loop   target + drafter on one thread, "direct": no channel, the
+                                  loop hands each batch's features over (run_loop.reference_loop)
     one process, pipelined        prefetch + a target worker per target device, queue channel
     torchrun, no layout           every rank one of the above (a replica), DDP over all ranks
     torchrun, --layout T:N,D:M    target ranks: a target worker; drafter ranks: a drafter

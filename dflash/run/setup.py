@@ -19,12 +19,13 @@ from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
+from ..model.losses import feature_ids
 from ..prep.prepare import prepare
 from . import distributed as dist_mod
 from . import placement as placement_mod
 from .context import RunSpec, RunState
 from .placement import Placement
-from .step import TrainStep, feature_ids
+from .step import TrainStep
 from .telemetry_setup import make_telemetry
 
 if TYPE_CHECKING:

@@ -2,8 +2,8 @@
 import torch
 from torch import nn
 
-from dflash.model.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
-                            weighted_block_loss)
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, sample_anchors
+from dflash.model.losses import decay_weights, weighted_block_loss
 
 H, V, BK = 64, 101, 8
 
@@ -76,11 +76,11 @@ def test_future_context_and_other_blocks_do_not_leak():
 
 
 def test_loss_weights_and_decay():
-    w = loss_weights(16)
+    w = decay_weights(16)
     assert w[0] == 0 and w[1] == 1.0
     assert torch.isclose(w[8], torch.exp(torch.tensor(-7 / 7.0)))
-    assert torch.isclose(loss_weights(8)[5], torch.exp(torch.tensor(-4 / 4.0)))
-    assert torch.isclose(loss_weights(10)[6], torch.exp(torch.tensor(-5 / 5.0)))
+    assert torch.isclose(decay_weights(8)[5], torch.exp(torch.tensor(-4 / 4.0)))
+    assert torch.isclose(decay_weights(10)[6], torch.exp(torch.tensor(-5 / 5.0)))
 
 
 def test_weighted_loss_ignores_masked_slots():

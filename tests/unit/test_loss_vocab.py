@@ -57,7 +57,8 @@ def test_subset_loss_is_the_restricted_softmax_and_trains():
     loss, _ = step.forward(feats, b)
     # the same restricted softmax, by hand from the full logits
     g = torch.Generator().manual_seed(step.train.seed * 1_000_003 + b.index)
-    from dflash.model.drafter import sample_anchors, weighted_block_loss
+    from dflash.model.drafter import sample_anchors
+    from dflash.model.losses import weighted_block_loss
     anchors, valid = sample_anchors(b.loss_mask, 4, 4, generator=g)
     logits, labels = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
     pos = anchors[..., None] + torch.arange(1, 4)

@@ -1,4 +1,4 @@
-"""train.loss (ce | kl | lk) and train.loss_weights (decay | dpace): run/step.py.
+"""train.loss (ce | kl | lk) and train.loss_weights (decay | dpace): model/losses.py.
 
 Each loss against values worked out by hand (the arithmetic is in the comments), the
 D-PACE weights against autograd's derivative of the expected accepted length they stand
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import TINY, run_dflash
-from dflash.run import step as L
+from dflash.model import losses as L
 
 
 def _close(a, b, tol=1e-5):
@@ -127,7 +127,7 @@ def test_dpace_block_loss_by_hand():
 
 
 def test_ce_with_decay_through_block_loss_equals_the_default():
-    from dflash.model.drafter import weighted_block_loss
+    from dflash.model.losses import weighted_block_loss
 
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 4, 11, generator=g)
