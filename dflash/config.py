@@ -15,12 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
+from .errors import ConfigError
 from .preflight.inputs import short_repr as _short
-
-
-class ConfigError(UserError):
-    """Bad user input: one line, names the value and what was expected."""
 
 
 @dataclass

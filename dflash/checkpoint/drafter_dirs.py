@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import export_format as fmt
 
 

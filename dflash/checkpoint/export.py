@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..preflight import checkpoint_files as files
 from . import export_format as fmt
 from .files import foreign_entries, plain_modes, remove_written

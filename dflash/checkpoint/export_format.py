@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import dflash2_format as dflash2
 
 ARCHITECTURE = "DFlashDraftModel"

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 

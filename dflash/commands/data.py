@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 def add_parser(sub) -> None:

@@ -22,7 +22,7 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..engine import runner
     from ..engine.serve import check_port, serve
     from ..preflight.inputs import check_target_spec

@@ -63,7 +63,7 @@ def run(a) -> int:
         from .capture import train_flags
         cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))
     if a.resume and a.overwrite:
-        from ..config import ConfigError
+        from ..errors import ConfigError
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
@@ -97,7 +97,7 @@ def run(a) -> int:
 def _check_resume(cfg) -> None:
     """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
     from its config.json before torch loads."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
     from ..preflight.inputs import target_num_layers
 
@@ -116,7 +116,7 @@ def _check_resume(cfg) -> None:
 
 def _check_layout_launch(cfg, eval_flag: bool) -> None:
     """A layout needs torchrun with exactly its number of ranks, and has no eval step."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..run.roles.layout import Layout
 
     world = os.environ.get("WORLD_SIZE")

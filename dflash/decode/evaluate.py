@@ -26,7 +26,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..config import ConfigError, derived_seed
+from ..config import derived_seed
+from ..errors import ConfigError
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
 from ..model.prompt_lookup import METHOD, RULE, PromptLookup

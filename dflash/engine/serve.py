@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import runner
 
 

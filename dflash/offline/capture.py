@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ConfigError, resolve_dtype
+from ..config import Config, resolve_dtype
+from ..errors import ConfigError
 from ..data import chat_template
 from ..data import dataset as data_mod
 from ..model import target as target_mod

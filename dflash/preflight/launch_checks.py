@@ -9,7 +9,7 @@ import os
 def check_torchrun_env() -> None:
     """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together; a hand-made half of them is
     one line, not a KeyError from deep inside the set-up."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     for k, v in env.items():
@@ -26,7 +26,7 @@ def check_torchrun_env() -> None:
 def check_inputs(cfg, data: bool = True) -> None:
     """What can be known about the target and the data set without loading a model: a hub
     id that does not exist or cannot be reached, a data set with no usable record."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..data.conversations import load_conversations
     from .inputs import check_target_spec
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from otel.confined import write_text
 
 from ..checkpoint.files import foreign_entries
-from ..config import ConfigError
+from ..errors import ConfigError
 from .inputs import read_json
 
 MARKER = ".dflash-run"

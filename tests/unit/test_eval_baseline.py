@@ -160,7 +160,7 @@ def test_prompt_records_in_every_documented_layout(tmp_path):
 
 
 def test_bench_sets_come_from_their_packages(monkeypatch):
-    from dflash.config import ConfigError
+    from dflash.errors import ConfigError
     from dflash.data import prompt_sets
 
     he, mt = prompt_sets.read_bench("humaneval"), prompt_sets.read_bench("mt-bench")

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
+from dflash.errors import ConfigError
 from dflash.data import dataset as data_mod
 from dflash.model import target as target_mod
 from dflash.model.build import build_drafter

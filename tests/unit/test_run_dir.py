@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from dflash.checkpoint.files import remove_written
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
 from helpers import ROOT, run_dflash
