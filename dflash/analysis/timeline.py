@@ -72,7 +72,7 @@ def _replace_atomically(path, write) -> None:
     import tempfile
     from pathlib import Path
 
-    from ..checkpoint.files import plain_modes
+    from ..preflight.checkpoint_files import plain_modes
 
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)

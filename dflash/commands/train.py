@@ -82,7 +82,7 @@ def run(a) -> int:
         if a.overwrite:
             run_dir.clear_earlier_run(out)
         if a.resume:
-            from ..checkpoint.files import clean_stale_temps
+            from ..preflight.checkpoint_files import clean_stale_temps
             clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
     from ..run.trainer import train  # torch and transformers: only once the input is known to be good
