@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -38,7 +37,8 @@ def add_parser(sub) -> None:
 def run(a) -> int:
     from ..config import load_config
     from ..preflight import run_dir
-    from ..preflight.launch_checks import check_inputs, check_torchrun_env
+    from ..preflight.launch_checks import check_target, check_torchrun_env
+    from .train import load_data
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
@@ -62,7 +62,8 @@ def run(a) -> int:
     if a.engine == "vllm":
         check_vllm_capture(cfg)
     check_torchrun_env()
-    check_inputs(cfg)
+    check_target(cfg)
+    load_data(cfg)
     if a.resume:
         check_resumable(cfg.out)
     out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite, by="dflash capture")
@@ -137,35 +138,3 @@ def _remove(out: Path, patterns) -> None:
             if f.is_file():
                 f.unlink()
 
-
-def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:
-    """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
-    capture's index; what the user asked (``asked``: the config before them) must not
-    contradict it. One line before torch loads."""
-    from ..offline.feature_index import FeaturesError, mismatch, read_index
-
-    try:
-        idx = read_index(path)
-    except FeaturesError as e:
-        raise ConfigError(str(e)) from None
-    why = mismatch(idx, target=target_flag, layer_ids=asked.model.target_layer_ids)
-    if why:
-        raise ConfigError(f"--features {path}: {why}")
-    if eval_flag:
-        raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
-                          f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
-    key = idx["key"]
-    t = asked.train
-    if t.loss in ("kl", "lk"):  # the target's distribution comes from the capture: enough of it?
-        have = idx.get("kl_topk") or 0
-        if not have:
-            raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "
-                              f"distribution; capture again with --set train.loss={t.loss} (train.kl_topk=K)")
-        if not t.kl_topk or t.kl_topk > have:
-            raise ConfigError(f"--features {path}: train.kl_topk={t.kl_topk}: the capture kept the top {have} "
-                              f"log-probs per token; set train.kl_topk to 1..{have}")
-    if asked.data.max_len != idx["data"]["max_len"]:
-        print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
-              file=sys.stderr)
-    return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
-            "model.target_layer_ids": key["layer_ids"], "data.max_len": idx["data"]["max_len"]}
