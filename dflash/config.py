@@ -602,6 +602,17 @@ def resolve_dtype(cfg: Config, device: str):
     return getattr(torch, cfg.model.dtype)
 
 
+def local_device(dev: str) -> str:
+    """Plain `cuda` means this rank's GPU (LOCAL_RANK, torchrun's convention)."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
+
+
+def needs_target_distribution(loss: str) -> bool:
+    """Whether `train.loss` compares the drafter with the target's next-token distribution
+    (kl, lk: a run carries it, a capture keeps its top-k), not only its greedy token (ce)."""
+    return loss in ("kl", "lk")
+
+
 def dumps(cfg: Config) -> str:
     return yaml.safe_dump(cfg.to_dict(), sort_keys=False)
 

@@ -22,9 +22,9 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..errors import ConfigError
     from ..engine import runner
     from ..engine.serve import check_port, serve
+    from ..errors import ConfigError
     from ..preflight.inputs import check_target_spec
 
     if a.k is not None and not 1 <= a.k <= 64:

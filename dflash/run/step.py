@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..config import MAX_SEED, TrainConfig
+from ..config import MAX_SEED, TrainConfig, needs_target_distribution
 from ..data.batch import Batch
 from ..model.drafter import DFlashDrafter, compute_precision, loss_weights, sample_anchors, weighted_block_loss
 from ..model.loss_vocab import RowsHead, batch_vocab, frequent_tokens
@@ -199,10 +199,6 @@ class TrainStep:
 # -- the losses --------------------------------------------------------------------------
 LOSSES = ("ce", "kl", "lk")
 WEIGHTINGS = ("decay", "dpace")
-
-
-def needs_target_distribution(loss: str) -> bool:
-    return loss in ("kl", "lk")
 
 
 @dataclass
