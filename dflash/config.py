@@ -15,12 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
+from .errors import ConfigError
 from .preflight.inputs import short_repr as _short
-
-
-class ConfigError(UserError):
-    """Bad user input: one line, names the value and what was expected."""
 
 
 @dataclass
@@ -621,6 +617,11 @@ def resolve_dtype(cfg: Config, device: str):
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, cfg.model.dtype)
+
+
+def local_device(dev: str) -> str:
+    """Plain `cuda` means this rank's GPU (LOCAL_RANK, torchrun's convention)."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
 
 
 def dumps(cfg: Config) -> str:

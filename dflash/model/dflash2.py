@@ -159,7 +159,7 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, cfg):
         err = check(cfg)
         if err:
-            from ..config import ConfigError
+            from ..errors import ConfigError
             raise ConfigError(err)
         super().__init__(cfg)
         self.layers = nn.ModuleList(DFlash2Layer(cfg, cfg.layer_window(i)) for i in range(cfg.num_hidden_layers))

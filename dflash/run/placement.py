@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..config import Config
+from ..config import Config, local_device
 from .roles.layout import DRAFTER, TARGET, Layout
 
 BOTH = "both"
@@ -55,11 +55,6 @@ class Placement:
         if self.channel == "direct":
             return "main"
         return f"drafter{self.index if self.layout else 0}"
-
-
-def local_device(dev: str) -> str:
-    """Plain `cuda` means this rank's GPU (LOCAL_RANK, torchrun's convention)."""
-    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
 
 
 def _role_device(devs: list[str], index: int) -> str:

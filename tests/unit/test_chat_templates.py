@@ -21,11 +21,11 @@ from importlib import resources
 
 import pytest
 
-from dflash.config import ConfigError, load_config
-from dflash.errors import UserError
+from dflash.config import load_config
 from dflash.data import chat_template as CT
 from dflash.data import conversations as C
 from dflash.data import dataset as D
+from dflash.errors import ConfigError, UserError
 from dflash.model import target as T
 
 from helpers import ROOT, cli_before_torch

@@ -209,7 +209,7 @@ def test_export_import_round_trip(tmp_path):
 
 
 def test_bad_dflash2_configs_are_one_line():
-    from dflash.config import ConfigError
+    from dflash.errors import ConfigError
 
     with pytest.raises(ConfigError, match="conv_group_size=24 must divide"):
         make(conv_group_size=24)

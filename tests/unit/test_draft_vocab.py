@@ -72,7 +72,8 @@ def test_export_writes_what_vllm_reads_and_reads_it_back(tmp_path):
 
 
 def test_a_draft_vocabulary_with_a_copy_head_is_refused():
-    from dflash.config import ConfigError, load_config
+    from dflash.config import load_config
+    from dflash.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.draft_vocab"):
         load_config(None, ["model.draft_vocab=64", "model.copy_head=true"])

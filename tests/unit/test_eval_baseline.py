@@ -160,8 +160,8 @@ def test_prompt_records_in_every_documented_layout(tmp_path):
 
 
 def test_bench_sets_come_from_their_packages(monkeypatch):
-    from dflash.config import ConfigError
     from dflash.data import prompt_sets
+    from dflash.errors import ConfigError
 
     he, mt = prompt_sets.read_bench("humaneval"), prompt_sets.read_bench("mt-bench")
     assert len(he.dialogs) == 164 and he.dialogs[0].id == "HumanEval/0"

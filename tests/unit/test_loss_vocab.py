@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
 from dflash.data import dataset as data_mod
+from dflash.errors import ConfigError
 from dflash.model import target as target_mod
 from dflash.model.build import build_drafter
 from dflash.model.loss_vocab import RowsHead, batch_vocab, frequent_tokens

@@ -267,7 +267,8 @@ def test_a_capture_keeps_the_top_k_and_trains_as_online(tmp_path):
     ("train.lk_eta=-1", "train.lk_eta=-1.0: expected a finite number >= 0"),
 ])
 def test_bad_loss_settings_are_one_line(setting, needle):
-    from dflash.config import ConfigError, load_config
+    from dflash.config import load_config
+    from dflash.errors import ConfigError
     with pytest.raises(ConfigError) as e:
         load_config(None, [setting])
     assert needle in str(e.value) and "\n" not in str(e.value)

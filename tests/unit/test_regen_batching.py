@@ -5,7 +5,8 @@ import pytest
 
 from dflash.prep import prepare as prep
 from dflash.prep import regenerate as regen_mod
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
+from dflash.errors import ConfigError
 
 
 @pytest.mark.parametrize("setting,device,expected", [(5, "cpu", 5), (0, "cpu", 16), (0, "cuda:0", 64)])

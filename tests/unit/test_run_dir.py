@@ -8,8 +8,7 @@ import sys
 
 import pytest
 
-from dflash.checkpoint.files import remove_written
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
 from helpers import ROOT, run_dflash
@@ -132,13 +131,13 @@ def test_replacing_a_checkpoint_never_deletes_a_file_dflash_did_not_write(tmp_pa
     for name in files.WRITTEN:
         (d / name).write_text("ours")
     (d / "thesis.tex").write_text("theirs")
-    kept = remove_written(d)
+    kept = files.remove_written(d)
     assert not d.exists() and kept is not None
     assert sorted(os.listdir(kept)) == ["thesis.tex"]
     empty = tmp_path / "c2"
     empty.mkdir()
     (empty / files.CONFIG).write_text("{}")
-    assert remove_written(empty) is None and not empty.exists()
+    assert files.remove_written(empty) is None and not empty.exists()
 
 
 def test_a_killed_saves_temp_dirs_are_removed_by_the_next_save(tmp_path):
