@@ -132,7 +132,7 @@ def test_nonfinite_step_is_skipped_on_device():
     assert not torch.equal(before["fc.weight"], d.state_dict()["fc.weight"])
 
 
-def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
+def test_drafter_init_continues_the_target_at_its_deepest_fused_layer(tiny):
     """model.drafter_init=target: the context the drafter's first layer reads is exactly
     what the target's next layer reads (its input norm of the deepest fused hidden state),
     and that layer's weights, plus the final norm, are the target's."""
@@ -143,7 +143,7 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
     nxt = target.model.layers[max(ids) + 1]
@@ -161,7 +161,7 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.q_proj.weight"} <= set(copied)
 
 
-def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkeypatch):
+def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkeypatch, tiny):
     """train.feature_cache: a batch of sequences seen before is assembled from the cache
     (no target forward), with the features a forward gives on the valid tokens and zeros
     on padding; a batch with one new sequence runs the forward."""
@@ -170,7 +170,7 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     from dflash.model.feature_cache import FeatureCache
     from dflash.model.features import target_features
 
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     cache = FeatureCache(ids)
 

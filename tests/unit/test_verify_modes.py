@@ -44,9 +44,8 @@ def _cfg(model, tok):
                                      mask_token_id=16, block_size=BK)
 
 
-def test_modes_are_chosen_by_cache_kind(hybrid):
-    tiny, _ = T.load_target("tiny-qwen3", seed=0)
-    assert cache_mode(tiny) == "crop"
+def test_modes_are_chosen_by_cache_kind(hybrid, tiny):
+    assert cache_mode(tiny[0]) == "crop"
     assert cache_mode(hybrid[0]) == "snapshot", "hybrid targets must not fall back to re-running"
 
 
@@ -166,7 +165,7 @@ def test_partial_accept_restores_states_and_continues_exactly(hybrid):
     assert small.pending == [] and small.cache.get_seq_length() == len(prompt) + 2, "replayed at max_pending"
 
 
-def test_divergence_is_reported_with_its_position(monkeypatch):
+def test_divergence_is_reported_with_its_position(monkeypatch, tiny):
     """A spec output that departs from the greedy reference is counted and located."""
     from dflash.decode import evaluate as E
     from dflash.decode.spec_decode import DecodeResult, first_divergence
@@ -175,7 +174,7 @@ def test_divergence_is_reported_with_its_position(monkeypatch):
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
     assert first_divergence([1, 2, 3], [1, 2]) == 2
 
-    model, tok = T.load_target("tiny-qwen3", seed=0)
+    model, tok = tiny
     real = E.speculative_generate
 
     def flip_fifth(*a, **kw):  # stand-in for a bf16 near-tie flipping one token
