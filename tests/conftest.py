@@ -3,7 +3,7 @@
 Tiers, by folder; each folder's tests carry the folder's name as a marker, so `-m` picks
 tiers (`-m unit`, `-m "cli or otel"`):
 
-  unit/         in-process: the code called directly (a few before-torch CLI probes)
+  unit/         in-process: the code called directly (data inspect on the formats it reads)
   cli/          the command line in a fresh interpreter: bad input, one line, exit 2
   otel/         the telemetry layer alone, against OTLP receivers on loopback
   integration/  training runs, the pipeline, torchrun             -> marked `slow` too
@@ -65,6 +65,22 @@ def tiny():
     """The tiny-qwen3 target (seed 0, float32, CPU) and its tokenizer: ``(model, tok)``."""
     from dflash.model.target import load_target
     return load_target("tiny-qwen3", seed=0)
+
+
+TRAINED_STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """One tiny-qwen3 drafter trained `TRAINED_STEPS` steps on helpers.TINY (block 8, 3 eval
+    prompts of 24 tokens) with `--eval` after training, on one thread: its run dir
+    (checkpoint/, export/, summary.json, config.yaml). Shared by every test that reads a
+    trained run, so it is read-only: a test that writes to a run copies it first."""
+    from helpers import TINY, run_dflash
+    run = tmp_path_factory.mktemp("trained") / "run"
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", TRAINED_STEPS, "--no-telemetry", *TINY,
+               "--eval", "--set", "eval.before=false", env={"OMP_NUM_THREADS": "1"})
+    return run
 
 
 # ----------------------------------------------------------------------------- time by tier

@@ -88,3 +88,38 @@ def served_drafter(path):
                                     block_size=4, num_hidden_layers=1)
     torch.manual_seed(1)
     return write_export(DFlashDrafter(cfg), tc, Path(path), dtype="float32", target="tiny-qwen3")
+
+
+# ------------------------------------------------------------------ prompt lookup, independently
+# the rule written the slow obvious way, apart from dflash's own (dflash/model/prompt_lookup.py)
+
+
+def brute_lookup(ids: list[int], length: int, max_n: int = 3) -> list[int]:
+    """The rule as stated (longest n first, then the latest earlier occurrence; known tokens
+    only), written the slow obvious way, apart from dflash's own."""
+    p = len(ids) - 1
+    for n in range(min(max_n, p), 0, -1):
+        key = ids[p - n + 1:]
+        for j in range(p - 1, n - 2, -1):
+            if ids[j - n + 1:j + 1] == key:
+                return ids[j + 1:min(j + 1 + length, p + 1)]
+    return []
+
+
+def lookup_steps_from_output(prompt: list[int], out: list[int], max_new: int, block: int,
+                             eos: set[int] = frozenset()) -> list[int]:
+    """accepted + 1 per verify step that prompt lookup would take, from the target's greedy
+    output ids alone (`out`: decoded past max_new and past any eos, as far as a block reaches):
+    a proposal is accepted up to its first token that differs from the output."""
+    steps, c = [], 1  # out[0] comes from the prompt's own forward
+    while c < max_new and out[c - 1] not in eos:
+        proposal = brute_lookup(prompt + out[:c], block - 1)
+        m = 0
+        while m < len(proposal) and proposal[m] == out[c + m]:
+            m += 1
+        steps.append(m + 1)
+        kept = out[c:c + m + 1]
+        c += m + 1
+        if any(t in eos for t in kept):
+            break
+    return steps
