@@ -1,6 +1,7 @@
 """Shared bits for the dflash tests: a small tiny-target config and a CLI runner."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -72,6 +73,80 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def check_one_pass_equals_per_block(d, embed, head, block_logits, *, hidden: int, vocab: int, block: int,
+                                    atol: float):
+    """A drafter's one-pass training forward (`train_forward`: every anchored block at once,
+    the block mask keeping them apart) against ``block_logits(feats, ids, p)``, the logits of
+    the block anchored at p built the way inference builds it: equal at five anchors on 40
+    random tokens (three target layers' features, float64), slot k labelled with token p+k."""
+    import torch
+
+    S = 40
+    torch.manual_seed(1)
+    feats = torch.randn(1, S, 3 * hidden, dtype=torch.float64)
+    ids = torch.randint(0, vocab - 1, (1, S))
+    anchors = torch.tensor([[3, 9, 17, 30, S - block]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
+    for j, p in enumerate(anchors[0].tolist()):
+        ref = block_logits(feats, ids, p)
+        assert torch.allclose(logits[0, j], ref[0], atol=atol), f"block at anchor {p} differs"
+        assert labels[0, j].tolist() == ids[0, p + 1:p + block].tolist()  # slot k predicts p+k
+
+
+SMALL_DRAFTER = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                     vocab_size=100, target_layer_ids=[0, 1], mask_token_id=5, block_size=4)
+
+
+def small_drafter(seed: int | None = 0, **over):
+    """A random DFlashDrafter with no target behind it, for tests of what holds or wraps a
+    drafter (checkpoints, heads, vocabularies): `SMALL_DRAFTER`'s sizes, any DrafterConfig
+    field replaced by ``over``; torch seeded with ``seed`` first unless it is None."""
+    import torch
+
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    if seed is not None:
+        torch.manual_seed(seed)
+    return DFlashDrafter(DrafterConfig(**(SMALL_DRAFTER | over)))
+
+
+def drafter_config(model, tok, block_size: int):
+    """A drafter's config for a tiny target ``(model, tok)``: target layers 1 and 2 fused, the
+    target's vocabulary, MASK id 16 (the tiny targets' mask token)."""
+    from dflash.model.drafter import DrafterConfig
+    return DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
+                                     mask_token_id=16, block_size=block_size)
+
+
+@functools.cache
+def _scripted_drafter_class():
+    from dflash.model.drafter import DFlashDrafter
+
+    class ScriptedDrafter(DFlashDrafter):
+        def __init__(self, cfg, reference, prompt_len, good):
+            super().__init__(cfg)
+            self.reference, self.prompt_len, self.good = reference, prompt_len, good
+
+        def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head):
+            import torch
+            gen = anchor_pos - self.prompt_len  # the anchor is generated token number `gen`
+            out = []
+            for k in range(1, self.cfg.block_size):
+                t = self.reference[gen + k] if gen + k < len(self.reference) else 0
+                out.append(t if k <= self.good else (t + 1) % 1000)
+            return torch.tensor([out])
+
+    return ScriptedDrafter
+
+
+def scripted_drafter(model, tok, reference: list[int], prompt_len: int, good: int, block_size: int):
+    """A drafter for the tiny target ``(model, tok)`` that drafts ``reference`` (the target's
+    greedy output for a prompt of ``prompt_len`` tokens), right for the first ``good`` slots of
+    every block and wrong after them: every verify step accepts exactly ``good`` drafts (a
+    hybrid target's partial accept: a restore and a replay)."""
+    return _scripted_drafter_class()(drafter_config(model, tok, block_size), reference, prompt_len, good)
 
 
 def served_drafter(path):

@@ -10,18 +10,12 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.config import Config
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from helpers import small_drafter
 from dflash.run.best import BestKeeper
 
 
-def _drafter():
-    cfg = DrafterConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                        intermediate_size=16, vocab_size=32, target_layer_ids=[0], mask_token_id=1, block_size=4)
-    return DFlashDrafter(cfg)
-
-
 def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
-    drafter = _drafter()
+    drafter = small_drafter()
     train_step = SimpleNamespace(drafter=drafter)
     keeper = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True)
     seen = {}

@@ -4,6 +4,7 @@ from torch import nn
 
 from dflash.model.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
                             weighted_block_loss)
+from helpers import check_one_pass_equals_per_block
 
 H, V, BK = 64, 101, 8
 
@@ -31,17 +32,8 @@ def inference_logits(d, embed, head, feats, ids, p):
 
 def test_one_pass_training_forward_matches_per_block_inference():
     d, embed, head = make()
-    S = 40
-    torch.manual_seed(1)
-    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (1, S))
-    anchors = torch.tensor([[3, 9, 17, 30, S - BK]])
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
-    for j, p in enumerate(anchors[0].tolist()):
-        ref = inference_logits(d, embed, head, feats, ids, p)
-        assert torch.allclose(logits[0, j], ref[0], atol=1e-5), f"block at anchor {p} differs"
-        assert labels[0, j].tolist() == ids[0, p + 1:p + BK].tolist()  # slot k predicts p+k
+    check_one_pass_equals_per_block(d, embed, head, lambda feats, ids, p: inference_logits(d, embed, head, feats, ids, p),
+                                    hidden=H, vocab=V, block=BK, atol=1e-5)
 
 
 def test_block_mask_semantics():

@@ -14,7 +14,7 @@ from dflash.data.dataset import prompts_for_eval
 from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from dflash.model import target as T
 from dflash.model.prompt_lookup import PromptLookup, propose
-from helpers import brute_lookup, lookup_steps_from_output
+from helpers import brute_lookup, drafter_config, lookup_steps_from_output
 
 BK = 4
 
@@ -76,12 +76,11 @@ def test_prompt_lookup_at_temperature_is_a_point_mass_draft(tiny):
 def test_evaluate_reports_the_baseline_and_follows_a_reply_into_the_next_turn(tiny):
     from dflash.data.prompt_sets import Dialog, PromptSet
     from dflash.decode.evaluate import evaluate
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.drafter import DFlashDrafter
 
     model, tok = tiny
     torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
-                                                      mask_token_id=16, block_size=BK))
+    drafter = DFlashDrafter(drafter_config(model, tok, BK))
     ps = PromptSet("two-turns", [Dialog("q1", ["Name three rivers.", "Now three lakes."]),
                                  Dialog("q2", ["Say hi."])])
     res = evaluate(model, drafter, tok, [], prompts=2, max_new_tokens=10, max_prompt_len=0, prompt_set=ps,
