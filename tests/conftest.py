@@ -72,14 +72,15 @@ TRAINED_STEPS = 40
 
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory):
-    """One tiny-qwen3 drafter trained `TRAINED_STEPS` steps on helpers.TINY (block 8, 3 eval
-    prompts of 24 tokens) with `--eval` after training, on one thread: its run dir
+    """One tiny-qwen3 drafter trained `TRAINED_STEPS` steps on helpers.TINY (block 8) with
+    `--eval` after training (2 held-out prompts of 12 tokens), on one thread: its run dir
     (checkpoint/, export/, summary.json, config.yaml). Shared by every test that reads a
     trained run, so it is read-only: a test that writes to a run copies it first."""
     from helpers import TINY, run_dflash
     run = tmp_path_factory.mktemp("trained") / "run"
     run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", TRAINED_STEPS, "--no-telemetry", *TINY,
-               "--eval", "--set", "eval.before=false", env={"OMP_NUM_THREADS": "1"})
+               "--eval", "--set", "eval.before=false", "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=12",
+               env={"OMP_NUM_THREADS": "1"})
     return run
 
 

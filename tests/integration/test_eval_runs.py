@@ -15,7 +15,7 @@ from helpers import TINY, last_json, lookup_steps_from_output, run_dflash
 
 @pytest.fixture(scope="module")
 def evaluated(trained):
-    """conftest's trained run (`train --eval`, 3 held-out prompts of 24 tokens) and `dflash eval --json`
+    """conftest's trained run (`train --eval`, 2 held-out prompts of 12 tokens) and `dflash eval --json`
     of its checkpoint."""
     res = last_json(run_dflash("eval", "--checkpoint", trained / "checkpoint", "--json",
                                env={"OMP_NUM_THREADS": "1"}).stdout)
@@ -30,7 +30,7 @@ def test_eval_json_holds_the_baseline_and_per_position_acceptance(evaluated):
     for r in (res, b):
         pos = r["per_position_acceptance"]
         assert len(pos) == B - 1 and all(0 <= x <= 1 for x in pos) and pos == sorted(pos, reverse=True)
-    assert res["prompts"] == 3 and res["prompt_source"]["kind"] == "held_out"
+    assert res["prompts"] == 2 and res["prompt_source"]["kind"] == "held_out"
 
 
 def test_baseline_tau_equals_lookup_computed_from_the_greedy_outputs(evaluated, tiny):
@@ -59,7 +59,7 @@ def test_the_export_carries_the_runs_held_out_prompts_and_its_figure_is_the_head
     assert (exp / "eval_prompts.jsonl").is_file() and (exp / "eval_settings.json").is_file()
     served = last_json(run_dflash("eval", "--checkpoint", exp, "--json", env={"OMP_NUM_THREADS": "1"}).stdout)
     assert [s["prompt_ids"] for s in served["per_prompt_steps"]] == [s["prompt_ids"] for s in res["per_prompt_steps"]]
-    assert served["prompt_source"]["kind"] == "export" and served["max_new_tokens"] == 24
+    assert served["prompt_source"]["kind"] == "export" and served["max_new_tokens"] == 12
     after = json.loads((run / "summary.json").read_text())["eval_after"]
     assert after["served"] and after["baseline"]["method"] == "prompt_lookup"
     assert served["per_prompt_steps"] == after["per_prompt_steps"]
