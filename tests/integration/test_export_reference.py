@@ -122,13 +122,12 @@ def _same_drafts(ours, theirs):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_drafts_what_we_draft(ref, exported, tmp_path):
+def test_reference_drafts_what_we_draft(ref, exported, tiny, tmp_path):
     """The trained drafter of a repetitive tiny target drafts one token everywhere; a random
     drafter with a strong context path drafts a different token at every slot, so a wrong
     name, layer id or rotary setting in the export changes its drafts."""
     from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter
-    from dflash.model.target import load_target
 
     run, _, (_, served), _ = exported
     cfg = json.loads((run / "checkpoint" / "config.json").read_text())
@@ -140,7 +139,7 @@ def test_reference_drafts_what_we_draft(ref, exported, tmp_path):
         for name, p in ours.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     write_export(ours, target.config, tmp_path / "x", dtype="float32", target="tiny-qwen3")
     model = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "x"), dtype=torch.float32).eval()
     steps = served["per_prompt_steps"][:2]
@@ -150,13 +149,11 @@ def test_reference_drafts_what_we_draft(ref, exported, tmp_path):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_reads_our_export_and_accepts_step_for_step(ref, exported):
-    from dflash.model.target import load_target
-
+def test_reference_reads_our_export_and_accepts_step_for_step(ref, exported, tiny):
     run, exp, (_, served), _ = exported
     model, info = ref.DFlashDraftModel.from_pretrained(str(exp), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     steps = served["per_prompt_steps"]
     agreed, total, ref_taus = 0, 0, []
     for s, (acc, out) in zip(steps, _reference_steps(ref, model.eval(), target, steps, served["stop_token_ids"],
@@ -176,12 +173,10 @@ def test_reference_reads_our_export_and_accepts_step_for_step(ref, exported):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
+def test_our_eval_reads_a_reference_drafter(ref, tiny, tmp_path):
     from transformers import Qwen3Config
 
-    from dflash.model.target import load_target
-
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     tc = target.config
     cfg = Qwen3Config(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
                       num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
@@ -224,16 +219,15 @@ def test_a_drafter_that_does_not_fit_the_target_is_one_line(exported, tmp_path):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_forward_equals_ours_on_one_block(ref, exported):
+def test_reference_forward_equals_ours_on_one_block(ref, exported, tiny):
     """Below the decode: the same context and block give the same drafter hidden states
     (a wrong name, layer id or rotary setting shows here even where greedy tokens agree)."""
     from dflash.checkpoint import checkpoint as ckpt
-    from dflash.model.target import load_target
 
     run, exp, _, _ = exported
     model = ref.DFlashDraftModel.from_pretrained(str(exp), dtype=torch.float32).eval()
     ours, _ = ckpt.load_drafter(run / "checkpoint")
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     ids = torch.arange(100, 140)[None]
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states
