@@ -21,6 +21,16 @@ TINY = ["--set", "data.num_conversations=48", "--set", "data.max_len=96",
         "--set", "eval.prompts=3", "--set", "eval.max_new_tokens=24"]
 
 
+# one record of each kind the data loader drops, by the reason it counts
+UNUSABLE_RECORDS = [
+    {"messages": [{"role": "user", "content": "only a question"}]},                          # no_assistant_turn
+    {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
+                  {"role": "assistant", "content": "c"}]},                                   # roles_out_of_order
+    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},  # empty
+    {"text": "no turns at all"},                                                             # not_a_conversation
+]
+
+
 def run_dflash(*args, env=None, timeout=600, check=True):
     e = dict(os.environ)
     e.update(env or {})

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, TINY, cli_before_torch, run_dflash
+from helpers import ROOT, TINY, UNUSABLE_RECORDS, cli_before_torch, run_dflash
 
 def _train(tmp_path, *args, env=None):
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args, env=env)
@@ -44,6 +44,17 @@ def test_datasets_without_usable_records_fail_before_any_model_loads(tmp_path, k
         path.mkdir()
     out, lines = _train(tmp_path, "--set", f"data.path={path}")
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
+    records = [json.dumps(r) for r in UNUSABLE_RECORDS]
+    records.insert(1, "{this is not json")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(records) + "\n")
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={path}")
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+    assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
+    assert "roles_out_of_order 1" in lines[0]
 
 
 @pytest.mark.parametrize("kind,needle", [
