@@ -1,6 +1,7 @@
 """`--out` is ours to write, and only ours: new, empty or marked dirs only; one run at a
 time (a lock naming its holder); nothing deleted that dflash did not write; a killed
-save's temp dir cleaned up. Torch-free unit tests plus the CLI's one line."""
+save's temp dir cleaned up. Torch-free unit tests; the CLI's one line for a run dir in use:
+tests/cli/test_cli_errors.py."""
 import json
 import os
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
-from helpers import ROOT, run_dflash
+from helpers import ROOT
 
 
 def test_new_and_empty_dirs_are_claimed_and_marked(tmp_path):
@@ -87,31 +88,6 @@ def test_a_checkpoint_dir_holding_a_users_file_is_refused(tmp_path):
     (tmp_path / "checkpoint" / "thesis.tex").write_text("mine")
     with pytest.raises(ConfigError, match="checkpoint/ holds files dflash did not write"):
         run_dir.check(str(tmp_path), resume=False, overwrite=True)
-
-
-_HOLD = """
-import sys
-from dflash.preflight import run_dir
-run_dir.claim(sys.argv[1], resume=False, overwrite=False)
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-def test_a_second_run_gets_one_line_naming_the_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(ConfigError, match=rf"in use by another dflash run \(pid {holder.pid} "):
-            run_dir.claim(str(tmp_path), resume=True, overwrite=False)
-        p = run_dflash("train", "--out", tmp_path, "--overwrite", "--target", "tiny-qwen3", check=False, timeout=120)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and f"pid {holder.pid}" in lines[0], p.stderr
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
-    run_dir.claim(str(tmp_path), resume=False, overwrite=True)  # the lock went with its process
 
 
 def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
