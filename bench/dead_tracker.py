@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash import trackers  # noqa: E402
 from dflash.config import load_config  # noqa: E402
+from dflash.run import readback  # noqa: E402
 from dflash.run.trainer import Trainer  # noqa: E402
 
 
@@ -71,7 +72,7 @@ def once(base: list[str], out: str, names: list[str], uri: str | None, settle_s:
         trainer.run_steps()
         wall = time.perf_counter() - t0
         bridge_cpu = _thread_cpu_s(threads) - cpu0
-        state.finish_readback()
+        readback.finish(state)
     finally:
         state.tel.shutdown(timeout_s=2.0)
     status = {}

@@ -15,12 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from .errors import UserError
+from .errors import ConfigError
 from .preflight.inputs import short_repr as _short
-
-
-class ConfigError(UserError):
-    """Bad user input: one line, names the value and what was expected."""
 
 
 @dataclass
@@ -68,6 +64,18 @@ class DataConfig:
                                          # {enable_thinking: false}; both apply wherever the template does
 
 
+# The loss names train.loss / train.loss_weights take (the losses: model/losses.py). Here, not
+# there: this module validates them without importing torch, and model/ builds on config.
+LOSSES = ("ce", "kl", "lk")
+WEIGHTINGS = ("decay", "dpace")
+
+
+def needs_target_distribution(loss: str) -> bool:
+    """Whether `train.loss` compares against the target's next-token distribution (kl, lk),
+    which the target side must then hand over (or a capture keep)."""
+    return loss in ("kl", "lk")
+
+
 @dataclass
 class TrainConfig:
     steps: int = 200
@@ -91,10 +99,10 @@ class TrainConfig:
                                          # first forward, so later epochs skip the (frozen) target: for small
                                          # data sets that fit (demo: ~120 seqs x 160 tokens x 3 layers, ~130 MB)
     loss: str = "ce"                     # ce (the target's greedy token) | kl (forward KL to the target's
-                                         # distribution) | lk (LK hybrid: KL -> acceptance); run/step.py
+                                         # distribution) | lk (LK hybrid: KL -> acceptance); model/losses.py
     loss_weights: str = "dpace"          # per-slot weights: dpace (from the drafter's own confidence, D-PACE;
                                          # the field's default, >= decay in docs/losses.md) | decay (the
-                                         # paper's fixed decay, loss_gamma); run/step.py
+                                         # paper's fixed decay, loss_gamma); model/losses.py
     kl_topk: int = 64                    # kl / lk: the target's k most likely tokens + one bucket for the rest;
                                          # 0: the whole distribution (online only). Captures keep k per token
     selector_loss_alpha: float = 1.0     # dflash2: weight of the selector's k-way CE in the loss
@@ -502,10 +510,10 @@ def validate(cfg: Config) -> None:
     if d.max_len < 2 * m.block_size + 1:
         raise ConfigError(f"data.max_len={d.max_len}: expected > 2*block_size ({2 * m.block_size})")
     t = cfg.train
-    if t.loss not in ("ce", "kl", "lk"):
-        raise ConfigError(f"train.loss={t.loss!r}: expected ce, kl or lk")
-    if t.loss_weights not in ("decay", "dpace"):
-        raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected decay or dpace")
+    if t.loss not in LOSSES:
+        raise ConfigError(f"train.loss={t.loss!r}: expected {_one_of(LOSSES)}")
+    if t.loss_weights not in WEIGHTINGS:
+        raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected {_one_of(WEIGHTINGS)}")
     if d.regen_engine not in ("hf", "vllm"):
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
@@ -598,12 +606,22 @@ def check_sampling(temperature: float, top_p: float, top_k: int, prefix: str = "
         raise ConfigError(f"{prefix}top{sep}k={top_k}: expected an integer >= 0 (0: off)")
 
 
+def _one_of(names) -> str:
+    """("a", "b", "c") -> "a, b or c"."""
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+
+
 def resolve_dtype(cfg: Config, device: str):
     import torch
 
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.startswith("cuda") else torch.float32
     return getattr(torch, cfg.model.dtype)
+
+
+def local_device(dev: str) -> str:
+    """Plain `cuda` means this rank's GPU (LOCAL_RANK, torchrun's convention)."""
+    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
 
 
 def dumps(cfg: Config) -> str:

@@ -12,7 +12,7 @@ The stage is known because an exception leaving `tel.stage(...)` carries that st
 
 Signals are here too: SIGTERM reaches the commands as Ctrl-C does (`raise_on_sigterm`,
 `stop_on_signal`), and how an interrupted command ends is part of how a run stops.
-Torch-free, and light: config.py imports it for UserError.
+Torch-free, and light: every floor of dflash/ imports it for UserError and ConfigError.
 """
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ from pathlib import Path
 class UserError(ValueError):
     """Bad input: a one-line message that names the value and what was expected; the
     command exits 2 with it, no traceback. Every bad-input error derives from it."""
+
+
+class ConfigError(UserError):
+    """Bad user input: one line, names the value and what was expected."""
 
 
 class WorkerError(RuntimeError):

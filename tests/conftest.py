@@ -1,13 +1,14 @@
 """The test tiers and the fixtures more than one test file needs.
 
-Tiers, by folder (each folder's tests carry its marker, so `-m` picks tiers):
+Tiers, by folder; each folder's tests carry the folder's name as a marker, so `-m` picks
+tiers (`-m unit`, `-m "cli or otel"`):
 
-  unit/         in-process: the code called directly (a few before-torch CLI probes)
+  unit/         in-process: the code called directly (data inspect on the formats it reads)
   cli/          the command line in a fresh interpreter: bad input, one line, exit 2
   otel/         the telemetry layer alone, against OTLP receivers on loopback
-  integration/  training runs, the pipeline, torchrun             -> marked `slow`
-  backends/     real Collector, Jaeger, Prometheus, MLflow, browser -> marked `backends`
-  engine/       real vLLM engines (.venv-vllm, `make vllm`)     -> marked `engine`
+  integration/  training runs, the pipeline, torchrun             -> marked `slow` too
+  backends/     real Collector, Jaeger, Prometheus, MLflow, browser
+  engine/       real vLLM engines (.venv-vllm, `make vllm`)
 
 A test that starts torchrun is marked `torchrun`, one that reaches the package index
 `network`, and one inside a quick tier that trains, regenerates or draws thousands of
@@ -25,7 +26,10 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).resolve().parent
-TIER_MARKERS = {"integration": "slow", "backends": "backends", "engine": "engine"}
+# every tier folder's tests carry its name as a marker (`-m unit`, `-m "cli or otel"`);
+# integration/ is `slow` too, so the quick selection (`make test-fast`) leaves it out
+TIER_MARKERS = {"unit": ("unit",), "cli": ("cli",), "otel": ("otel",), "integration": ("integration", "slow"),
+                "backends": ("backends",), "engine": ("engine",)}
 
 # the OTLP receivers (tests/otel/otlp_receivers.py) serve the pipeline's tests too; appended, so
 # that nothing in tests/otel/ shadows an installed module
@@ -39,8 +43,7 @@ def pytest_collection_modifyitems(config, items):
             tier = item.path.relative_to(TESTS).parts[0]
         except ValueError:   # a test file outside tests/, named on the command line
             continue
-        marker = TIER_MARKERS.get(tier)
-        if marker:
+        for marker in TIER_MARKERS.get(tier, ()):
             item.add_marker(marker)
 
 
@@ -62,6 +65,23 @@ def tiny():
     """The tiny-qwen3 target (seed 0, float32, CPU) and its tokenizer: ``(model, tok)``."""
     from dflash.model.target import load_target
     return load_target("tiny-qwen3", seed=0)
+
+
+TRAINED_STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def trained(tmp_path_factory):
+    """One tiny-qwen3 drafter trained `TRAINED_STEPS` steps on helpers.TINY (block 8) with
+    `--eval` after training (2 held-out prompts of 12 tokens), on one thread: its run dir
+    (checkpoint/, export/, summary.json, config.yaml). Shared by every test that reads a
+    trained run, so it is read-only: a test that writes to a run copies it first."""
+    from helpers import TINY, run_dflash
+    run = tmp_path_factory.mktemp("trained") / "run"
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", TRAINED_STEPS, "--no-telemetry", *TINY,
+               "--eval", "--set", "eval.before=false", "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=12",
+               env={"OMP_NUM_THREADS": "1"})
+    return run
 
 
 # ----------------------------------------------------------------------------- time by tier

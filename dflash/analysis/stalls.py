@@ -20,7 +20,7 @@ from otel import BUSY, attribute_idle
 
 from .idle_rules import DFLASH_RULES
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..preflight.inputs import json_loads
 
 # The prefetcher runs ahead by design: its waits are not device idle, so they are kept out

@@ -41,7 +41,7 @@ def check_output(path: str, *, flag: str, suffix: str, run_dir) -> None:
     checkpoint/, export/, summary.json, ...). Writes nothing."""
     from pathlib import Path
 
-    from ..config import ConfigError
+    from ..errors import ConfigError
     from ..preflight.run_dir import check_place
 
     p = check_place(path, flag=flag, want_dir=False, expected=f"a file name ending in {suffix}")
@@ -72,7 +72,7 @@ def _replace_atomically(path, write) -> None:
     import tempfile
     from pathlib import Path
 
-    from ..checkpoint.files import plain_modes
+    from ..preflight.checkpoint_files import plain_modes
 
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)

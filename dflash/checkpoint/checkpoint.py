@@ -41,7 +41,6 @@ from ..preflight import checkpoint_files as files
 from ..preflight.checkpoint_files import CheckpointError, resolve  # noqa: F401  (torch-free; re-exported)
 from ..preflight.inputs import read_json_object
 from . import state_tree
-from .files import clean_stale_temps, plain_modes, remove_written
 
 
 def save(path: str | os.PathLike, drafter: DFlashDrafter, *, run_config: dict, state: dict,
@@ -153,7 +152,7 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         training_state = _to_host(snap.training_state)
     dst = Path(path)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale_temps(dst)  # a save killed with -9 left a whole checkpoint in one
+    files.clean_stale_temps(dst)  # a save killed with -9 left a whole checkpoint in one
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
     try:
         (tmp / files.CONFIG).write_text(json.dumps(snap.config, indent=2))
@@ -161,21 +160,21 @@ def write(path: str | os.PathLike, snap: Snapshot) -> Path:
         if training_state is not None:
             state_tree.save(training_state, tmp / files.STATE_TENSORS, tmp / files.STATE_TREE)
         (tmp / files.TRAINER_STATE).write_text(json.dumps(snap.state, indent=2))
-        plain_modes(tmp)  # readable as a plain write would be (mkdtemp makes it private)
+        files.plain_modes(tmp)  # readable as a plain write would be (mkdtemp makes it private)
         for f in tmp.iterdir():  # data on disk before the rename makes it visible
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         old = dst.with_name(dst.name + ".old")
         if old.exists() and not dst.exists():
             os.replace(old, dst)  # a kill between the two renames last time: old is the good one
-        remove_written(old)
+        files.remove_written(old)
         if dst.exists():
             os.replace(dst, old)
         os.replace(tmp, dst)
         _fsync_dir(dst.parent)
-        remove_written(old)  # a file dflash did not write keeps old, renamed aside
+        files.remove_written(old)  # a file dflash did not write keeps old, renamed aside
     except BaseException:
-        remove_written(tmp)
+        files.remove_written(tmp)
         raise
     return dst
 

@@ -55,12 +55,3 @@ def import_fields(raw: dict, where: str, error) -> dict:
         raise error(f"{where}: dflash_config: {e}") from None
     return out
 
-
-def parameter_count(fields: dict) -> int:
-    """What the DFlash2 parts add to a drafter's parameters."""
-    if fields.get("arch") != "dflash2":
-        return 0
-    h, layers, v = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
-    taps, group, rank = (int(fields.get(k) or 1) for k in ("conv_kernel_size", "conv_group_size", "selector_rank"))
-    conv = 2 * (2 * taps * h + h * 2 * taps * max(1, h // group))
-    return layers * conv + 2 * v * rank + h * rank

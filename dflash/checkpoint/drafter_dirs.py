@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import export_format as fmt
 
 
@@ -49,7 +49,7 @@ def inspect(path: str | Path) -> DrafterDir:
             f = fmt.drafter_config_fields(raw, str(path))
         except fmt.FormatError as e:
             raise DrafterDirError(str(e)) from None
-        err = fmt.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
+        err = files.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
         if err:
             raise DrafterDirError(err)
         return DrafterDir(p, "export", raw)

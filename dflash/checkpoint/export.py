@@ -18,10 +18,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from ..preflight import checkpoint_files as files
 from . import export_format as fmt
-from .files import foreign_entries, plain_modes, remove_written
 
 DTYPES = ("bfloat16", "float32")
 
@@ -45,7 +44,7 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
 
     dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")
     if dst.is_dir() and any(dst.iterdir()):
-        foreign = foreign_entries(dst, files.EXPORT_WRITTEN)
+        foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
         if not (dst / files.EXPORT_MARKER).is_file():
             what = "a drafter that dflash export did not write" if (dst / files.CONFIG).is_file() else "files"
             shown = ", ".join(sorted(e.name for e in dst.iterdir())[:3])
@@ -223,8 +222,8 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
             write_jsonl(prompts[0], tmp / files.EVAL_PROMPTS)
             (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
-        plain_modes(tmp)  # an engine running as another user must read it
-        kept = remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
+        files.plain_modes(tmp)  # an engine running as another user must read it
+        kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
         if kept is not None:
             print(f"dflash: {dst} held other files too: they are kept in {kept}", file=sys.stderr)
         os.replace(tmp, dst)

@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
+from ..preflight.checkpoint_files import BOUNDS
 from . import dflash2_format as dflash2
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -309,62 +310,6 @@ def draft_vocab_size(raw: dict) -> int:
     """A served config's draft vocabulary (0: drafts over the target's whole vocabulary)."""
     n = raw.get("draft_vocab_size")
     return 0 if n is None or int(n) == int(raw.get("vocab_size", -1)) else int(n)
-
-
-# What a drafter may be, whoever wrote its config: checked before any module is built, so a
-# crafted config.json (100000 layers, intermediate_size 1e12, zero heads) is one line, not
-# an allocation of hundreds of GB. Generous: the largest targets (hidden 16384, 128 heads,
-# intermediate 53248, vocabularies of 262k) fit with room; the published drafters have 1-8
-# layers and blocks of 8-16.
-BOUNDS = {"hidden_size": (1, 65536), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
-          "head_dim": (2, 1024), "intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 23),
-          "num_hidden_layers": (1, 128), "block_size": (2, 1024)}
-MAX_PARAMETERS = 20_000_000_000   # a drafter larger than this is not a drafter (the paper's: ~1 B for 8B)
-
-
-def parameter_count(fields: dict) -> int:
-    """The drafter's parameters from its config alone (ours: DrafterLayer x n, fc, norms;
-    a copy head is a few thousand more)."""
-    h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
-    layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
-    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h \
-        + dflash2.parameter_count(fields)
-
-
-def bounds_error(fields: dict, where: str) -> str | None:
-    """One line naming the first field of a drafter config that no drafter can have, or None.
-    A field that is absent is not judged here (the loader names a config that lacks one)."""
-    import math
-
-    for key, (lo, hi) in BOUNDS.items():
-        v = fields.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-            return f"{where}: {key}={v!r}: expected an integer in [{lo}, {hi}]"
-    if any(fields.get(k) is None for k in (*BOUNDS, "target_layer_ids", "mask_token_id")):
-        return None
-    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
-        return (f"{where}: num_attention_heads={fields['num_attention_heads']} is not a multiple of "
-                f"num_key_value_heads={fields['num_key_value_heads']}")
-    if fields["head_dim"] % 2:
-        return f"{where}: head_dim={fields['head_dim']}: expected an even number (rotary embedding)"
-    ids = fields.get("target_layer_ids")
-    if not isinstance(ids, list) or not 1 <= len(ids) <= 256 or \
-            any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 4096 for i in ids):
-        return f"{where}: target_layer_ids={str(ids)[:80]}: expected 1-256 layer ids in [0, 4096)"
-    mask = fields.get("mask_token_id")
-    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < fields["vocab_size"]:
-        return f"{where}: mask_token_id={mask!r}: expected an id in [0, vocab_size={fields['vocab_size']})"
-    for key, lo, hi in (("rms_norm_eps", 0.0, 0.1), ("rope_theta", 0.0, 1e12)):
-        v = fields.get(key, lo + 1e-6)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v <= hi:
-            return f"{where}: {key}={v!r}: expected a finite number in ({lo:g}, {hi:g}]"
-    n = parameter_count(fields)
-    if n > MAX_PARAMETERS:
-        return f"{where}: the config describes a drafter of {n:,} parameters (at most {MAX_PARAMETERS:,} accepted)"
-    dv = fields.get("draft_vocab_size") or 0
-    if isinstance(dv, bool) or not isinstance(dv, int) or not 0 <= dv <= fields["vocab_size"]:
-        return f"{where}: draft_vocab_size={dv!r}: expected an integer in [1, vocab_size={fields['vocab_size']}]"
-    return None
 
 
 def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: int, where: str) -> str | None:

@@ -6,10 +6,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-from ..config import ConfigError
+from ..config import needs_target_distribution
+from ..errors import ConfigError
 from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 
 
@@ -38,7 +38,8 @@ def add_parser(sub) -> None:
 def run(a) -> int:
     from ..config import load_config
     from ..preflight import run_dir
-    from ..preflight.launch_checks import check_inputs, check_torchrun_env
+    from ..preflight.launch_checks import check_target, check_torchrun_env
+    from .train import load_data
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
@@ -48,7 +49,7 @@ def run(a) -> int:
                                           "pipeline.target_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
-    if cfg.train.loss in ("kl", "lk") and not cfg.train.kl_topk:
+    if needs_target_distribution(cfg.train.loss) and not cfg.train.kl_topk:
         raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
                           "set train.kl_topk=K (6 bytes a token each)")
@@ -62,7 +63,8 @@ def run(a) -> int:
     if a.engine == "vllm":
         check_vllm_capture(cfg)
     check_torchrun_env()
-    check_inputs(cfg)
+    check_target(cfg)
+    load_data(cfg)
     if a.resume:
         check_resumable(cfg.out)
     out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite, by="dflash capture")
@@ -87,7 +89,7 @@ def check_vllm_capture(cfg) -> None:
     venv (EngineError, exit 2, when there is none)."""
     from ..engine.runner import engine_python
 
-    if cfg.train.loss in ("kl", "lk"):
+    if needs_target_distribution(cfg.train.loss):
         raise ConfigError(f"--engine vllm with train.loss={cfg.train.loss}: vLLM's hidden-state extraction gives "
                           "no next-token log-probs; capture with --engine hf")
     engine_python()
@@ -137,35 +139,3 @@ def _remove(out: Path, patterns) -> None:
             if f.is_file():
                 f.unlink()
 
-
-def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:
-    """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
-    capture's index; what the user asked (``asked``: the config before them) must not
-    contradict it. One line before torch loads."""
-    from ..offline.feature_index import FeaturesError, mismatch, read_index
-
-    try:
-        idx = read_index(path)
-    except FeaturesError as e:
-        raise ConfigError(str(e)) from None
-    why = mismatch(idx, target=target_flag, layer_ids=asked.model.target_layer_ids)
-    if why:
-        raise ConfigError(f"--features {path}: {why}")
-    if eval_flag:
-        raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
-                          f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
-    key = idx["key"]
-    t = asked.train
-    if t.loss in ("kl", "lk"):  # the target's distribution comes from the capture: enough of it?
-        have = idx.get("kl_topk") or 0
-        if not have:
-            raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "
-                              f"distribution; capture again with --set train.loss={t.loss} (train.kl_topk=K)")
-        if not t.kl_topk or t.kl_topk > have:
-            raise ConfigError(f"--features {path}: train.kl_topk={t.kl_topk}: the capture kept the top {have} "
-                              f"log-probs per token; set train.kl_topk to 1..{have}")
-    if asked.data.max_len != idx["data"]["max_len"]:
-        print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
-              file=sys.stderr)
-    return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
-            "model.target_layer_ids": key["layer_ids"], "data.max_len": idx["data"]["max_len"]}

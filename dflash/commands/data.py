@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -39,7 +39,9 @@ def run(a) -> int:
     check_dataset_path(a.path)
     check_target_spec(a.target, probe_hub=True)
     records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
-    report = inspect(records, a.target, max_len=a.max_len, examples=a.examples,
+    from ..model.target import load_tokenizer  # transformers (and torch): only once the input is good
+
+    report = inspect(records, load_tokenizer(a.target), target=a.target, max_len=a.max_len, examples=a.examples,
                      chat_template=a.chat_template, chat_template_kwargs=kwargs)
     report["path"] = a.path
     print(format_report(report))

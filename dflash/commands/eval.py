@@ -26,8 +26,8 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import MAX_NEW_TOKENS, MAX_SEED, ConfigError, check_sampling, load_config
-from ..errors import stop_on_signal
+from ..config import MAX_NEW_TOKENS, MAX_SEED, check_sampling, load_config
+from ..errors import ConfigError, stop_on_signal
 
 
 def add_parser(sub) -> None:

@@ -1,5 +1,6 @@
 """`dflash serve EXPORT --target T`: vLLM's OpenAI-compatible server on 127.0.0.1 with the
-export as its DFlash drafter (dflash/engine/serve.py)."""
+export as its DFlash drafter (dflash/engine/serve.py). Checked first, before vLLM starts: the
+flags, the port, the target, the engine's venv, and that the export fits the target."""
 from __future__ import annotations
 
 import sys
@@ -22,9 +23,9 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..config import ConfigError
     from ..engine import runner
     from ..engine.serve import check_port, serve
+    from ..errors import ConfigError
     from ..preflight.inputs import check_target_spec
 
     if a.k is not None and not 1 <= a.k <= 64:
@@ -34,9 +35,11 @@ def run(a) -> int:
     check_port(a.port)
     check_target_spec(a.target, probe_hub=True)
     runner.engine_python()
+    have = check_drafter(a.export, a.target)
     a.phase = "serve"
     try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
-        return serve(export=a.export, target_spec=a.target, target_seed=a.target_seed, port=a.port, k=a.k,
+        return serve(export=a.export, target_spec=a.target, target_seed=a.target_seed, port=a.port,
+                     k=a.k or have["block_size"] - 1,
                      dtype=a.dtype, max_model_len=a.max_model_len, otlp=a.otlp, log=a.log,
                      ready_timeout_s=a.ready_timeout)
     except KeyboardInterrupt:
@@ -45,3 +48,23 @@ def run(a) -> int:
     except runner.EngineFailed as e:
         print(f"dflash serve: error: {e}", file=sys.stderr)
         return 1
+
+
+def check_drafter(export: str, target: str) -> dict:
+    """The export's DrafterConfig fields, checked against the target's config (no weights loaded)."""
+    from ..checkpoint import drafter_dirs
+    from ..checkpoint import export_format as fmt
+    from ..checkpoint.export import target_config
+    from ..errors import ConfigError
+
+    d = drafter_dirs.inspect(export)
+    if d.kind != "export":
+        raise ConfigError(f"{export}: a dflash training checkpoint, not the served format; export it first: "
+                          f"dflash export --checkpoint {export} --out EXPORT_DIR")
+    have = drafter_dirs.fields(d)
+    tc = target_config(target).get_text_config()
+    err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
+                        embed_rows=tc.vocab_size, where=export)
+    if err:
+        raise ConfigError(err)
+    return have

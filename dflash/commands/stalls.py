@@ -26,7 +26,7 @@ def add_parser(sub) -> None:
 
 def run(a) -> int:
     from ..analysis.stalls import analyze, format_report, load, parse_window
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")

@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
 def run(a) -> int:
     from ..analysis.stalls import load, parse_window
     from ..analysis.timeline import check_output, write_perfetto, write_png
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     if not a.png and not a.perfetto:
         raise ConfigError("nothing to write: give --png FILE and/or --perfetto FILE")

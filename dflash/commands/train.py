@@ -3,6 +3,11 @@ layout launch, data, resume fit, run dir) before torch and transformers are impo
 from __future__ import annotations
 
 import os
+import sys
+
+from ..config import needs_target_distribution
+from ..errors import ConfigError
+
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train a drafter against a frozen target")
@@ -60,19 +65,19 @@ def run(a) -> int:
     cfg = load_config(a.config, a.set, **flags)
     features = a.features or cfg.data.features
     if features:  # the capture decides target, its seed and the layer ids
-        from .capture import train_flags
         cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))
     if a.resume and a.overwrite:
-        from ..config import ConfigError
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
     if a.eval and cfg.eval.engine == "vllm":  # asked for by name: no engine venv is bad input, said now
         from ..engine.runner import engine_python
         engine_python()
-    from ..preflight.launch_checks import check_inputs, check_torchrun_env
+    from ..preflight.launch_checks import check_target, check_torchrun_env
     check_torchrun_env()
-    check_inputs(cfg, data=not cfg.data.features)
+    check_target(cfg)
+    if not cfg.data.features:  # training from a capture: the samples are in it
+        load_data(cfg)
     if a.resume:
         _check_resume(cfg)
     from ..preflight import run_dir
@@ -82,7 +87,7 @@ def run(a) -> int:
         if a.overwrite:
             run_dir.clear_earlier_run(out)
         if a.resume:
-            from ..checkpoint.files import clean_stale_temps
+            from ..preflight.checkpoint_files import clean_stale_temps
             clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
     from ..run.trainer import train  # torch and transformers: only once the input is known to be good
@@ -94,10 +99,62 @@ def run(a) -> int:
     return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
 
 
+def load_data(cfg) -> None:
+    """The run's conversations, loaded before torch: this picks (and caches) the run's subset,
+    which the run reads back in milliseconds, and a data set with fewer than two usable
+    conversations is one line (exit 2). `dflash capture` loads its data set the same way."""
+    import logging
+
+    from ..data.conversations import load_conversations
+
+    log = logging.getLogger("dflash.data.conversations")
+    level = log.level
+    log.setLevel(logging.ERROR)  # "fewer than asked" is said by the run itself, or refused below
+    try:
+        convs = load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations, seed=cfg.train.seed)
+    finally:
+        log.setLevel(level)
+    if len(convs) < 2:
+        raise ConfigError(f"dataset {cfg.data.path or 'ShareGPT V3'!r}: {len(convs)} usable conversation(s); "
+                          "expected at least 2 (one to train on, one held out)")
+
+
+def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:
+    """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
+    capture's index; what the user asked (``asked``: the config before them) must not
+    contradict it. One line before torch loads."""
+    from ..offline.feature_index import FeaturesError, mismatch, read_index
+
+    try:
+        idx = read_index(path)
+    except FeaturesError as e:
+        raise ConfigError(str(e)) from None
+    why = mismatch(idx, target=target_flag, layer_ids=asked.model.target_layer_ids)
+    if why:
+        raise ConfigError(f"--features {path}: {why}")
+    if eval_flag:
+        raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
+                          f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
+    key = idx["key"]
+    t = asked.train
+    if needs_target_distribution(t.loss):  # the target's distribution comes from the capture: enough of it?
+        have = idx.get("kl_topk") or 0
+        if not have:
+            raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "
+                              f"distribution; capture again with --set train.loss={t.loss} (train.kl_topk=K)")
+        if not t.kl_topk or t.kl_topk > have:
+            raise ConfigError(f"--features {path}: train.kl_topk={t.kl_topk}: the capture kept the top {have} "
+                              f"log-probs per token; set train.kl_topk to 1..{have}")
+    if asked.data.max_len != idx["data"]["max_len"]:
+        print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
+              file=sys.stderr)
+    return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
+            "model.target_layer_ids": key["layer_ids"], "data.max_len": idx["data"]["max_len"]}
+
+
 def _check_resume(cfg) -> None:
     """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
     from its config.json before torch loads."""
-    from ..config import ConfigError
     from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
     from ..preflight.inputs import target_num_layers
 
@@ -116,7 +173,6 @@ def _check_resume(cfg) -> None:
 
 def _check_layout_launch(cfg, eval_flag: bool) -> None:
     """A layout needs torchrun with exactly its number of ranks, and has no eval step."""
-    from ..config import ConfigError
     from ..run.roles.layout import Layout
 
     world = os.environ.get("WORLD_SIZE")

@@ -7,7 +7,8 @@ into it.
 - the share of tokens that carry loss (the assistant replies and their end-of-turn tokens);
 - a few examples rendered with the loss-masked spans marked `[[...]]`.
 
-It reads up to `--records` records (streamed) and tokenizes the usable ones.
+It reads up to `--records` records (streamed) and tokenizes the usable ones with the
+tokenizer its caller gives it (the command loads the target's).
 """
 from __future__ import annotations
 
@@ -16,14 +17,16 @@ import json
 BINS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def inspect(records: list, target: str, *, max_len: int, examples: int, chat_template: str = "",
+def inspect(records: list, tokenizer, *, target: str, max_len: int, examples: int, chat_template: str = "",
             chat_template_kwargs: dict | None = None) -> dict:
-    from ..model.target import load_tokenizer
+    """The report of `records` through `tokenizer` (the target's, which the caller loads: the
+    command, model/target.load_tokenizer), with `chat_template` and its variables in place of
+    its own template where given. `target` names whose tokenizer it is, in the report."""
     from . import chat_template as T
     from . import conversations as C
     from .dataset import tokenize_conversation
 
-    tok = T.configure(load_tokenizer(target), chat_template, chat_template_kwargs)
+    tok = T.configure(tokenizer, chat_template, chat_template_kwargs)
     dropped = {r: 0 for r in (*C.DROP_REASONS, "over_length")}
     lengths, loss_tokens, shown = [], 0, []
     for rec in records:

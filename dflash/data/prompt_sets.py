@@ -35,7 +35,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 FIELDS = ("turns", "conversations", "messages", "prompt", "question", "problem", "instruction", "text")
 _ID_FIELDS = ("id", "question_id", "task_id", "unique_id")

@@ -26,9 +26,10 @@ import time
 import torch
 from tqdm import tqdm
 
-from ..config import ConfigError, derived_seed
+from ..config import derived_seed
 from ..data import dataset as data_mod
 from ..data.prompt_sets import Dialog, PromptSet, first_turns
+from ..errors import ConfigError
 from ..model.prompt_lookup import METHOD, RULE, PromptLookup
 from .spec_decode import greedy_divergence, speculative_generate, speculative_sample
 

@@ -1,11 +1,12 @@
 """`dflash serve`: vLLM's OpenAI-compatible server with an export as its DFlash drafter.
 
-Checked before vLLM starts (one line, exit 2): the export is a drafter dir in the served
-format that fits the target (hidden size, layer ids, mask row; from configs alone), the port
-is free on 127.0.0.1. Then the server runs from `.venv-vllm` (engine/runner.py: `-I`, a cwd
-of its own, its own process group), listening on 127.0.0.1 only. We wait for its /health,
-print the URL and a curl line, and stay in front: Ctrl-C or SIGTERM stops the whole server
-process tree and exits 130; a server that dies on its own exits 1 with its log's last line.
+Checked before vLLM starts (one line, exit 2): the port is free on 127.0.0.1 (here), the
+export is a drafter dir in the served format that fits the target (commands/serve.py's
+check_drafter: hidden size, layer ids, mask row; from configs alone). Then the server runs
+from `.venv-vllm` (engine/runner.py: `-I`, a cwd of its own, its own process group),
+listening on 127.0.0.1 only. We wait for its /health, print the URL and a curl line, and stay
+in front: Ctrl-C or SIGTERM stops the whole server process tree and exits 130; a server that
+dies on its own exits 1 with its log's last line.
 
 Traces: `--otlp ENDPOINT`, else the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
 OTEL_EXPORTER_OTLP_ENDPOINT, go to vLLM's own OTLP tracing, with `service.name` dflash-serve
@@ -23,7 +24,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ..config import ConfigError
+from ..errors import ConfigError
 from . import runner
 
 
@@ -36,25 +37,6 @@ def check_port(port: int) -> None:
         except OSError as e:
             raise ConfigError(f"--port={port}: 127.0.0.1:{port} is busy ({e.strerror or e}); choose another "
                               "with --port") from None
-
-
-def check_drafter(export: str, target: str) -> dict:
-    """The export's DrafterConfig fields, checked against the target's config (no weights loaded)."""
-    from ..checkpoint import drafter_dirs
-    from ..checkpoint import export_format as fmt
-    from ..checkpoint.export import target_config
-
-    d = drafter_dirs.inspect(export)
-    if d.kind != "export":
-        raise ConfigError(f"{export}: a dflash training checkpoint, not the served format; export it first: "
-                          f"dflash export --checkpoint {export} --out EXPORT_DIR")
-    have = drafter_dirs.fields(d)
-    tc = target_config(target).get_text_config()
-    err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
-                        embed_rows=tc.vocab_size, where=export)
-    if err:
-        raise ConfigError(err)
-    return have
 
 
 def otlp_endpoint(flag: str | None) -> str | None:
@@ -90,12 +72,10 @@ def wait_ready(proc, url: str, log: Path, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
-def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int | None, dtype: str,
+def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int, dtype: str,
           max_model_len: int, otlp: str | None, log: str | None, ready_timeout_s: float) -> int:
     from .targets import engine_target
 
-    have = check_drafter(export, target_spec)
-    k = k or have["block_size"] - 1
     target = engine_target(target_spec, target_seed)
     work = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
     log_path = Path(log).resolve() if log else work / "vllm-serve.log"

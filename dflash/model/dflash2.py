@@ -159,7 +159,7 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, cfg):
         err = check(cfg)
         if err:
-            from ..config import ConfigError
+            from ..errors import ConfigError
             raise ConfigError(err)
         super().__init__(cfg)
         self.layers = nn.ModuleList(DFlash2Layer(cfg, cfg.layer_window(i)) for i in range(cfg.num_hidden_layers))
@@ -169,7 +169,7 @@ class DFlash2Drafter(DFlashDrafter):
             layer.mlp_conv.reset_identity()
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
-        self.selector_ce = None  # the last train_forward's per-slot selector CE [B, A, Bk-1] (run/step.py)
+        self.selector_ce = None  # the last train_forward's per-slot selector CE [B, A, Bk-1] (weighted: model/losses.py)
 
     def blocks_hidden(self, block_emb, block_pos, ctx_kv, mask):
         scale = self.cfg.input_embedding_scale

@@ -124,16 +124,6 @@ def compute_precision(frozen: torch.Tensor):
     return torch.autocast(device_type=frozen.device.type, dtype=frozen.dtype)
 
 
-def loss_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
-    """w_k = exp(-(k-1)/gamma) for slot k >= 1; slot 0 (the anchor itself) has weight 0."""
-    if gamma is None:
-        gamma = {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
-    k = torch.arange(block_size, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -410,19 +400,6 @@ class DraftVocabHead(nn.Module):
         sub = F.linear(h, self.head.to(h.dtype))
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.scatter_(-1, self.ids.expand(*sub.shape[:-1], -1), sub)
-
-
-def weighted_block_loss(logits, labels, anchor_valid, label_mask, weights):
-    """sum(w * CE) / sum(w); w = decay weight of the slot x loss mask of the label token.
-    logits [B, A, K, V]; labels / label_mask [B, A, K]; weights [K] for slots 1..Bk-1.
-    Returns (loss, acc) as device scalars, without host syncs: acc is the weighted share of
-    slots whose argmax is the label (same weights as the loss)."""
-    w = weights.to(logits.device)[None, None, :] * label_mask * anchor_valid[..., None]
-    ce = F.cross_entropy(logits.float().flatten(0, 2), labels.flatten(), reduction="none").view_as(w)
-    wsum = w.sum()
-    loss = (w * ce).sum() / wsum.clamp_min(1e-6)
-    acc = ((logits.argmax(-1) == labels).float() * w).sum() / wsum.clamp_min(1e-6)
-    return loss, acc
 
 
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator=None):

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, ConfigError, resolve_dtype
+from ..config import Config, local_device, needs_target_distribution, resolve_dtype
 from ..data import chat_template
 from ..data import dataset as data_mod
+from ..errors import ConfigError
 from ..model import target as target_mod
 from ..preflight.inputs import arch_hash
-from ..run.placement import local_device
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, check_positions
 from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk
 
@@ -155,7 +155,6 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
 def kl_topk(cfg: Config) -> int:
     """How many of the target's most likely next tokens a capture keeps per token: the run's
     `train.kl_topk` when its loss needs the target's distribution, else none."""
-    from ..run.step import needs_target_distribution
     return cfg.train.kl_topk if needs_target_distribution(cfg.train.loss) else 0
 
 

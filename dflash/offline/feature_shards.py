@@ -18,10 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..checkpoint.files import plain_modes
-
 from ..data.batch import Batch
 from ..data.dataset import Sample
+from ..preflight.checkpoint_files import plain_modes
 from .feature_index import FORMAT, VERSION, shards_on_disk  # noqa: F401 (shards_on_disk: torch-free, there)
 
 SHARD_BYTES = 512 * 2**20   # a shard's feature bytes before the next one starts

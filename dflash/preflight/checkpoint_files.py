@@ -1,12 +1,16 @@
-"""What a checkpoint directory holds, read without torch.
+"""What dflash writes (checkpoint, export and capture dirs), in one place, without torch:
 
-The CLI checks a checkpoint here before torch loads (one line and exit 2 in milliseconds
-for a missing, corrupt or mismatched one), and the writer uses the same list of names to
-remove only what dflash itself wrote (a user's file placed in `checkpoint/` is never
-deleted). Nothing here unpickles anything.
+- the names of its files (WRITTEN, EXPORT_WRITTEN) and the bounds any drafter config must
+  keep (BOUNDS, bounds_error), whoever wrote it;
+- reading a checkpoint back: the CLI checks one here before torch loads (one line and exit 2
+  in milliseconds for a missing, corrupt or mismatched one); nothing here unpickles anything;
+- writing: what dflash writes is readable by others (plain_modes), and only what it wrote is
+  ever removed, by the same list of names (a user's file placed in `checkpoint/` is kept).
+  The CLI tidies a run dir with it before torch loads; the writers in checkpoint/ use it too.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -28,6 +32,71 @@ EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
 EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER)  # what `dflash export` writes
 
 
+# What a drafter may be, whoever wrote its config: checked before any module is built, so a
+# crafted config.json (100000 layers, intermediate_size 1e12, zero heads) is one line, not
+# an allocation of hundreds of GB. Generous: the largest targets (hidden 16384, 128 heads,
+# intermediate 53248, vocabularies of 262k) fit with room; the published drafters have 1-8
+# layers and blocks of 8-16.
+BOUNDS = {"hidden_size": (1, 65536), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
+          "head_dim": (2, 1024), "intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 23),
+          "num_hidden_layers": (1, 128), "block_size": (2, 1024)}
+MAX_PARAMETERS = 20_000_000_000   # a drafter larger than this is not a drafter (the paper's: ~1 B for 8B)
+
+
+def parameter_count(fields: dict) -> int:
+    """The drafter's parameters from its config alone (ours: DrafterLayer x n, fc, norms;
+    a copy head is a few thousand more)."""
+    h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
+    layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
+    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h \
+        + _dflash2_parameters(fields)
+
+
+def bounds_error(fields: dict, where: str) -> str | None:
+    """One line naming the first field of a drafter config that no drafter can have, or None.
+    A field that is absent is not judged here (the loader names a config that lacks one)."""
+    for key, (lo, hi) in BOUNDS.items():
+        v = fields.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+            return f"{where}: {key}={v!r}: expected an integer in [{lo}, {hi}]"
+    if any(fields.get(k) is None for k in (*BOUNDS, "target_layer_ids", "mask_token_id")):
+        return None
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        return (f"{where}: num_attention_heads={fields['num_attention_heads']} is not a multiple of "
+                f"num_key_value_heads={fields['num_key_value_heads']}")
+    if fields["head_dim"] % 2:
+        return f"{where}: head_dim={fields['head_dim']}: expected an even number (rotary embedding)"
+    ids = fields.get("target_layer_ids")
+    if not isinstance(ids, list) or not 1 <= len(ids) <= 256 or \
+            any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < 4096 for i in ids):
+        return f"{where}: target_layer_ids={str(ids)[:80]}: expected 1-256 layer ids in [0, 4096)"
+    mask = fields.get("mask_token_id")
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < fields["vocab_size"]:
+        return f"{where}: mask_token_id={mask!r}: expected an id in [0, vocab_size={fields['vocab_size']})"
+    for key, lo, hi in (("rms_norm_eps", 0.0, 0.1), ("rope_theta", 0.0, 1e12)):
+        v = fields.get(key, lo + 1e-6)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v <= hi:
+            return f"{where}: {key}={v!r}: expected a finite number in ({lo:g}, {hi:g}]"
+    n = parameter_count(fields)
+    if n > MAX_PARAMETERS:
+        return f"{where}: the config describes a drafter of {n:,} parameters (at most {MAX_PARAMETERS:,} accepted)"
+    dv = fields.get("draft_vocab_size") or 0
+    if isinstance(dv, bool) or not isinstance(dv, int) or not 0 <= dv <= fields["vocab_size"]:
+        return f"{where}: draft_vocab_size={dv!r}: expected an integer in [1, vocab_size={fields['vocab_size']}]"
+    return None
+
+
+def _dflash2_parameters(fields: dict) -> int:
+    """What the DFlash2 parts (checkpoint/dflash2_format.py) add to a drafter's parameters."""
+    if fields.get("arch") != "dflash2":
+        return 0
+    h, layers, v = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
+    taps, group, rank = (int(fields.get(k) or 1) for k in ("conv_kernel_size", "conv_group_size", "selector_rank"))
+    conv = 2 * (2 * taps * h + h * 2 * taps * max(1, h // group))
+    return layers * conv + 2 * v * rank + h * rank
+
+
+# -- reading a checkpoint back --------------------------------------------------------------
 class CheckpointError(UserError):
     """A checkpoint that cannot be used: one line naming it and what is wrong (exit 2)."""
 
@@ -71,9 +140,7 @@ def check_safetensors(f: Path) -> dict:
 
 def check_drafter_bounds(path, raw: dict) -> None:
     """A checkpoint config.json that no drafter can have (100000 layers, zero heads, a
-    trillion-wide MLP): one line before anything is built (checkpoint/export_format.BOUNDS)."""
-    from ..checkpoint.export_format import bounds_error
-
+    trillion-wide MLP): one line before anything is built (BOUNDS)."""
     err = bounds_error(raw, f"checkpoint {str(path)!r}: config.json")
     if err:
         raise CheckpointError(err)
@@ -156,3 +223,82 @@ def _same_target(a: str, b: str) -> bool:
             (pa / CONFIG).read_bytes() == (pb / CONFIG).read_bytes()
     except OSError:
         return False
+
+
+# -- what dflash writes is readable by others ----------------------------------------------
+def umask() -> int:
+    """The process's umask, read without changing it (Linux: /proc/self/status; elsewhere the
+    set-and-restore dance, which is only racy against another thread creating files)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def plain_modes(root: Path) -> None:
+    """Give what was written under private temp names (mkdtemp: 0700, safetensors: 0600) the
+    modes a plain write has under the user's umask (0755 / 0644 under 022), so a serving
+    engine or a colleague running as another user can read an export, a checkpoint or a
+    capture. Walks ``root`` (a dir or one file); never follows links."""
+    mask = umask()
+    paths = [root] if root.is_file() else [root, *root.rglob("*")]
+    for q in paths:
+        if q.is_symlink():
+            continue
+        os.chmod(q, (0o777 if q.is_dir() else 0o666) & ~mask)
+
+
+# -- removing only what dflash wrote ---------------------------------------------------------
+def foreign_entries(d: Path, written=WRITTEN) -> list[str]:
+    """Entries of a checkpoint (or export) dir that dflash did not write there."""
+    try:
+        return sorted(e.name for e in d.iterdir() if e.name not in written)
+    except OSError:
+        return []
+
+
+def remove_written(d: Path, written=WRITTEN) -> Path | None:
+    """Delete the files dflash writes into a checkpoint (or export) dir, then the dir if that
+    empties it. Anything else is kept: the dir is renamed aside (returned), never deleted.
+    A link in the dir's place is removed as a link: what it points to is never touched."""
+    if d.is_symlink():
+        d.unlink()
+        return None
+    if not d.is_dir():
+        return None
+    for name in written:
+        try:
+            (d / name).unlink()
+        except FileNotFoundError:
+            pass
+    try:
+        d.rmdir()
+        return None
+    except OSError:  # not empty: a file dflash did not write
+        kept = d.with_name(f"{d.name}.kept-{os.getpid()}")
+        n = 0
+        while kept.exists():
+            n += 1
+            kept = d.with_name(f"{d.name}.kept-{os.getpid()}-{n}")
+        os.replace(d, kept)
+        return kept
+
+
+def clean_stale_temps(dst: Path) -> list[Path]:
+    """Temp dirs a killed save left beside `dst` (`.checkpoint.tmp-*`, a whole checkpoint
+    each). Only called under the run dir's lock, so no other save can be writing them."""
+    removed = []
+    for t in dst.parent.glob(f".{dst.name}.tmp-*"):
+        if t.is_symlink():  # never ours: a save makes a real dir (mkdtemp)
+            t.unlink()
+            removed.append(t)
+        elif t.is_dir() and not foreign_entries(t):
+            remove_written(t)
+            removed.append(t)
+    return removed

@@ -1,6 +1,6 @@
 """Launch checks shared by the commands that load a target (`dflash train`, `dflash
-capture`): torchrun's environment, and what can be known about the target and the data
-set without loading a model. One line, exit 2, before torch is imported."""
+capture`): torchrun's environment, and what can be known about the target without loading
+a model. One line, exit 2, before torch is imported."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ import os
 def check_torchrun_env() -> None:
     """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together; a hand-made half of them is
     one line, not a KeyError from deep inside the set-up."""
-    from ..config import ConfigError
+    from ..errors import ConfigError
 
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     for k, v in env.items():
@@ -23,26 +23,10 @@ def check_torchrun_env() -> None:
         raise ConfigError(f"RANK={env['RANK']}: expected < WORLD_SIZE={world}")
 
 
-def check_inputs(cfg, data: bool = True) -> None:
-    """What can be known about the target and the data set without loading a model: a hub
-    id that does not exist or cannot be reached, a data set with no usable record."""
-    from ..config import ConfigError
-    from ..data.conversations import load_conversations
+def check_target(cfg) -> None:
+    """What can be known about the target without loading a model: a hub id that does not
+    exist or cannot be reached. (The data set is loaded, and so checked, by the command:
+    commands/train.py's load_data.)"""
     from .inputs import check_target_spec
 
-    import logging
-
-    log = logging.getLogger("dflash.data.conversations")
-    level = log.level
-    log.setLevel(logging.ERROR)  # "fewer than asked" is said by the run itself, or refused below
-    try:
-        check_target_spec(cfg.model.target, probe_hub=True)
-        if not data:  # training from a capture: the samples are in it
-            return
-        # picks (and caches) the run's subset: the run reads it back in milliseconds
-        convs = load_conversations(cfg.data.path or None, limit=cfg.data.num_conversations, seed=cfg.train.seed)
-    finally:
-        log.setLevel(level)
-    if len(convs) < 2:
-        raise ConfigError(f"dataset {cfg.data.path or 'ShareGPT V3'!r}: {len(convs)} usable conversation(s); "
-                          "expected at least 2 (one to train on, one held out)")
+    check_target_spec(cfg.model.target, probe_hub=True)

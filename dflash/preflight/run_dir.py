@@ -25,8 +25,8 @@ from pathlib import Path
 
 from otel.confined import write_text
 
-from ..checkpoint.files import foreign_entries
-from ..config import ConfigError
+from ..errors import ConfigError
+from .checkpoint_files import foreign_entries
 from .inputs import read_json
 
 MARKER = ".dflash-run"
@@ -193,8 +193,7 @@ def clear_earlier_run(p: Path) -> None:
     checkpoint cannot be mixed with this run's; a file dflash did not write stays. A link in
     the place of something a run writes is removed as a link (what it points to is never
     touched), and no link is ever followed."""
-    from ..checkpoint.files import remove_written
-    from .checkpoint_files import EXPORT_WRITTEN
+    from .checkpoint_files import EXPORT_WRITTEN, remove_written
 
     for link in links_where_a_run_writes(p):
         link.unlink()

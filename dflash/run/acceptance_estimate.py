@@ -61,7 +61,8 @@ from ..data.dataset import collate
 from ..data.sample import Sample
 from ..decode.evaluate import per_position, per_step_tau
 from ..model.features import target_features
-from .step import DeferredScalars, TrainStep
+from .readback import DeferredScalars
+from .step import TrainStep
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -1,11 +1,12 @@
-"""What joins a target worker to a drafter worker: the `Channel` protocol, and its three
-implementations:
+"""What joins a target worker to a drafter worker when they are not one loop: the `Channel`
+protocol, and its two implementations:
 
-    direct   the reference loop: one thread, the drafter asks and the target worker makes
-             the batch there and then (no queue_get / cpu_copy_enqueue stages);
     queue    threads of one process: the bounded, in-order HiddenQueue; on CUDA the
              device->host copy into pinned, pre-allocated buffers on a side stream;
     ranks    roles by rank: credit-based hand-off over torch.distributed (roles/handoff.py).
+
+The reference loop needs none: it hands the target worker's item to the drafter worker
+itself (run_loop.py `reference_loop`).
 
 Ordering across streams is explicit everywhere: events, `record_stream`, and a staging
 buffer goes back to its pool only once the drafter's copy out of it has finished.
@@ -16,7 +17,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -40,11 +41,8 @@ class Channel(Protocol):
     no-op elsewhere), `hand_over(item, stop) -> seconds blocked` (None from a ranks channel
     whose drafters stopped); `span_attrs` are what the stage carries about the channel.
     Drafter side: `batch_id(step)`, `take(step) -> (item, seconds waited)` inside queue_get,
-    `taken(step)` once it is out, `depth()` for the span. `waits`: False for the direct
-    channel, whose drafter has no queue_get stage and whose target worker no
-    cpu_copy_enqueue. `producers_done` when the target side has made its last item,
-    `close` to wake every waiter (end or failure)."""
-    waits: bool
+    `taken(step)` once it is out, `depth()` for the span. `producers_done` when the target
+    side has made its last item, `close` to wake every waiter (end or failure)."""
     span_attrs: dict[str, str]
 
     def staging(self, target_device: torch.device, numel: int, dtype: torch.dtype) -> PinnedPool | None: ...
@@ -82,50 +80,8 @@ class PinnedPool:
         self._returned.append((buf, done_event))
 
 
-class DirectChannel:
-    """The reference loop: the drafter's `take` runs the target worker inline."""
-    waits = False  # no queue: no queue_get / cpu_copy_enqueue stages
-    span_attrs: dict = {}
-
-    def __init__(self):
-        self._make = self._batches = None
-
-    def feed(self, make: Callable[..., tuple], batches: Iterator[tuple]) -> None:
-        """The target worker's `make` and its batch source: what each `take` runs."""
-        self._make, self._batches = make, batches
-
-    def take(self, step: int) -> tuple[HiddenItem, float]:
-        return self._make(*next(self._batches))[0], 0.0
-
-    def taken(self, step: int) -> None:
-        pass
-
-    def batch_id(self, step: int) -> int:
-        return step
-
-    def depth(self) -> int:
-        return 0
-
-    # the target side hands nothing over: the drafter's `take` made the item
-    def staging(self, target_device, numel: int, dtype) -> None:
-        return None
-
-    def stage_copy(self, item, pool, side, cur, stop) -> None:
-        pass
-
-    def hand_over(self, item: HiddenItem, stop: bool = False) -> float:
-        return 0.0
-
-    def producers_done(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
 class QueueChannel:
     """Target worker threads -> the bounded in-order queue -> the drafter thread."""
-    waits = True
     span_attrs: dict = {}
 
     def __init__(self, pcfg, drafter_device: torch.device, capacity: int | None = None):

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Iterator
 from ..config import Config
 from ..data import dataset as data_mod
 from .placement import Placement
-from .step import DeferredScalars
+from .readback import DeferredScalars
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ class RunSpec:
     run_id: str
     tokenizer: PreTrainedTokenizerBase
     layer_ids: list[int]
-    feature_ids: list[int]        # what the target side captures per token (run/step.py `feature_ids`)
+    feature_ids: list[int]        # what the target side captures per token (model/losses.py `feature_ids`)
     start_step: int               # 0, or where a resumed run goes on
     target_config: PretrainedConfig   # the target's HF config (kept where the target is not)
     samples: list[Sample]         # this run's training samples (all ranks; each takes its shard)
@@ -113,18 +113,3 @@ class RunState:
         """The group end-of-run sums go over (None: this rank alone)."""
         return self.vote.group if self.vote is not None else None
 
-    def record(self, step: int, loss, acc, gnorm, nonfinite) -> None:
-        """Called on the drafter thread after each optimizer step: no host read here."""
-        # every step: one tiny async copy; gives the exact loss trajectory and non-finite steps
-        self.readback.put(step, loss=loss, acc=acc, grad_norm=gnorm, nonfinite=nonfinite)
-        for s, v in self.readback.ready():
-            self._log(s, v)
-
-    def _log(self, s: int, v: dict[str, float]) -> None:
-        self.history.append((s, v["loss"], v["acc"], v["grad_norm"]))
-        if v["nonfinite"]:
-            self.nonfinite.append(s)
-
-    def finish_readback(self) -> None:
-        for s, v in self.readback.drain_blocking():
-            self._log(s, v)

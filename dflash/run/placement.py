@@ -1,7 +1,8 @@
 """Placement as data: which workers this process builds, on which devices, and which
 channel joins them. Everything else about a run is the same code for every placement.
 
-    one process, reference loop   target + drafter on one thread, direct channel
+    one process, reference loop   target + drafter on one thread, "direct": no channel, the
+                                  loop hands each batch's features over (run_loop.reference_loop)
     one process, pipelined        prefetch + a target worker per target device, queue channel
     torchrun, no layout           every rank one of the above (a replica), DDP over all ranks
     torchrun, --layout T:N,D:M    target ranks: a target worker; drafter ranks: a drafter
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from ..config import Config
+from ..config import Config, local_device
 from .roles.layout import DRAFTER, TARGET, Layout
 
 BOTH = "both"
@@ -54,11 +55,6 @@ class Placement:
         if self.channel == "direct":
             return "main"
         return f"drafter{self.index if self.layout else 0}"
-
-
-def local_device(dev: str) -> str:
-    """Plain `cuda` means this rank's GPU (LOCAL_RANK, torchrun's convention)."""
-    return f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if dev == "cuda" else dev
 
 
 def _role_device(devs: list[str], index: int) -> str:

@@ -1,7 +1,8 @@
 """Build this process's workers (workers.py) and the channel that joins them (channels.py),
 and run them to the last step:
 
-    direct   (reference loop)   the drafter's thread makes each batch inline;
+    direct   (reference loop)   `reference_loop`, one thread, top-down: each step's batch,
+                                the target's features for it, the drafter's step on them;
     queue    (pipelined)        a prefetcher and a target thread per target device feed the
                                 drafter on this thread;
     ranks    (layout)           a target rank makes and sends its share; a drafter rank's
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import placement as placement_mod
-from .channels import DirectChannel, QueueChannel, RankChannel
+from .channels import QueueChannel, RankChannel
 from .context import RunSpec, RunState
 from .worker_threads import WorkerSet
 from .workers import DrafterWorker, InlineSource, Prefetcher, TargetWorker
@@ -23,12 +24,9 @@ def run_loop(spec: RunSpec, state: RunState) -> None:
     place, cfg = spec.placement, spec.cfg
     state.workers_stop.clear()
     if place.channel == "direct":
-        channel = DirectChannel()
-        ws = WorkerSet(state, channel)
-        tw = TargetWorker(spec, state, state.target, channel, "main", cache=state.feature_caches[0])
-        channel.feed(tw.make, InlineSource.reference(spec, state).batches_for("main"))
+        ws = WorkerSet(state)  # a failure is reported as worker "main"'s, with its stage
         try:
-            ws.run_here("main", DrafterWorker(spec, state, channel, "main").run)
+            ws.run_here("main", lambda: reference_loop(spec, state))
         finally:
             ws.finish()
         return
@@ -60,6 +58,24 @@ def run_loop(spec: RunSpec, state: RunState) -> None:
             ws.finish()
         return
     _run_drafter_rank(spec, state, dev)
+
+
+def reference_loop(spec: RunSpec, state: RunState) -> None:
+    """The reference loop (`train --reference`), on this thread, no queue: for each step, its
+    batch (data_load), the target's features for it (`TargetWorker.make`: model_forward,
+    pack_hidden), the drafter's training step on them (`DrafterWorker.step`:
+    drafter_forward -> backward -> optimizer_step -> the step's end)."""
+    batches = InlineSource.reference(spec, state).batches_for("main")
+    target = TargetWorker(spec, state, state.target, None, "main", cache=state.feature_caches[0])
+    drafter = DrafterWorker(spec, state, None, "main")
+    try:
+        while drafter.more_steps():
+            step_no = state.train_step.step
+            batch, attrs = next(batches)
+            features = target.make(batch, attrs)
+            drafter.step(step_no, features)
+    finally:
+        drafter.close()
 
 
 def _register_queue_metrics(spec: RunSpec, state: RunState, channel: QueueChannel) -> None:

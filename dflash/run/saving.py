@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from ..checkpoint import checkpoint as ckpt
 from . import distributed as dist_mod
+from . import readback
 from .context import RunSpec, RunState
 
 
 def save(spec: RunSpec, state: RunState) -> None:
-    state.finish_readback()  # the saved loss history must include every step so far
+    readback.finish(state)  # the saved loss history must include every step so far
     tokens = int(dist_mod.sum_over_ranks(state.tokens, state.vote_group))  # every rank calls save
     if not spec.is_lead:
         return

@@ -13,18 +13,19 @@ import torch
 
 from ..checkpoint import checkpoint as ckpt
 from ..checkpoint.drafter_dirs import check_fits
-from ..config import Config, resolve_dtype
+from ..config import Config, local_device, resolve_dtype
 from ..data import chat_template
 from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
 from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
+from ..model.losses import feature_ids
 from ..prep.prepare import prepare
 from . import distributed as dist_mod
 from . import placement as placement_mod
 from .context import RunSpec, RunState
 from .placement import Placement
-from .step import TrainStep, feature_ids
+from .step import TrainStep
 from .telemetry_setup import make_telemetry
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch.manual_seed(cfg.train.seed)
     # the target's dtype is the target role's, also where a drafter rank borrows it on the host
-    dtype = resolve_dtype(cfg, placement_mod.local_device(cfg.pipeline.target_devices[0]))
+    dtype = resolve_dtype(cfg, local_device(cfg.pipeline.target_devices[0]))
     store = features_dtype = None
     if cfg.data.features:  # a capture: no target forward, no data preparation
         from ..offline.train_from_features import open_capture, training_samples

@@ -45,7 +45,7 @@ def balance_from_files(out: Path) -> dict | None:
     stalls` computes it; None when spans went only to an OTLP endpoint (ask Jaeger then)."""
     from ..analysis.balance import balance
     from ..analysis.stalls import load_run, select_run
-    from ..config import ConfigError
+    from ..errors import ConfigError
     try:
         _, spans = select_run(load_run(out))
     except ConfigError:

@@ -27,6 +27,7 @@ from otel.confined import write_text
 from ..config import Config, dumps
 from ..errors import watch_second_signal
 from . import distributed as dist_mod
+from . import readback
 from .context import RunSpec, RunState
 from .run_loop import run_loop
 from .saving import save, wait_for_checkpoint
@@ -85,7 +86,7 @@ class Trainer:
         if state.estimate is not None:  # the curve's first point: where training starts from
             state.estimate(state.train_step.step)
         self.run_steps()
-        state.finish_readback()
+        readback.finish(state)
         wall = time.perf_counter() - t0
         save(spec, state)
         wait_for_checkpoint(state)  # the run's result is on disk before anything else happens

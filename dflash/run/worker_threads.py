@@ -14,7 +14,7 @@ from .hidden_queue import Closed
 
 
 class WorkerSet:
-    def __init__(self, state: RunState, channel: Channel):
+    def __init__(self, state: RunState, channel: Channel | None = None):
         self.state, self.channel = state, channel
         self.errors: list[tuple[str, BaseException]] = []
         self.threads: list[threading.Thread] = []
@@ -45,7 +45,8 @@ class WorkerSet:
 
     def shutdown(self) -> None:
         self.state.workers_stop.set()
-        self.channel.close()
+        if self.channel is not None:  # wake its waiters (the reference loop has none)
+            self.channel.close()
 
     def finish(self) -> None:
         self.shutdown()

@@ -3,19 +3,21 @@
     batch source   data_load: a prefetch thread ahead of the target workers (pipelined), or
                    the worker's own thread (the reference loop, a layout's target rank);
     TargetWorker   model_forward -> pack_hidden -> cpu_copy_enqueue (hand over)
-    DrafterWorker  take (queue_get) -> drafter_forward -> backward -> optimizer_step -> step end
+    DrafterWorker  take (queue_get) -> `step`: drafter_forward -> backward -> optimizer_step -> step end
     StepEnd        tokens, the deferred read-back, metrics, the progress bar, `save_every`
 
 The target worker runs the frozen target (one replica per target device), captures the
 selected layers, keeps valid tokens only and hands them to its channel (channels.py): a
 queue (threads; on CUDA a copy to pinned host buffers on a side stream, announced by an
 event: nobody on this side waits for it), another rank (credit-based, roles/handoff.py),
-or nothing at all (the reference loop, whose drafter takes the item from `make` directly).
+or nothing at all (the reference loop, run_loop.py, hands what `make` returns to the
+drafter worker's `step`).
 
-The drafter worker takes step `s`'s batch from its channel (in step order whatever the
-number of target workers, so training is identical to the reference loop), makes its own
-stream wait on the hand-over's event (never the host), trains (step.py), and hands the
-loss, accuracy and grad norm to the step end as device tensors (read back later, no sync).
+The drafter worker (pipelined: `run`) takes step `s`'s batch from its channel (in step
+order whatever the number of target workers, so training is identical to the reference
+loop); its `step` makes its own stream wait on the hand-over's event (never the host),
+trains (step.py), and hands the loss, accuracy and grad norm to the step end as device
+tensors (read back later, no sync: readback.py).
 
 `--inject-delay` / `--inject-fault` (`inject`, in every stage): reproducible stalls and
 failures, documented as tools for testing dashboards, alerts, stall reports and the
@@ -34,6 +36,7 @@ import torch
 from tqdm import tqdm
 
 from ..model.features import pack, target_features, unpack
+from . import readback
 from .channels import Channel, HiddenItem
 from .context import RunSpec, RunState
 from .saving import save
@@ -128,9 +131,9 @@ class InlineSource:
         return cls(spec, state, ((s, s, {}, load) for s in itertools.count(spec.start_step)))
 
     def batches_for(self, worker: str) -> Iterator[tuple[Batch, dict]]:
-        spec, tel = self.spec, self.tel
+        spec, tel, rank = self.spec, self.tel, self.spec.rank
         for bid, step, attrs, load in self.plan:
-            with tel.stage("data_load", trace=("batch", bid), worker=worker, rank=spec.rank, batch_id=bid,
+            with tel.stage("data_load", trace=("batch", bid), worker=worker, rank=rank, batch_id=bid,
                            step=step, device="cpu", **attrs) as s:
                 b = load()
                 s.set(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
@@ -140,7 +143,11 @@ class InlineSource:
 
 # -- the target worker -------------------------------------------------------------------
 class TargetWorker:
-    def __init__(self, spec: RunSpec, state: RunState, target: PreTrainedModel, channel: Channel, name: str,
+    """model_forward -> pack_hidden (`make`: a batch's features), then cpu_copy_enqueue
+    (`hand_over` to the channel). ``channel`` None: the reference loop, which takes what
+    `make` returns straight to the drafter worker."""
+
+    def __init__(self, spec: RunSpec, state: RunState, target: PreTrainedModel, channel: Channel | None, name: str,
                  cache: FeatureCache | None = None, extra_attrs: dict | None = None):
         self.spec, self.state, self.target, self.channel, self.name, self.cache = \
             spec, state, target, channel, name, cache
@@ -151,7 +158,7 @@ class TargetWorker:
         if spec.feature_store is not None:  # train --features: model_forward only moves captured rows
             self.extra["source"] = "features"
         self.side = self.pool = None
-        if channel.waits:  # a queue: on CUDA, a side stream and (across devices) pinned staging
+        if channel is not None:  # a queue or a rank: on CUDA, a side stream and (across devices) pinned staging
             self.side = torch.cuda.Stream(self.dev) if self.cuda else None
             H = target.config.get_text_config().hidden_size * len(spec.feature_ids)
             t = spec.cfg.train
@@ -163,8 +170,9 @@ class TargetWorker:
         return dict(worker=self.name, device=str(self.dev), rank=self.rank, batch_id=b.index,
                     tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len, **self.extra, **extra)
 
-    def make(self, b: Batch, extra: dict) -> tuple[HiddenItem, dict, torch.cuda.Stream | None]:
-        """model_forward -> pack_hidden: (item, span attributes, the stream they ran on)."""
+    def make(self, b: Batch, extra: dict) -> HiddenItem:
+        """model_forward -> pack_hidden: the batch's features (the selected layers' hidden
+        states, valid tokens only), on the target's device."""
         tel, key, a = self.tel, ("batch", b.index), self.attrs(b, extra)
         step = a["step"]
         cur = torch.cuda.current_stream(self.dev) if self.cuda else None
@@ -174,11 +182,13 @@ class TargetWorker:
         with tel.stage("pack_hidden", trace=key, stream=cur, **a):
             packed = pack(feats, b.lengths)
             inject(self.pcfg, "pack_hidden", step)
-        return HiddenItem(batch=b, packed=packed, worker=self.name), a, cur
+        return HiddenItem(batch=b, packed=packed, worker=self.name)
 
-    def hand_over(self, item: HiddenItem, a: dict, cur: torch.cuda.Stream | None) -> bool:
+    def hand_over(self, item: HiddenItem, extra: dict) -> bool:
         """cpu_copy_enqueue: False when the channel takes nothing more (the drafters stopped)."""
         state, ch, tel, thr = self.state, self.channel, self.tel, self.pcfg.stall_threshold_s
+        a = self.attrs(item.batch, extra)
+        cur = torch.cuda.current_stream(self.dev) if self.cuda else None  # the stream `make` ran on
         with tel.stage("cpu_copy_enqueue", trace=("batch", item.batch.index), **a, **ch.span_attrs) as s:
             ch.stage_copy(item, self.pool, self.side, cur, state.workers_stop)  # toward the drafter's device
             inject(self.pcfg, "cpu_copy_enqueue", a["step"])
@@ -202,8 +212,7 @@ class TargetWorker:
         for b, extra in source.batches_for(self.name):
             if self.state.workers_stop.is_set():
                 break
-            item, a, cur = self.make(b, extra)
-            if not self.hand_over(item, a, cur):
+            if not self.hand_over(self.make(b, extra), extra):
                 break
 
     def counts(self) -> dict:
@@ -212,27 +221,47 @@ class TargetWorker:
 
 # -- the drafter worker ------------------------------------------------------------------
 class DrafterWorker:
-    def __init__(self, spec: RunSpec, state: RunState, channel: Channel, name: str,
+    """`step(step_no, item)`: drafter_forward -> backward -> optimizer_step -> the step's end
+    (`StepEnd`), on one batch's features. `run()`: the pipelined loop, which takes each
+    step's item from its channel (queue_get) and steps on it; the reference loop
+    (run_loop.py) calls `step` itself (``channel`` None). `close()` when done."""
+
+    def __init__(self, spec: RunSpec, state: RunState, channel: Channel | None, name: str,
                  sync_timer: SyncTimer | None = None):
         self.spec, self.state, self.channel, self.name, self.sync_timer = spec, state, channel, name, sync_timer
-        self.tel, self.pcfg = state.tel, spec.cfg.pipeline
+        self.tel, self.pcfg, self.rank = state.tel, spec.cfg.pipeline, spec.rank
         self.dev = state.train_step.device
         self.cuda = self.dev.type == "cuda"
         t = spec.cfg.train
         self.end = min(t.steps, t.stop_after) if t.stop_after else t.steps
+        self.end_step = StepEnd(spec, state, name)  # tokens, read-back, progress, save cadence
 
     def more_steps(self) -> bool:
+        """Another step: below the last, no stop asked (ranks vote on it), no worker failed."""
         state = self.state
         stop = state.stop.is_set()
         if state.vote is not None:  # every rank votes every step: same stop step everywhere
             stop = state.vote(stop)
-        return state.train_step.step < self.end and not stop
+        return state.train_step.step < self.end and not stop and not state.workers_stop.is_set()
 
-    def _take(self, step: int, key: tuple, a: dict) -> HiddenItem:
-        """The item for `step`; through a queue, the queue_get stage with its wait."""
+    def _attrs(self, step: int) -> tuple[tuple, dict]:
+        """The step's trace key and span attributes (its batch id: the channel's, else the step)."""
+        bid = self.channel.batch_id(step) if self.channel is not None else step
+        return ("batch", bid), dict(worker=self.name, device=str(self.dev), rank=self.rank, batch_id=bid, step=step)
+
+    def run(self) -> None:
+        """The pipelined loop: each step's item from the channel, in step order, then `step`."""
+        try:
+            while self.more_steps():
+                step_no = self.state.train_step.step
+                self.step(step_no, self._take(step_no))
+        finally:
+            self.close()
+
+    def _take(self, step: int) -> HiddenItem:
+        """queue_get: the item for `step` from the channel, with its wait."""
         ch, tel = self.channel, self.tel
-        if not ch.waits:
-            return ch.take(step)[0]
+        key, a = self._attrs(step)
         with tel.stage("queue_get", trace=key, **a) as s:
             item, waited = ch.take(step)
             ch.taken(step)
@@ -243,43 +272,39 @@ class DrafterWorker:
         tel.add("dflash.queue.consumer_starved_seconds", waited, worker=self.name)
         return item
 
-    def run(self) -> None:
-        state, st, pcfg, tel = self.state, self.state.train_step, self.pcfg, self.tel
-        end_step = StepEnd(self.spec, state, self.name)  # tokens, read-back, progress, save cadence
-        try:
-            while self.more_steps() and not state.workers_stop.is_set():
-                step = st.step
-                bid = self.channel.batch_id(step)
-                key = ("batch", bid)
-                a = dict(worker=self.name, device=str(self.dev), rank=self.spec.rank, batch_id=bid, step=step)
-                item = self._take(step, key, a)
-                b = item.batch
-                a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
-                cur = torch.cuda.current_stream(self.dev) if self.cuda else None
-                with tel.stage("drafter_forward", trace=key, stream=cur, **a):
-                    if item.ready is not None:
-                        cur.wait_event(item.ready)     # device-side wait, the host moves on
-                    if item.packed.device == self.dev and self.cuda:
-                        item.packed.record_stream(cur)  # made on another stream (NCCL receive)
-                    x = item.packed.to(self.dev, non_blocking=True)
-                    if item.release is not None:
-                        done = torch.cuda.Event()
-                        done.record(cur)
-                        item.release(done)
-                    loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
-                    inject(pcfg, "drafter_forward", step)
-                with tel.stage("backward", trace=key, stream=cur, **a) as s:
-                    st.backward(loss)
-                    inject(pcfg, "backward", step)
-                    sync = self.sync_timer.take() if self.sync_timer is not None else 0.0
-                    if sync:
-                        s.set(sync_s=round(sync, 6))
-                with tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
-                    gnorm, nonfinite = st.optimizer_step(loss)
-                    inject(pcfg, "optimizer_step", step)
-                end_step(step, b.tokens, loss, acc, gnorm, nonfinite)
-        finally:
-            end_step.close()
+    def step(self, step_no: int, item: HiddenItem) -> None:
+        """One training step on a batch's features: drafter_forward (the loss: step.py,
+        model/losses.py) -> backward -> optimizer_step -> the step's end."""
+        st, pcfg, tel = self.state.train_step, self.pcfg, self.tel
+        key, a = self._attrs(step_no)
+        b = item.batch
+        a |= dict(tokens=b.tokens, sequences=len(b.lengths), padded_len=b.padded_len)
+        cur = torch.cuda.current_stream(self.dev) if self.cuda else None
+        with tel.stage("drafter_forward", trace=key, stream=cur, **a):
+            if item.ready is not None:
+                cur.wait_event(item.ready)     # device-side wait, the host moves on
+            if item.packed.device == self.dev and self.cuda:
+                item.packed.record_stream(cur)  # made on another stream (NCCL receive)
+            x = item.packed.to(self.dev, non_blocking=True)
+            if item.release is not None:
+                done = torch.cuda.Event()
+                done.record(cur)
+                item.release(done)
+            loss, acc = st.forward(unpack(x, b.lengths, b.padded_len), b)
+            inject(pcfg, "drafter_forward", step_no)
+        with tel.stage("backward", trace=key, stream=cur, **a) as s:
+            st.backward(loss)
+            inject(pcfg, "backward", step_no)
+            sync = self.sync_timer.take() if self.sync_timer is not None else 0.0
+            if sync:
+                s.set(sync_s=round(sync, 6))
+        with tel.stage("optimizer_step", trace=key, links=[key], stream=cur, **a):
+            gnorm, nonfinite = st.optimizer_step(loss)
+            inject(pcfg, "optimizer_step", step_no)
+        self.end_step(step_no, b.tokens, loss, acc, gnorm, nonfinite)
+
+    def close(self) -> None:
+        self.end_step.close()
 
 
 class StepEnd:
@@ -316,7 +341,7 @@ class StepEnd:
     def _record(self, step, loss, acc, gnorm, nonfinite) -> None:
         state, tel = self.state, self.tel
         before, nf_before = len(state.history), len(state.nonfinite)
-        state.record(step, loss, acc, gnorm, nonfinite)
+        readback.record(state, step, loss, acc, gnorm, nonfinite)
         for _, l, _, g in state.history[before:]:
             tel.record("dflash.train.loss", l)
             tel.record("dflash.train.grad_norm", g)

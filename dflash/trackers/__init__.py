@@ -22,7 +22,8 @@ from pathlib import Path
 
 from otel.confined import open_for_write
 
-from ..config import TRACKERS, ConfigError, check_trackers
+from ..config import TRACKERS, check_trackers
+from ..errors import ConfigError
 
 PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 LABELS = {"wandb": "W&B", "tensorboard": "TensorBoard", "mlflow": "MLflow"}  # in messages

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from otel.confined import start_python
 
-from ..config import ConfigError
+from ..errors import ConfigError
 
 READY_S = 120.0  # a cold MLflow server imports for a while on a busy 2-core machine
 

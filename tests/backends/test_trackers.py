@@ -74,7 +74,7 @@ def test_tracker_names_are_checked_before_torch(tmp_path):
 def test_a_tracker_package_that_is_missing_is_one_line(monkeypatch):
     import importlib.util
 
-    from dflash.config import ConfigError
+    from dflash.errors import ConfigError
     from dflash.trackers import check_installed
 
     real = importlib.util.find_spec

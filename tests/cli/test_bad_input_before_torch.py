@@ -1,12 +1,16 @@
 """Bad input of every kind is one line, exit 2, before torch is imported and before anything
 is written: data sets (empty, malformed, not UTF-8, a directory), targets (empty, a broken
 config.json, a hub id that does not exist or cannot be reached), `--out`, torchrun's
-environment."""
+environment and layouts, chat templates, eval's prompt sources, a KL capture without a
+top-k, a float16 target."""
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from helpers import TINY, cli_before_torch
+from helpers import ROOT, TINY, UNUSABLE_RECORDS, cli_before_torch, run_dflash
 
 def _train(tmp_path, *args, env=None):
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args, env=env)
@@ -40,6 +44,17 @@ def test_datasets_without_usable_records_fail_before_any_model_loads(tmp_path, k
         path.mkdir()
     out, lines = _train(tmp_path, "--set", f"data.path={path}")
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
+    records = [json.dumps(r) for r in UNUSABLE_RECORDS]
+    records.insert(1, "{this is not json")
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(records) + "\n")
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={path}")
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+    assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
+    assert "roles_out_of_order 1" in lines[0]
 
 
 @pytest.mark.parametrize("kind,needle", [
@@ -94,3 +109,68 @@ def test_out_is_checked_before_torch(tmp_path, where, needle):
     res, lines = cli_before_torch("train", "--out", out, "--target", "tiny-qwen3", *TINY, "--overwrite")
     assert res == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
     assert (users / "thesis.tex").read_text() == "years of work" and sorted(p.name for p in users.iterdir()) == ["thesis.tex"]
+
+
+@pytest.mark.parametrize("env,args,expect", [
+    ({}, ["--layout", "target:x,drafter:1"], "'x' is not an integer"),
+    ({}, ["--layout", "target:1,drafter:1"], "roles are given to torchrun's ranks"),
+    ({"WORLD_SIZE": "3"}, ["--layout", "target:1,drafter:1"], "needs 2 ranks, but torchrun started WORLD_SIZE=3"),
+    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--eval"], "no rank holds both the target and the drafter"),
+    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "train.estimate_every=5"],
+     "train.estimate_every=5 with pipeline.layout"),
+    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "pipeline.handoff=nccl"],
+     "pipeline.handoff=nccl: expected every target and drafter device on CUDA"),
+])
+def test_a_layout_that_cannot_run_is_one_line_and_exit_2(tmp_path, env, args, expect):
+    p = subprocess.run([sys.executable, "-m", "dflash", "train", "--out", str(tmp_path / "o"), *args],
+                       cwd=ROOT, env=dict(os.environ) | env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cmd", ["train", "inspect"])
+def test_bad_template_is_exit_2_before_torch(tmp_path, cmd):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% if %}")
+    args = (["train", "--out", str(tmp_path / "run"), "--target", "tiny-qwen3", "--set", f"data.chat_template={bad}"]
+            if cmd == "train" else ["data", "inspect", "x.jsonl", "--chat-template", str(bad)])
+    out, lines = cli_before_torch(*args)
+    assert out == {"rc": 2, "torch": False}
+    assert len(lines) == 1 and "data.chat_template=" in lines[0] and "not a valid Jinja template" in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+# -- eval's prompt sources
+@pytest.mark.parametrize("args,needle", [
+    (["--bench", "gsm8k"], "--bench gsm8k: unknown set"),
+    (["--prompts-from", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
+])
+def test_bad_prompt_sources_fail_before_torch(tmp_path, args, needle):
+    out, err = cli_before_torch("eval", "--checkpoint", tmp_path, *args)
+    assert out == {"rc": 2, "torch": False}, (out, err)
+    assert any(needle in line for line in err) and len(err) == 1, err
+
+
+def test_a_prompt_file_without_prompts_and_a_bad_baseline_key_fail_before_torch(tmp_path):
+    f = tmp_path / "answers.jsonl"
+    f.write_text(json.dumps({"answer": "4"}) + "\n")
+    run = tmp_path / "run" / "checkpoint"
+    run.mkdir(parents=True)
+    out, err = cli_before_torch("eval", "--checkpoint", run, "--prompts-from", f)
+    assert out["rc"] == 2 and not out["torch"] and "no record with a prompt" in err[-1], err
+    out, err = cli_before_torch("train", "--out", tmp_path / "r", "--set", "eval.baseline=ngram")
+    assert out == {"rc": 2, "torch": False} and "eval.baseline='ngram'" in err[-1], err
+
+
+def test_a_kl_capture_needs_a_top_k():
+    out, lines = cli_before_torch("capture", "--target", "tiny-qwen3", "--out", "/tmp/never-written",
+                                  "--set", "train.loss=kl", "--set", "train.kl_topk=0")
+    assert out == {"rc": 2, "torch": False} and "set train.kl_topk=K" in lines[0], lines
+
+
+def test_float16_is_refused_with_exit_2(tmp_path):
+    p = run_dflash("train", "--out", tmp_path / "run", "--set", "model.dtype=float16", check=False, timeout=120)
+    assert p.returncode == 2, p.stderr
+    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and "model.dtype=float16" in lines[0] and "bfloat16" in lines[0], p.stderr
+    assert not (tmp_path / "run").exists()

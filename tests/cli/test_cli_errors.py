@@ -1,10 +1,14 @@
-"""Bad input: one line naming the value, exit code 2, before any model loads."""
+"""Bad input: one line naming the value, exit code 2, before any model loads; a second run
+on a run dir in use is one line naming the holder."""
 import json
+import subprocess
+import sys
 import time
 
 import pytest
 
-from helpers import cli_before_torch, run_dflash
+from dflash.errors import UserError
+from helpers import ROOT, cli_before_torch, run_dflash
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -60,3 +64,30 @@ def test_bad_input_fails_without_importing_torch(tmp_path, args, needle):
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", *args, heavy=True, timeout=120)
     assert out == {"rc": 2, "heavy": []}, (out, lines)
     assert needle in "\n".join(lines)
+
+
+_HOLD = """
+import sys
+from dflash.preflight import run_dir
+run_dir.claim(sys.argv[1], resume=False, overwrite=False)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_second_run_gets_one_line_naming_the_holder(tmp_path):
+    from dflash.preflight import run_dir
+
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], cwd=ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(UserError, match=rf"in use by another dflash run \(pid {holder.pid} "):
+            run_dir.claim(str(tmp_path), resume=True, overwrite=False)
+        p = run_dflash("train", "--out", tmp_path, "--overwrite", "--target", "tiny-qwen3", check=False, timeout=120)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and f"pid {holder.pid}" in lines[0], p.stderr
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=30)
+    run_dir.claim(str(tmp_path), resume=False, overwrite=True)  # the lock went with its process

@@ -91,13 +91,6 @@ with open(sys.argv[1], "wb") as f:
 """
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    out = tmp_path_factory.mktemp("safe") / "run"
-    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY)
-    return out
-
-
 @pytest.mark.slow
 def test_training_state_is_written_without_pickle(trained):
     ck = trained / "checkpoint"
@@ -118,7 +111,8 @@ def test_a_crafted_pickle_in_a_checkpoint_runs_nothing(trained, tmp_path):
     (ck / "training_state.safetensors").unlink()
     pwned = tmp_path / "pwned"
     subprocess.run([sys.executable, "-c", _EVIL, str(ck / "training_state.pt"), str(pwned)], check=True)
-    p = run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY,
+    steps = json.loads((run / "summary.json").read_text())["steps"] + 1
+    p = run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", steps, "--no-telemetry", *TINY,
                    "--resume", check=False, timeout=300)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "interrupt" not in ln]
     assert not pwned.exists(), "the checkpoint's pickle ran a command"
@@ -141,8 +135,9 @@ def test_an_earlier_versions_plain_training_state_still_resumes(trained, tmp_pat
     torch.save(tree, ck / "training_state.pt")
     (ck / "training_state.json").unlink()
     (ck / "training_state.safetensors").unlink()
-    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 3, "--no-telemetry", *TINY, "--resume")
-    assert json.loads((run / "summary.json").read_text())["steps"] == 3
+    steps = json.loads((run / "summary.json").read_text())["steps"] + 1
+    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", steps, "--no-telemetry", *TINY, "--resume")
+    assert json.loads((run / "summary.json").read_text())["steps"] == steps
 
 
 def test_state_tree_round_trips_what_an_optimizer_holds(tmp_path):

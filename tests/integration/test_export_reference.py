@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import reference_dflash
-from helpers import TINY, last_json, run_dflash
+from helpers import last_json, run_dflash
 
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # many tiny forwards: two threads on a shared 2-core host crawl
 
@@ -28,12 +28,10 @@ def ref():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny-qwen3 drafter trained 40 steps, its fp32 export, and one eval of both side by side."""
-    run = tmp_path_factory.mktemp("run")
-    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 40, "--no-telemetry", *TINY,
-               env=ONE_THREAD)
-    exp = run / "export-fp32"
+def exported(trained, tmp_path_factory):
+    """conftest's trained run (tiny-qwen3, 40 steps), its fp32 export, and one eval of both side by side."""
+    run = trained
+    exp = tmp_path_factory.mktemp("export") / "export-fp32"
     p = run_dflash("export", "--checkpoint", run / "checkpoint", "--out", exp, "--dtype", "float32")
     assert "num_speculative_tokens = 7" in p.stdout
     p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--checkpoint", exp, "--prompts", 3,
@@ -41,8 +39,8 @@ def trained(tmp_path_factory):
     return run, exp, last_json(p.stdout)["drafters"], p.stdout
 
 
-def test_export_files_and_config(trained):
-    run, exp, _, _ = trained
+def test_export_files_and_config(exported):
+    run, exp, _, _ = exported
     cfg = json.loads((exp / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
     flags = cfg["dflash_config"]
@@ -64,8 +62,8 @@ def test_export_files_and_config(trained):
     assert s["export"]["dtype"] == "bfloat16" and (run / "export" / "model.safetensors").is_file()
 
 
-def test_round_trip_and_side_by_side_table(trained):
-    _, exp, (ours, served), stdout = trained
+def test_round_trip_and_side_by_side_table(exported):
+    _, exp, (ours, served), stdout = exported
     assert ours["format"] == "checkpoint" and served["format"] == "export"
     assert ours["per_prompt_steps"] == served["per_prompt_steps"]  # fp32: identical steps and outputs
     assert ours["lossless"] and served["lossless"]
@@ -124,15 +122,14 @@ def _same_drafts(ours, theirs):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
+def test_reference_drafts_what_we_draft(ref, exported, tiny, tmp_path):
     """The trained drafter of a repetitive tiny target drafts one token everywhere; a random
     drafter with a strong context path drafts a different token at every slot, so a wrong
     name, layer id or rotary setting in the export changes its drafts."""
     from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter
-    from dflash.model.target import load_target
 
-    run, _, (_, served), _ = trained
+    run, _, (_, served), _ = exported
     cfg = json.loads((run / "checkpoint" / "config.json").read_text())
     from dflash.model.drafter import DrafterConfig
     torch.manual_seed(3)
@@ -142,7 +139,7 @@ def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
         for name, p in ours.named_parameters():
             if p.dim() == 1:
                 p.uniform_(0.5, 1.5)
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     write_export(ours, target.config, tmp_path / "x", dtype="float32", target="tiny-qwen3")
     model = ref.DFlashDraftModel.from_pretrained(str(tmp_path / "x"), dtype=torch.float32).eval()
     steps = served["per_prompt_steps"][:2]
@@ -152,13 +149,11 @@ def test_reference_drafts_what_we_draft(ref, trained, tmp_path):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
-    from dflash.model.target import load_target
-
-    run, exp, (_, served), _ = trained
+def test_reference_reads_our_export_and_accepts_step_for_step(ref, exported, tiny):
+    run, exp, (_, served), _ = exported
     model, info = ref.DFlashDraftModel.from_pretrained(str(exp), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     steps = served["per_prompt_steps"]
     agreed, total, ref_taus = 0, 0, []
     for s, (acc, out) in zip(steps, _reference_steps(ref, model.eval(), target, steps, served["stop_token_ids"],
@@ -178,12 +173,10 @@ def test_reference_reads_our_export_and_accepts_step_for_step(ref, trained):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
+def test_our_eval_reads_a_reference_drafter(ref, tiny, tmp_path):
     from transformers import Qwen3Config
 
-    from dflash.model.target import load_target
-
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     tc = target.config
     cfg = Qwen3Config(hidden_size=tc.hidden_size, num_attention_heads=tc.num_attention_heads,
                       num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim,
@@ -212,8 +205,8 @@ def test_our_eval_reads_a_reference_drafter(ref, tmp_path):
     _same_drafts(_drafts_ours(ours, target, steps, res), _drafts_ref(ref, model, target, steps, res))
 
 
-def test_a_drafter_that_does_not_fit_the_target_is_one_line(trained, tmp_path):
-    _, exp, _, _ = trained
+def test_a_drafter_that_does_not_fit_the_target_is_one_line(exported, tmp_path):
+    _, exp, _, _ = exported
     bad = tmp_path / "bad"
     bad.mkdir()
     cfg = json.loads((exp / "config.json").read_text())
@@ -226,16 +219,15 @@ def test_a_drafter_that_does_not_fit_the_target_is_one_line(trained, tmp_path):
 
 
 @pytest.mark.network   # z-lab's wheel from the package index (the ref fixture)
-def test_reference_forward_equals_ours_on_one_block(ref, trained):
+def test_reference_forward_equals_ours_on_one_block(ref, exported, tiny):
     """Below the decode: the same context and block give the same drafter hidden states
     (a wrong name, layer id or rotary setting shows here even where greedy tokens agree)."""
     from dflash.checkpoint import checkpoint as ckpt
-    from dflash.model.target import load_target
 
-    run, exp, _, _ = trained
+    run, exp, _, _ = exported
     model = ref.DFlashDraftModel.from_pretrained(str(exp), dtype=torch.float32).eval()
     ours, _ = ckpt.load_drafter(run / "checkpoint")
-    target, _ = load_target("tiny-qwen3", seed=0)
+    target, _ = tiny
     ids = torch.arange(100, 140)[None]
     with torch.no_grad():
         hs = target(ids, output_hidden_states=True).hidden_states

@@ -118,11 +118,10 @@ def test_two_ranks_regenerate_disjoint_shards_and_gather_everything(tmp_path):
     assert [c[:-1] for c in pre["replies"]] == [c[:-1] for c in one["replies"][:len(pre["replies"])]]
 
 
-def test_regenerate_off_trains_on_the_data_sets_replies_as_they_are(tmp_path, monkeypatch):
+def test_regenerate_off_trains_on_the_data_sets_replies_as_they_are(tmp_path, monkeypatch, tiny):
     """`data.regenerate: off`: no target generation; every assistant turn of a multi-turn
     conversation is the data set's own text, with the loss on exactly those turns."""
     from dflash.config import load_config
-    from dflash.model import target as target_mod
     from dflash.prep import prepare as prep_mod
 
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path / "cache"))
@@ -138,7 +137,7 @@ def test_regenerate_off_trains_on_the_data_sets_replies_as_they_are(tmp_path, mo
     cfg = load_config(None, [f"data.path={data}", "data.num_conversations=12",
                              "data.regenerate=off", "model.target=tiny-qwen3", "data.max_len=256",
                              "model.block_size=4"])
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     monkeypatch.setattr(prep_mod, "regenerate", lambda *a, **k: pytest.fail("regenerate: off generated"))
     prep = prep_mod.prepare(cfg, target, tok)
     assert not prep.regenerated and prep.counts == {}

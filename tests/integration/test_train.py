@@ -1,5 +1,6 @@
 """Training end to end on a tiny target: resume is exact, the pipeline equals the
-reference loop, and a trained drafter beats the untrained one on tau."""
+reference loop, a trained drafter beats the untrained one on tau, bf16 on the CPU, and
+the best step by the held-out estimate is kept."""
 import json
 
 import pytest
@@ -114,3 +115,55 @@ def test_local_hf_model_dir_as_target(tmp_path):
     assert cfg["target"] == str(mdir) and cfg["hidden_size"] == 256 and cfg["block_size"] == 8
     res = last_json(run_dflash("eval", "--checkpoint", run / "checkpoint", "--json", "--prompts", 2).stdout)
     assert res["lossless"] and res["prompts"] == 2
+
+
+def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
+    """The whole path a CUDA user takes by default, in bf16 on the CPU (tests/unit/test_precision.py:
+    the drafter's fp32 master weights and bf16 compute, in-process)."""
+    import torch
+    from safetensors.torch import load_file
+
+    run = tmp_path / "bf16"
+    common = ["--out", run, "--target", "tiny-qwen3", "--no-telemetry", *TINY, "--set", "model.dtype=bfloat16"]
+    run_dflash("train", "--steps", 4, *common, "--set", "train.stop_after=2")
+    first = json.loads((run / "summary.json").read_text())
+    assert first["steps"] == 2 and first["nonfinite_steps"] == 0
+    weights = load_file(str(run / "checkpoint" / "model.safetensors"))
+    assert {v.dtype for v in weights.values()} == {torch.float32}, "checkpoints hold the fp32 master weights"
+    from dflash.checkpoint.checkpoint import load_training_state
+    state, _ = load_training_state(run / "checkpoint")
+    assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
+
+    # resumed, then evaluated in the same process (the eval a `train --eval` runs after training)
+    run_dflash("train", "--steps", 4, *common, "--resume", "--eval", "--set", "eval.before=false",
+               "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=16", "--set", "eval.baseline=none")
+    resumed = json.loads((run / "summary.json").read_text())
+    assert resumed["steps"] == 4 and [s for s, _ in resumed["loss_history"]] == [0, 1, 2, 3]
+    assert all(l == l and l < 20 for _, l in resumed["loss_history"])  # finite
+
+    res = resumed["eval_after"]
+    assert res["dtype"] == "bfloat16", "eval runs in the precision training used"
+    assert res["prompts"] == 2 and 1.0 <= res["acceptance_length"] <= 8
+    # lossless is reported with its evidence, never as a bare flag
+    assert res["lossless_divergent_prompts"] == len(res["lossless_divergences"])
+    assert res["lossless"] == (res["lossless_divergent_prompts"] == 0)
+
+
+def test_a_run_keeps_and_exports_its_best_step(tmp_path):
+    """train.estimate_every: the best step's checkpoint and export in OUT/best/, named in the
+    summary (tests/unit/test_best_checkpoint.py: which weights BestKeeper keeps)."""
+    out = tmp_path / "run"
+    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,
+               "--set", "train.estimate_every=2", "--set", "train.estimate_samples=2")
+    s = json.loads((out / "summary.json").read_text())
+    hist = s["acceptance_estimate"]["history"]
+    best = max(hist, key=lambda h: h[1])  # the first of the highest
+    assert s["best"]["step"] == best[0] and abs(s["best"]["tau_estimate"] - best[1]) < 1e-3
+    st = json.loads((out / "best" / "checkpoint" / "trainer_state.json").read_text())
+    assert st["step"] == best[0]
+    cfg = json.loads((out / "best" / "export" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    # --overwrite clears it with the rest of the earlier run
+    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 1, "--no-telemetry", *TINY,
+               "--overwrite")
+    assert not (out / "best").exists()

@@ -53,49 +53,44 @@ class _Store:
             self.headers.append(headers)
             self.lock.notify_all()
 
+    def _received(self, requests, kind: str):
+        """``(resource attributes, item)`` for every span (kind "spans") or metric ("metrics")
+        in the requests received so far: OTLP nests both as resource -> scope -> items."""
+        with self.lock:
+            reqs = list(requests)
+        for req in reqs:
+            for r in getattr(req, f"resource_{kind}"):
+                resource = attrs(r.resource.attributes)
+                for scope in getattr(r, f"scope_{kind}"):
+                    for item in getattr(scope, kind):
+                        yield resource, item
+
     @property
     def spans(self) -> list[dict]:
-        out = []
-        with self.lock:
-            reqs = list(self.trace_requests)
-        for req in reqs:
-            for rs in req.resource_spans:
-                resource = attrs(rs.resource.attributes)
-                for ss in rs.scope_spans:
-                    for s in ss.spans:
-                        out.append({
-                            "name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
-                            "parent_span_id": s.parent_span_id.hex(),
-                            "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
-                            "attributes": attrs(s.attributes), "resource": resource,
-                            "events": [{"name": e.name, "time_ns": e.time_unix_nano,
-                                        "attributes": attrs(e.attributes)} for e in s.events],
-                            "links": [{"trace_id": l.trace_id.hex(), "span_id": l.span_id.hex()}
-                                      for l in s.links],
-                            "status_code": s.status.code,
-                        })
-        return out
+        return [{"name": s.name, "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
+                 "parent_span_id": s.parent_span_id.hex(),
+                 "start_ns": s.start_time_unix_nano, "end_ns": s.end_time_unix_nano,
+                 "attributes": attrs(s.attributes), "resource": resource,
+                 "events": [{"name": e.name, "time_ns": e.time_unix_nano, "attributes": attrs(e.attributes)}
+                            for e in s.events],
+                 "links": [{"trace_id": l.trace_id.hex(), "span_id": l.span_id.hex()} for l in s.links],
+                 "status_code": s.status.code}
+                for resource, s in self._received(self.trace_requests, "spans")]
 
     @property
     def metric_points(self) -> list[dict]:
         out = []
-        with self.lock:
-            reqs = list(self.metric_requests)
-        for req in reqs:
-            for rm in req.resource_metrics:
-                resource = attrs(rm.resource.attributes)
-                for sm in rm.scope_metrics:
-                    for m in sm.metrics:
-                        kind = m.WhichOneof("data")
-                        for p in getattr(m, kind).data_points:
-                            point = {"name": m.name, "unit": m.unit, "type": kind,
-                                     "attributes": attrs(p.attributes), "resource": resource}
-                            if kind == "histogram":
-                                point.update(count=p.count, sum=p.sum, bucket_counts=list(p.bucket_counts),
-                                             explicit_bounds=list(p.explicit_bounds))
-                            else:
-                                point["value"] = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
-                            out.append(point)
+        for resource, m in self._received(self.metric_requests, "metrics"):
+            kind = m.WhichOneof("data")
+            for p in getattr(m, kind).data_points:
+                point = {"name": m.name, "unit": m.unit, "type": kind,
+                         "attributes": attrs(p.attributes), "resource": resource}
+                if kind == "histogram":
+                    point.update(count=p.count, sum=p.sum, bucket_counts=list(p.bucket_counts),
+                                 explicit_bounds=list(p.explicit_bounds))
+                else:
+                    point["value"] = p.as_double if p.WhichOneof("value") == "as_double" else p.as_int
+                out.append(point)
         return out
 
     def wait_for(self, predicate, timeout_s: float = 10.0, what: str = "spans"):
@@ -119,14 +114,28 @@ class _Store:
         return self.wait_for(predicate, timeout_s, "metrics")
 
 
-class OtlpGrpcReceiver(_Store):
-    protocol = "grpc"
+class _Receiver(_Store):
+    """A store that listens on 127.0.0.1 (``port`` 0: any free port); a context manager."""
 
     def __init__(self, port: int = 0):
         super().__init__()
         self._requested_port = port
         self.port = None
         self._server = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+class OtlpGrpcReceiver(_Receiver):
+    protocol = "grpc"
 
     def start(self) -> "OtlpGrpcReceiver":
         store = self
@@ -148,31 +157,14 @@ class OtlpGrpcReceiver(_Store):
         self._server.start()
         return self
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def stop(self):
         if self._server is not None:
             self._server.stop(grace=None).wait()
             self._server = None
 
-    def __enter__(self):
-        return self.start()
 
-    def __exit__(self, *exc):
-        self.stop()
-
-
-class OtlpHttpReceiver(_Store):
+class OtlpHttpReceiver(_Receiver):
     protocol = "http/protobuf"
-
-    def __init__(self, port: int = 0):
-        super().__init__()
-        self._requested_port = port
-        self.port = None
-        self._server = None
-        self._thread = None
 
     def start(self) -> "OtlpHttpReceiver":
         store = self
@@ -215,18 +207,8 @@ class OtlpHttpReceiver(_Store):
         self._thread.start()
         return self
 
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
     def stop(self):
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc):
-        self.stop()

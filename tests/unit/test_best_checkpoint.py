@@ -1,28 +1,21 @@
 """The best checkpoint by the held-out estimate (run/best.py): the weights of the step
-whose estimate was best, not the last ones; its export; a real run's summary and files."""
+whose estimate was best, not the last ones. A real run's summary, files and export:
+tests/integration/test_train.py."""
 from __future__ import annotations
 
 import json
 from types import SimpleNamespace
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import TINY, run_dflash
 from dflash.config import Config
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from helpers import small_drafter
 from dflash.run.best import BestKeeper
 
 
-def _drafter():
-    cfg = DrafterConfig(hidden_size=8, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
-                        intermediate_size=16, vocab_size=32, target_layer_ids=[0], mask_token_id=1, block_size=4)
-    return DFlashDrafter(cfg)
-
-
 def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
-    drafter = _drafter()
+    drafter = small_drafter()
     train_step = SimpleNamespace(drafter=drafter)
     keeper = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True)
     seen = {}
@@ -44,22 +37,3 @@ def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
     again.queued(40)
     again.result(40, 1.25)
     assert again.writer is None
-
-
-@pytest.mark.slow
-def test_a_run_keeps_and_exports_its_best_step(tmp_path):
-    out = tmp_path / "run"
-    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,
-               "--set", "train.estimate_every=2", "--set", "train.estimate_samples=2")
-    s = json.loads((out / "summary.json").read_text())
-    hist = s["acceptance_estimate"]["history"]
-    best = max(hist, key=lambda h: h[1])  # the first of the highest
-    assert s["best"]["step"] == best[0] and abs(s["best"]["tau_estimate"] - best[1]) < 1e-3
-    st = json.loads((out / "best" / "checkpoint" / "trainer_state.json").read_text())
-    assert st["step"] == best[0]
-    cfg = json.loads((out / "best" / "export" / "config.json").read_text())
-    assert cfg["architectures"] == ["DFlashDraftModel"]
-    # --overwrite clears it with the rest of the earlier run
-    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 1, "--no-telemetry", *TINY,
-               "--overwrite")
-    assert not (out / "best").exists()

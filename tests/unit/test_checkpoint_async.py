@@ -6,14 +6,11 @@ import pytest
 import torch
 
 from dflash.checkpoint import checkpoint as ckpt
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from helpers import small_drafter
 
 
 def _drafter():
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                        intermediate_size=64, vocab_size=100, target_layer_ids=[0, 1], mask_token_id=5, block_size=4)
-    d = DFlashDrafter(cfg)
+    d = small_drafter()
     opt = torch.optim.AdamW(d.parameters(), lr=0.1)
     d.fc.weight.grad = torch.ones_like(d.fc.weight)
     opt.step()

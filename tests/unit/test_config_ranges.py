@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from dflash.config import RANGES, Config, ConfigError, load_config, numeric_fields
+from dflash.config import RANGES, Config, load_config, numeric_fields
+from dflash.errors import ConfigError
 
 FIELDS = dict(numeric_fields())
 

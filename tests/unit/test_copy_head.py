@@ -9,13 +9,18 @@ import torch
 from torch import nn
 
 from dflash.model.copy_head import PRIOR, CopyHead, copy_candidates
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
 from dflash.model.loss_vocab import RowsHead
-from helpers import load_bench
+from helpers import load_bench, small_drafter
 
 ceiling = load_bench("demo_ceiling")
 
 H, V, BK = 32, 41, 5
+
+
+def _small(copy_head: bool):
+    """A two-layer drafter of H and V, seeded: with or without the copy head."""
+    return small_drafter(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=V,
+                         mask_token_id=V - 1, num_hidden_layers=2, block_size=BK, copy_head=copy_head)
 
 
 def test_proposals_are_prompt_lookups_and_never_read_past_the_anchor():
@@ -87,13 +92,7 @@ def test_the_copy_lands_on_the_subset_column_of_a_rows_head():
 
 
 def test_the_gate_starts_at_zero_and_the_rest_of_the_drafter_is_unchanged_by_the_head():
-    def build(copy_head):
-        torch.manual_seed(0)
-        return DFlashDrafter(DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                           intermediate_size=64, vocab_size=V, target_layer_ids=[0, 1],
-                                           mask_token_id=V - 1, num_hidden_layers=2, block_size=BK,
-                                           copy_head=copy_head))
-    with_head, without = build(True), build(False)
+    with_head, without = _small(copy_head=True), _small(copy_head=False)
     assert with_head.copy.gate.weight.abs().sum() == 0 and with_head.copy.bias.abs().sum() == 0
     rest = {k: v for k, v in with_head.state_dict().items() if not k.startswith("copy.")}
     assert rest.keys() == without.state_dict().keys()
@@ -113,11 +112,7 @@ def test_the_bias_gets_its_learning_rate_multiple_in_the_optimizer():
 
 
 def _drafter():
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        intermediate_size=64, vocab_size=V, target_layer_ids=[0, 1], mask_token_id=V - 1,
-                        num_hidden_layers=2, block_size=BK, copy_head=True)
-    d = DFlashDrafter(cfg).double().eval()
+    d = _small(copy_head=True).double().eval()
     with torch.no_grad():
         d.copy.bias.uniform_(3.0, 9.0)   # copy weights from sigmoid(-3) to sigmoid(3)
         d.copy.gate.weight.normal_(0.0, 0.1)

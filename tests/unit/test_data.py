@@ -198,8 +198,8 @@ def test_prompts_for_eval(tok):
 
 
 @pytest.mark.slow   # real generation with the tiny targets
-def test_regenerate_matches_unbatched_greedy(tok):
-    model, tok = T.load_target("tiny-qwen3")
+def test_regenerate_matches_unbatched_greedy(tiny):
+    model, tok = tiny
     convs = [CONV, [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "x"}],
              [{"role": "user", "content": "Tell me a long story about a dragon. " * 4},
               {"role": "assistant", "content": "y"}]]

@@ -7,7 +7,7 @@ import pytest
 
 from dflash.data import conversations as C
 from dflash.preflight.inputs import DatasetError, check_dataset_path
-from helpers import TINY, cli_before_torch
+from helpers import UNUSABLE_RECORDS
 
 CHAT = [
     {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
@@ -16,13 +16,7 @@ CHAT = [
                        {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]},
     {"conversations": [{"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]},
 ]
-BAD = [
-    {"messages": [{"role": "user", "content": "only a question"}]},                          # no_assistant_turn
-    {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"},
-                  {"role": "assistant", "content": "c"}]},                                   # roles_out_of_order
-    {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]},  # empty
-    {"text": "no turns at all"},                                                             # not_a_conversation
-]
+BAD = UNUSABLE_RECORDS
 
 
 def _write(path, records, *, jsonl: bool, gz: bool, garbage_line: bool = False):
@@ -60,14 +54,6 @@ def test_a_jsonl_file_that_is_not_jsonl_is_one_line(tmp_path):
     bad.write_text("[1, 2, 3]\n")
     with pytest.raises(DatasetError, match="not JSON Lines"):
         check_dataset_path(bad)
-
-
-def test_a_file_of_unusable_records_names_the_reasons_before_torch(tmp_path):
-    path = _write(tmp_path / "d.jsonl", BAD, jsonl=True, gz=False, garbage_line=True)
-    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, "--set", f"data.path={path}")
-    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
-    assert "no usable conversation in 5 records" in lines[0] and "not_json 1" in lines[0]
-    assert "roles_out_of_order 1" in lines[0]
 
 
 def test_a_glob_a_directory_and_a_list_name_several_files(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ from dflash.checkpoint import export_format as fmt
 from dflash.model.architectures import make_drafter
 from dflash.model.dflash2 import DFlash2Drafter, walk
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from helpers import check_one_pass_equals_per_block
 
 H, V, BK = 64, 101, 6
 
@@ -108,22 +109,17 @@ def per_block(d, embed, head, feats, ids, p):
                          ids=["plain", "scaled", "sliding"])
 def test_one_pass_training_forward_matches_per_block_inference(over):
     d, embed, head = make(**over)
-    S = 40
-    torch.manual_seed(1)
-    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (1, S))
-    anchors = torch.tensor([[3, 9, 17, 30, S - BK]])
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
-    for j, p in enumerate(anchors[0].tolist()):
+
+    def block_logits(feats, ids, p):
         kv = per_block(d, embed, head, feats, ids, p)
         ref = d.draft_logits(ids[:, p], p, kv, embed, head)
-        assert torch.allclose(logits[0, j], ref[0], atol=1e-9), f"block at anchor {p} differs"
-        assert labels[0, j].tolist() == ids[0, p + 1:p + BK].tolist()
         # the candidates the inference walk scores are the top-k of those same logits
-        cand, unary, scores = d.candidates(ids[:, p], p, kv, embed, head)
+        cand, unary, _ = d.candidates(ids[:, p], p, kv, embed, head)
         top = ref[0].topk(d.cfg.selector_top_k, -1)
         assert torch.equal(cand[0], top.indices) and torch.allclose(unary[0], top.values, atol=1e-9)
+        return ref
+
+    check_one_pass_equals_per_block(d, embed, head, block_logits, hidden=H, vocab=V, block=BK, atol=1e-9)
 
 
 def test_walk_follows_the_previous_pick_and_draft_uses_it():
@@ -209,7 +205,7 @@ def test_export_import_round_trip(tmp_path):
 
 
 def test_bad_dflash2_configs_are_one_line():
-    from dflash.config import ConfigError
+    from dflash.errors import ConfigError
 
     with pytest.raises(ConfigError, match="conv_group_size=24 must divide"):
         make(conv_group_size=24)

@@ -7,7 +7,8 @@ import re
 import pytest
 
 from helpers import ROOT
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
+from dflash.errors import ConfigError
 
 RECIPE = ROOT / "configs" / "dflash2-paper.yaml"
 

@@ -8,17 +8,14 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from helpers import small_drafter
 
 H, V, BK, K = 64, 101, 4, 12
 
 
 def _drafter(k=K):
-    torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        intermediate_size=128, vocab_size=V, target_layer_ids=[0, 1], mask_token_id=V - 1,
-                        num_hidden_layers=1, block_size=BK, draft_vocab_size=k)
-    d = DFlashDrafter(cfg).eval()
+    d = small_drafter(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                      vocab_size=V, mask_token_id=V - 1, block_size=BK, draft_vocab_size=k).eval()
     embed, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
     ids = torch.tensor(sorted(torch.randperm(V - 1)[:k].tolist()))
     if k:
@@ -72,7 +69,8 @@ def test_export_writes_what_vllm_reads_and_reads_it_back(tmp_path):
 
 
 def test_a_draft_vocabulary_with_a_copy_head_is_refused():
-    from dflash.config import ConfigError, load_config
+    from dflash.config import load_config
+    from dflash.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.draft_vocab"):
         load_config(None, ["model.draft_vocab=64", "model.copy_head=true"])

@@ -2,8 +2,9 @@
 import torch
 from torch import nn
 
-from dflash.model.drafter import (DFlashDrafter, DrafterConfig, loss_weights, sample_anchors,
-                            weighted_block_loss)
+from dflash.model.drafter import DFlashDrafter, DrafterConfig, sample_anchors
+from dflash.model.losses import decay_weights, weighted_block_loss
+from helpers import check_one_pass_equals_per_block
 
 H, V, BK = 64, 101, 8
 
@@ -31,17 +32,8 @@ def inference_logits(d, embed, head, feats, ids, p):
 
 def test_one_pass_training_forward_matches_per_block_inference():
     d, embed, head = make()
-    S = 40
-    torch.manual_seed(1)
-    feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
-    ids = torch.randint(0, V - 1, (1, S))
-    anchors = torch.tensor([[3, 9, 17, 30, S - BK]])
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
-    for j, p in enumerate(anchors[0].tolist()):
-        ref = inference_logits(d, embed, head, feats, ids, p)
-        assert torch.allclose(logits[0, j], ref[0], atol=1e-5), f"block at anchor {p} differs"
-        assert labels[0, j].tolist() == ids[0, p + 1:p + BK].tolist()  # slot k predicts p+k
+    check_one_pass_equals_per_block(d, embed, head, lambda feats, ids, p: inference_logits(d, embed, head, feats, ids, p),
+                                    hidden=H, vocab=V, block=BK, atol=1e-5)
 
 
 def test_block_mask_semantics():
@@ -76,11 +68,11 @@ def test_future_context_and_other_blocks_do_not_leak():
 
 
 def test_loss_weights_and_decay():
-    w = loss_weights(16)
+    w = decay_weights(16)
     assert w[0] == 0 and w[1] == 1.0
     assert torch.isclose(w[8], torch.exp(torch.tensor(-7 / 7.0)))
-    assert torch.isclose(loss_weights(8)[5], torch.exp(torch.tensor(-4 / 4.0)))
-    assert torch.isclose(loss_weights(10)[6], torch.exp(torch.tensor(-5 / 5.0)))
+    assert torch.isclose(decay_weights(8)[5], torch.exp(torch.tensor(-4 / 4.0)))
+    assert torch.isclose(decay_weights(10)[6], torch.exp(torch.tensor(-5 / 5.0)))
 
 
 def test_weighted_loss_ignores_masked_slots():
@@ -132,7 +124,7 @@ def test_nonfinite_step_is_skipped_on_device():
     assert not torch.equal(before["fc.weight"], d.state_dict()["fc.weight"])
 
 
-def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
+def test_drafter_init_continues_the_target_at_its_deepest_fused_layer(tiny):
     """model.drafter_init=target: the context the drafter's first layer reads is exactly
     what the target's next layer reads (its input norm of the deepest fused hidden state),
     and that layer's weights, plus the final norm, are the target's."""
@@ -143,7 +135,7 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
 
     cfg = Config()
     cfg.model.target, cfg.model.drafter_init = "tiny-qwen3", "target"
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
     nxt = target.model.layers[max(ids) + 1]
@@ -161,7 +153,7 @@ def test_drafter_init_continues_the_target_at_its_deepest_fused_layer():
     assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.q_proj.weight"} <= set(copied)
 
 
-def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkeypatch):
+def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkeypatch, tiny):
     """train.feature_cache: a batch of sequences seen before is assembled from the cache
     (no target forward), with the features a forward gives on the valid tokens and zeros
     on padding; a batch with one new sequence runs the forward."""
@@ -170,7 +162,7 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     from dflash.model.feature_cache import FeatureCache
     from dflash.model.features import target_features
 
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     cache = FeatureCache(ids)
 

@@ -1,6 +1,7 @@
 """The free baseline in every eval (prompt lookup through the same speculative loop), the
-per-position acceptance, and where eval's prompts come from (--prompts-from, --bench, the
-held-out prompts an export carries). Tiny targets, few prompts, few tokens."""
+per-position acceptance, and where eval's prompts come from (--prompts-from, --bench).
+Tiny targets, few prompts, few tokens; the same through `dflash train --eval` and `dflash
+eval` on a trained run: tests/integration/test_eval_runs.py."""
 from __future__ import annotations
 
 import json
@@ -13,43 +14,12 @@ from dflash.data.dataset import prompts_for_eval
 from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from dflash.model import target as T
 from dflash.model.prompt_lookup import PromptLookup, propose
-from helpers import TINY, cli_before_torch, last_json, run_dflash
+from helpers import brute_lookup, drafter_config, lookup_steps_from_output
 
 BK = 4
 
 
-# ------------------------------------------------------------------ an independent prompt lookup
-
-
-def brute_lookup(ids: list[int], length: int, max_n: int = 3) -> list[int]:
-    """The rule as stated (longest n first, then the latest earlier occurrence; known tokens
-    only), written the slow obvious way, apart from dflash's own."""
-    p = len(ids) - 1
-    for n in range(min(max_n, p), 0, -1):
-        key = ids[p - n + 1:]
-        for j in range(p - 1, n - 2, -1):
-            if ids[j - n + 1:j + 1] == key:
-                return ids[j + 1:min(j + 1 + length, p + 1)]
-    return []
-
-
-def lookup_steps_from_output(prompt: list[int], out: list[int], max_new: int, block: int,
-                             eos: set[int] = frozenset()) -> list[int]:
-    """accepted + 1 per verify step that prompt lookup would take, from the target's greedy
-    output ids alone (`out`: decoded past max_new and past any eos, as far as a block reaches):
-    a proposal is accepted up to its first token that differs from the output."""
-    steps, c = [], 1  # out[0] comes from the prompt's own forward
-    while c < max_new and out[c - 1] not in eos:
-        proposal = brute_lookup(prompt + out[:c], block - 1)
-        m = 0
-        while m < len(proposal) and proposal[m] == out[c + m]:
-            m += 1
-        steps.append(m + 1)
-        kept = out[c:c + m + 1]
-        c += m + 1
-        if any(t in eos for t in kept):
-            break
-    return steps
+# ------------------------------------------------------------------ prompt lookup
 
 
 def test_propose_is_the_latest_longest_match_of_known_tokens():
@@ -106,12 +76,11 @@ def test_prompt_lookup_at_temperature_is_a_point_mass_draft(tiny):
 def test_evaluate_reports_the_baseline_and_follows_a_reply_into_the_next_turn(tiny):
     from dflash.data.prompt_sets import Dialog, PromptSet
     from dflash.decode.evaluate import evaluate
-    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.drafter import DFlashDrafter
 
     model, tok = tiny
     torch.manual_seed(0)
-    drafter = DFlashDrafter(DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
-                                                      mask_token_id=16, block_size=BK))
+    drafter = DFlashDrafter(drafter_config(model, tok, BK))
     ps = PromptSet("two-turns", [Dialog("q1", ["Name three rivers.", "Now three lakes."]),
                                  Dialog("q2", ["Say hi."])])
     res = evaluate(model, drafter, tok, [], prompts=2, max_new_tokens=10, max_prompt_len=0, prompt_set=ps,
@@ -160,8 +129,8 @@ def test_prompt_records_in_every_documented_layout(tmp_path):
 
 
 def test_bench_sets_come_from_their_packages(monkeypatch):
-    from dflash.config import ConfigError
     from dflash.data import prompt_sets
+    from dflash.errors import ConfigError
 
     he, mt = prompt_sets.read_bench("humaneval"), prompt_sets.read_bench("mt-bench")
     assert len(he.dialogs) == 164 and he.dialogs[0].id == "HumanEval/0"
@@ -185,135 +154,3 @@ def test_overlap_finds_prompts_in_the_training_data():
                Dialog("b", ["hi"]), Dialog("c", ["something else entirely, not trained on"]),
                Dialog("d", [template + "How many names?"])]                  # a near-duplicate
     assert overlap(dialogs, train) == ["a", "b", "d"]
-
-
-@pytest.mark.parametrize("args,needle", [
-    (["--bench", "gsm8k"], "--bench gsm8k: unknown set"),
-    (["--prompts-from", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
-])
-def test_bad_prompt_sources_fail_before_torch(tmp_path, args, needle):
-    out, err = cli_before_torch("eval", "--checkpoint", tmp_path, *args)
-    assert out == {"rc": 2, "torch": False}, (out, err)
-    assert any(needle in line for line in err) and len(err) == 1, err
-
-
-def test_a_prompt_file_without_prompts_and_a_bad_baseline_key_fail_before_torch(tmp_path):
-    f = tmp_path / "answers.jsonl"
-    f.write_text(json.dumps({"answer": "4"}) + "\n")
-    run = tmp_path / "run" / "checkpoint"
-    run.mkdir(parents=True)
-    out, err = cli_before_torch("eval", "--checkpoint", run, "--prompts-from", f)
-    assert out["rc"] == 2 and not out["torch"] and "no record with a prompt" in err[-1], err
-    out, err = cli_before_torch("train", "--out", tmp_path / "r", "--set", "eval.baseline=ngram")
-    assert out == {"rc": 2, "torch": False} and "eval.baseline='ngram'" in err[-1], err
-
-
-# ------------------------------------------------------------------ end to end: a trained tiny drafter
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A tiny drafter trained a few steps with --eval: its run dir, and the eval of its checkpoint."""
-    run = tmp_path_factory.mktemp("quality") / "run"
-    run_dflash("train", "--out", run, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,
-               "--set", "model.block_size=4", "--set", "eval.before=false", "--set", "eval.prompts=2",
-               "--set", "eval.max_new_tokens=12", "--eval", env={"OMP_NUM_THREADS": "1"})
-    res = last_json(run_dflash("eval", "--checkpoint", run / "checkpoint", "--json",
-                               env={"OMP_NUM_THREADS": "1"}).stdout)
-    return run, res
-
-
-@pytest.mark.slow
-def test_eval_json_holds_the_baseline_and_per_position_acceptance(trained):
-    _, res = trained
-    B = res["block_size"]
-    b = res["baseline"]
-    assert b["method"] == "prompt_lookup" and {"acceptance_length", "per_prompt", "histogram", "tokens_per_s"} <= set(b)
-    for r in (res, b):
-        pos = r["per_position_acceptance"]
-        assert len(pos) == B - 1 and all(0 <= x <= 1 for x in pos) and pos == sorted(pos, reverse=True)
-    assert res["prompts"] == 2 and res["prompt_source"]["kind"] == "held_out"
-
-
-@pytest.mark.slow
-def test_baseline_tau_equals_lookup_computed_from_the_greedy_outputs(trained, tiny):
-    """From the eval's own prompts and the target's greedy outputs (decoded here, a block past
-    the eval's end), prompt lookup's steps follow without decoding with it: they must be the
-    baseline's, prompt by prompt."""
-    _, res = trained
-    model, _ = tiny  # the run's target: tiny-qwen3, weights seeded 0
-    B, n, eos = res["block_size"], res["max_new_tokens"], set(res["stop_token_ids"])
-    taus = []
-    for mine, theirs in zip(res["per_prompt_steps"], res["baseline"]["per_prompt_steps"]):
-        out = greedy_generate(model, mine["prompt_ids"], max_new_tokens=n + B)
-        assert theirs["output_ids"] == mine["output_ids"]  # both lossless: the target's own output
-        steps = lookup_steps_from_output(mine["prompt_ids"], out, n, B, eos)
-        assert steps == theirs["acceptance_lengths"]
-        taus.append(sum(steps) / len(steps))
-    assert res["baseline"]["acceptance_length"] == pytest.approx(sum(taus) / len(taus), abs=1e-4)
-
-
-@pytest.mark.slow
-def test_the_export_carries_the_runs_held_out_prompts_and_its_figure_is_the_headline(trained):
-    """`eval --checkpoint RUN/export` decodes the same prompt ids as `eval --checkpoint
-    RUN/checkpoint`, with the run's eval settings, and its tau is the one `train --eval`
-    reported: the served drafter's, beside prompt lookup's."""
-    run, res = trained
-    exp = run / "export"
-    assert (exp / "eval_prompts.jsonl").is_file() and (exp / "eval_settings.json").is_file()
-    served = last_json(run_dflash("eval", "--checkpoint", exp, "--json", env={"OMP_NUM_THREADS": "1"}).stdout)
-    assert [s["prompt_ids"] for s in served["per_prompt_steps"]] == [s["prompt_ids"] for s in res["per_prompt_steps"]]
-    assert served["prompt_source"]["kind"] == "export" and served["max_new_tokens"] == 12
-    after = json.loads((run / "summary.json").read_text())["eval_after"]
-    assert after["served"] and after["baseline"]["method"] == "prompt_lookup"
-    assert served["per_prompt_steps"] == after["per_prompt_steps"]
-    assert served["acceptance_length"] == after["acceptance_length"]
-    assert served["baseline"]["acceptance_length"] == after["baseline"]["acceptance_length"]
-    assert (run / "learning_curve.png").stat().st_size > 10_000
-
-
-@pytest.mark.slow
-def test_prompts_from_a_file_with_turns_and_no_baseline(trained, tmp_path):
-    run, _ = trained
-    f = tmp_path / "mine.jsonl"
-    f.write_text(json.dumps({"id": "t", "turns": ["Say a number.", "Say another."]}) + "\n"
-                 + json.dumps({"conversations": [{"from": "human", "value": "List two colours."}]}) + "\n")
-    p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--prompts-from", f, "--baseline", "none",
-                   "--max-new-tokens", 6, "--json", env={"OMP_NUM_THREADS": "1"})
-    res = last_json(p.stdout)
-    assert "baseline" not in res and res["prompts"] == 2 and len(res["per_turn"]) == 2
-    assert res["prompt_source"] == {"kind": "file", "path": str(f), "records": 2, "skipped": 0}
-    assert [(s["id"], s["turn"]) for s in res["per_prompt_steps"]] == [("t", 0), ("t", 1), ("1", 0)]
-    assert f"prompts: {f}" in p.stderr
-
-
-@pytest.mark.slow
-def test_bench_humaneval_and_mt_bench_offline(trained):
-    run, _ = trained
-    p = run_dflash("eval", "--checkpoint", run / "checkpoint", "--bench", "humaneval,mt-bench", "--prompts", 2,
-                   "--max-new-tokens", 6, "--json", env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
-    res = last_json(p.stdout)
-    sets = res["sets"]
-    assert set(sets) == {"humaneval", "mt-bench"}
-    for name, s in sets.items():
-        assert s["prompts"] == 2 and s["acceptance_length"] >= 1.0 and s["baseline"]["acceptance_length"] >= 1.0
-        assert len(s["per_prompt"]) == 2
-    assert len(sets["mt-bench"]["per_turn"]) == 2 and len(sets["humaneval"]["per_turn"]) == 1
-    assert res["acceptance_length"] == pytest.approx(
-        (sets["humaneval"]["acceptance_length"] + sets["mt-bench"]["acceptance_length"]) / 2, abs=1e-3)
-    table = p.stdout
-    assert "humaneval" in table and "mt-bench" in table and table.count("prompt lookup") == 2
-
-
-@pytest.mark.slow
-def test_with_a_copy_head_the_headline_is_still_the_served_drafter(tmp_path):
-    """train --eval with model.copy_head: eval_after is the drafter an engine serves (no copy
-    head) beside prompt lookup; the copy head gets its own figure, and the summary says both."""
-    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,
-                   "--set", "model.block_size=4", "--set", "model.copy_head=true", "--set", "eval.before=false",
-                   "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--eval", env={"OMP_NUM_THREADS": "1"})
-    s = json.loads((tmp_path / "summary.json").read_text())
-    after, copy = s["eval_after"], s["eval_after_copy_head"]
-    assert after["served"] and after["copy_head"] is False and "baseline" in after
-    assert copy["copy_head"] is True and "baseline" not in copy and copy["lossless"] is after["lossless"] is True
-    assert "served drafter" in p.stderr and "prompt lookup" in p.stderr and "tau, copy head" in p.stderr

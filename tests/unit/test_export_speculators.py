@@ -21,13 +21,12 @@ def _speculators_or_skip():
     return DFlashConverter
 
 
-def test_speculators_converter_reads_our_export(tmp_path):
+def test_speculators_converter_reads_our_export(tmp_path, tiny):
     DFlashConverter = _speculators_or_skip()
     from dflash.checkpoint.export import write_export
     from dflash.model.drafter import DFlashDrafter, DrafterConfig
-    from dflash.model.target import load_target
 
-    target, tok = load_target("tiny-qwen3", seed=0)
+    target, tok = tiny
     target.save_pretrained(tmp_path / "target")
     tok.save_pretrained(tmp_path / "target")
     cfg = DrafterConfig.from_target(target.config, target_layer_ids=[1, 2, 3], vocab_size=len(tok),

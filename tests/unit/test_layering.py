@@ -1,69 +1,99 @@
-"""Nothing imports upward, read from the source (every import, also those inside functions):
+"""Every import runs downward: dflash/ stands on one ordered list of floors (FLOORS), and
+each import (module-level and inside functions: a lazy import is still a dependency) goes
+inside its own package, to a lower floor, or out of dflash/ (otel/, the standard library,
+third parties). No exceptions list. Bottom to top, and why each floor sits where it does:
 
-- config.py and model/ import nothing from run/ or commands/; model/ (the networks, the
-  target and its features) nothing from decode/ or checkpoint/ either, which build on it;
-- no module below commands/ imports commands/ (only cli.py and commands/ itself do);
-- otel/ never imports dflash/ (it is a layer others could use).
-AST only: fast, no torch."""
+  dflash       the package's __init__ (a docstring): every import of dflash runs it first.
+  errors       UserError, ConfigError, the failure report, signals: everything above raises them.
+  preflight    the checks before torch loads, and what dflash writes (checkpoint_files.py):
+               only errors beneath, so every command can check its input first.
+  data         conversations, tokenization, batches, prompt sets: files in, tokens out; no
+               Config (its callers pass the values) and no model (its callers pass a tokenizer).
+  config       the Config tree and its checks; names data's chat templates, where the loss
+               needs the target's distribution, which GPU is this rank's.
+  model        the networks, the target and its features, the loss vocabulary: built from a Config.
+  engine       vLLM as a child process: the targets it reads (a tiny one built by model), runs,
+               verdicts.
+  prep         regeneration (by HF or the engine) and the cached train/eval split.
+  checkpoint, decode, offline
+               what is built on a prepared model: checkpoints and exports (an export re-splits
+               its run's held-out prompts through prep), speculative decoding and eval, capture
+               once train many. One floor: none of the three imports another.
+  analysis     stalls, timelines, the run's report (which words decode's eval figures).
+  trackers     experiment trackers; their report names analysis's idle rules.
+  run          the Trainer: puts every floor below together for a training run.
+  commands     one module per subcommand, each doing its command's work with the floors below;
+               they may import each other (train's data check serves capture too).
+  cli          the parser and the dispatch over commands.
+  __main__     `python -m dflash`: cli.
+
+Packages on one floor never import each other. otel/ is a layer of its own: it never imports
+dflash/ (tests/otel/test_otel_imports.py). No cycle inside a package: test_import_cycles.py.
+One more fact of the source is kept here: every child process starts through otel/confined.py.
+AST only (tests/import_graph.py): fast, no torch."""
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from import_graph import ROOT, Import, imports, modules
+
+FLOORS = [("dflash",), ("errors",), ("preflight",), ("data",), ("config",), ("model",), ("engine",), ("prep",),
+          ("checkpoint", "decode", "offline"), ("analysis",), ("trackers",), ("run",), ("commands",), ("cli",),
+          ("__main__",)]
 
 
-def _imports(path: Path) -> set[str]:
-    """Absolute names of every module (or module.name) that the file imports."""
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    base = parts if parts[-1] == "__init__" else parts[:-1]
-    base = [p for p in base if p != "__init__"]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            mod = node.module or ""
-            if node.level:
-                mod = ".".join(base[:len(base) - node.level + 1] + ([mod] if mod else []))
-            found.update(f"{mod}.{a.name}" for a in node.names)
-    return found
+def part(module: str) -> str:
+    """The package or top-level module of dflash a module belongs to ("dflash": the package itself)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
 
 
-def _offenders(files, forbidden: tuple[str, ...]) -> list[str]:
-    return sorted(f"{f.relative_to(ROOT)}: {name}" for f in files for name in _imports(f)
-                  if any(name == p or name.startswith(p + ".") for p in forbidden))
+def floor(module: str) -> int:
+    name = part(module)
+    return next(i for i, f in enumerate(FLOORS) if name in f)
 
 
-def _py(*paths: str) -> list[Path]:
+def upward(found: list[Import], name_of) -> list[str]:
+    """`file:line: a -> b` for each import in `found` of a dflash module on the importer's floor
+    or above, outside the importer's own package."""
     out = []
-    for p in paths:
-        q = ROOT / p
-        out += [q] if q.suffix == ".py" else sorted(q.rglob("*.py"))
+    for i in found:
+        src, dst = name_of(i.path), i.module
+        if dst.split(".")[0] != "dflash" or part(src) == part(dst):
+            continue
+        if floor(dst) >= floor(src):
+            out.append(f"{i.where()}: {part(src)} -> {part(dst)} ({dst})")
     return out
 
 
-def test_config_imports_nothing_from_run_or_commands():
-    assert _offenders(_py("dflash/config.py"), ("dflash.run", "dflash.commands", "dflash.cli")) == []
+def test_every_part_of_dflash_is_on_a_floor():
+    on_floors = {p for f in FLOORS for p in f}
+    parts = {part(m) for m in modules("dflash")}
+    assert parts - on_floors == set(), "put these on a floor (FLOORS, and the docstring's list)"
+    assert on_floors - parts == set(), "on a floor but not in dflash/"
 
 
-def test_model_imports_nothing_from_the_layers_above_it():
-    above = ("dflash.run", "dflash.commands", "dflash.cli", "dflash.decode", "dflash.checkpoint")
-    assert _offenders(_py("dflash/model"), above) == []
+def test_every_import_runs_downward():
+    mods = modules("dflash")
+    names = {p: m for m, p in mods.items()}
+    found = [i for m, p in mods.items() for i in imports(p, m)]
+    bad = upward(found, names.get)
+    assert not bad, "imports on the same floor or upward (see FLOORS):\n" + "\n".join(bad)
 
 
-def test_nothing_below_commands_imports_commands():
-    below = [f for f in _py("dflash") if f.relative_to(ROOT).parts[1] not in ("commands", "cli.py", "__main__.py")]
-    assert _offenders(below, ("dflash.commands", "dflash.cli")) == []
+def test_the_check_sees_an_upward_import_inside_a_function(tmp_path):
+    """A guard for the guard: a relative import inside a function, of a package above, is found
+    with its file and line; one of a package below is not."""
+    pkg = tmp_path / "dflash" / "data"
+    pkg.mkdir(parents=True)
+    f = pkg / "x.py"
+    f.write_text("from ..errors import UserError\n\ndef f():\n    from ..run.trainer import Trainer\n")
+    found = imports(f, "dflash.data.x", is_module=lambda m: m in ("dflash.errors", "dflash.run.trainer"))
+    assert [i.module for i in found] == ["dflash.errors", "dflash.run.trainer"]
+    bad = upward([Import(ROOT / "dflash/data/x.py", i.line, i.module) for i in found], lambda p: "dflash.data.x")
+    assert bad == ["dflash/data/x.py:4: data -> run (dflash.run.trainer)"]
 
-
-def test_otel_never_imports_dflash():
-    assert _offenders(_py("otel"), ("dflash",)) == []
-
-
-def test_the_check_sees_relative_imports():
-    """A guard for the guard: the relative import cli.py makes of commands/ is found."""
-    assert "dflash.commands.command" in _imports(ROOT / "dflash" / "cli.py")
 
 
 _STARTERS = {"Popen", "run", "call", "check_call", "check_output", "system", "popen", "spawnv", "spawnve",
@@ -87,6 +117,6 @@ def _process_starts(path: Path) -> list[str]:
 def test_every_child_process_starts_through_otel_confined():
     """Nothing from elsewhere runs (docs/failures.md): a Python child started any other way
     could import a package planted in its cwd or a run dir. One place starts them."""
-    files = [f for f in _py("dflash", "otel") if f != ROOT / "otel" / "confined.py"]
+    files = [f for pkg in ("dflash", "otel") for f in modules(pkg).values() if f != ROOT / "otel" / "confined.py"]
     assert [s for f in files for s in _process_starts(f)] == []
     assert _process_starts(ROOT / "otel" / "confined.py")  # the guard sees a start where there is one

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
 
@@ -79,7 +79,7 @@ def test_a_linked_lock_file_is_refused_never_truncated(tmp_path):
 
 
 def test_checkpoint_rotation_never_deletes_through_a_link(tmp_path):
-    from dflash.checkpoint.files import clean_stale_temps, remove_written
+    from dflash.preflight.checkpoint_files import clean_stale_temps, remove_written
 
     v = _victim(tmp_path)
     before = _contents(v)

@@ -4,19 +4,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
 from dflash.data import dataset as data_mod
+from dflash.errors import ConfigError
 from dflash.model import target as target_mod
 from dflash.model.build import build_drafter
 from dflash.model.loss_vocab import RowsHead, batch_vocab, frequent_tokens
 from dflash.run.step import TrainStep
 
 
-def _step(k: int):
+def _step(k: int, tiny):
     # the paper's weights: the subset loss is compared with weighted_block_loss by hand below
     cfg = load_config(None, ["model.target=tiny-qwen3", "model.block_size=4", "train.num_anchors=4",
                              f"train.loss_vocab={k}", "train.loss_weights=decay"])
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     drafter = build_drafter(cfg, target, tok, ids)
     step = TrainStep(cfg.train, cfg.model.block_size, drafter, target.get_input_embeddings(),
@@ -40,16 +41,16 @@ def test_frequent_tokens_and_batch_vocab():
     assert head(torch.ones(3, 4)).shape == (3, 4)
 
 
-def test_whole_vocab_subset_gives_the_full_loss():
-    step, samples, b, feats = _step(0)
+def test_whole_vocab_subset_gives_the_full_loss(tiny):
+    step, samples, b, feats = _step(0, tiny)
     full, _ = step.forward(feats, b)
     step.loss_vocab = torch.arange(step.lm_head.weight.shape[0])
     sub, _ = step.forward(feats, b)
     torch.testing.assert_close(sub, full)
 
 
-def test_subset_loss_is_the_restricted_softmax_and_trains():
-    step, samples, b, feats = _step(16)
+def test_subset_loss_is_the_restricted_softmax_and_trains(tiny):
+    step, samples, b, feats = _step(16, tiny)
     step.use_loss_vocab(samples)
     assert len(step.loss_vocab) == 16
     vocab = batch_vocab(step.loss_vocab, b.input_ids)
@@ -57,7 +58,8 @@ def test_subset_loss_is_the_restricted_softmax_and_trains():
     loss, _ = step.forward(feats, b)
     # the same restricted softmax, by hand from the full logits
     g = torch.Generator().manual_seed(step.train.seed * 1_000_003 + b.index)
-    from dflash.model.drafter import sample_anchors, weighted_block_loss
+    from dflash.model.drafter import sample_anchors
+    from dflash.model.losses import weighted_block_loss
     anchors, valid = sample_anchors(b.loss_mask, 4, 4, generator=g)
     logits, labels = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
     pos = anchors[..., None] + torch.arange(1, 4)

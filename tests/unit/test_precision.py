@@ -1,10 +1,9 @@
 """Mixed precision: a bf16 target with a drafter that keeps fp32 master weights and computes
-in bf16, end to end on the CPU (which has bf16) — the path `model.dtype=auto` takes on CUDA."""
-import json
+in bf16 on the CPU (which has bf16) — the path `model.dtype=auto` takes on CUDA. The same
+through train, resume and eval: tests/integration/test_train.py; float16 refused:
+tests/cli/test_bad_input_before_torch.py."""
 import pytest
 import torch
-
-from helpers import TINY, run_dflash
 
 
 @pytest.fixture(scope="module")
@@ -65,42 +64,3 @@ def test_float32_target_is_untouched_by_autocast():
         assert not torch.is_autocast_enabled("cpu")
     with compute_precision(w.bfloat16()):
         assert torch.is_autocast_enabled("cpu")
-
-
-def test_float16_is_refused_with_exit_2(tmp_path):
-    p = run_dflash("train", "--out", tmp_path / "run", "--set", "model.dtype=float16", check=False, timeout=120)
-    assert p.returncode == 2, p.stderr
-    lines = [ln for ln in p.stderr.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and "model.dtype=float16" in lines[0] and "bfloat16" in lines[0], p.stderr
-    assert not (tmp_path / "run").exists()
-
-
-@pytest.mark.slow
-def test_bf16_train_checkpoint_resume_eval_on_cpu(tmp_path):
-    """The whole path a CUDA user takes by default, in bf16 on the CPU."""
-    from safetensors.torch import load_file
-
-    run = tmp_path / "bf16"
-    common = ["--out", run, "--target", "tiny-qwen3", "--no-telemetry", *TINY, "--set", "model.dtype=bfloat16"]
-    run_dflash("train", "--steps", 4, *common, "--set", "train.stop_after=2")
-    first = json.loads((run / "summary.json").read_text())
-    assert first["steps"] == 2 and first["nonfinite_steps"] == 0
-    weights = load_file(str(run / "checkpoint" / "model.safetensors"))
-    assert {v.dtype for v in weights.values()} == {torch.float32}, "checkpoints hold the fp32 master weights"
-    from dflash.checkpoint.checkpoint import load_training_state
-    state, _ = load_training_state(run / "checkpoint")
-    assert {s["exp_avg"].dtype for s in state["optimizer"]["state"].values()} == {torch.float32}
-
-    # resumed, then evaluated in the same process (the eval a `train --eval` runs after training)
-    run_dflash("train", "--steps", 4, *common, "--resume", "--eval", "--set", "eval.before=false",
-               "--set", "eval.prompts=2", "--set", "eval.max_new_tokens=16", "--set", "eval.baseline=none")
-    resumed = json.loads((run / "summary.json").read_text())
-    assert resumed["steps"] == 4 and [s for s, _ in resumed["loss_history"]] == [0, 1, 2, 3]
-    assert all(l == l and l < 20 for _, l in resumed["loss_history"])  # finite
-
-    res = resumed["eval_after"]
-    assert res["dtype"] == "bfloat16", "eval runs in the precision training used"
-    assert res["prompts"] == 2 and 1.0 <= res["acceptance_length"] <= 8
-    # lossless is reported with its evidence, never as a bare flag
-    assert res["lossless_divergent_prompts"] == len(res["lossless_divergences"])
-    assert res["lossless"] == (res["lossless_divergent_prompts"] == 0)

@@ -5,7 +5,8 @@ import pytest
 
 from dflash.prep import prepare as prep
 from dflash.prep import regenerate as regen_mod
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
+from dflash.errors import ConfigError
 
 
 @pytest.mark.parametrize("setting,device,expected", [(5, "cpu", 5), (0, "cpu", 16), (0, "cuda:0", 64)])
@@ -24,12 +25,10 @@ def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, dev
     assert seen["batch_size"] == expected
 
 
-def test_regenerate_batches_are_sorted_by_length(monkeypatch):
+def test_regenerate_batches_are_sorted_by_length(monkeypatch, tiny):
     """The real regeneration on tiny-qwen3, with a spy that records each batch's prompt
     lengths on the way to the real batched generate."""
-    from dflash.model import target as T
-
-    model, tok = T.load_target("tiny-qwen3", seed=0)
+    model, tok = tiny
     widths, real = [], regen_mod._generate_left_padded
 
     def spy(model, prompts, *a, **kw):
@@ -50,11 +49,10 @@ def test_negative_regen_batch_size_is_refused():
         load_config(None, ["data.regen_batch_size=-1"])
 
 
-def test_warm_up_is_a_no_op_on_cpu_and_runs_when_forced(capsys):
-    from dflash.model import target as T
+def test_warm_up_is_a_no_op_on_cpu_and_runs_when_forced(capsys, tiny):
     from dflash.model.warmup import warm_up
 
-    model, _ = T.load_target("tiny-qwen3", seed=0)
+    model, _ = tiny
     assert warm_up(model, batch_size=2, seq_len=8) is None  # nothing to compile on the CPU
     secs = warm_up(model, batch_size=2, seq_len=8, force=True)  # the CUDA code path, on the CPU
     assert secs is not None and secs >= 0

@@ -11,12 +11,12 @@ from dflash.model.feature_cache import FeatureCache
 from dflash.model.features import target_features
 
 
-def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch):
+def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch, tiny):
     monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
     cfg = load_config(None, ["model.target=tiny-qwen3", "data.num_conversations=12", "data.max_len=40",
                              "data.regen_max_new_tokens=24", "data.regen_max_prompt_len=32",
                              "model.block_size=4", "train.feature_cache=true", "data.regenerate=on"])
-    target, tok = target_mod.load_target("tiny-qwen3")
+    target, tok = tiny
     ids = target_mod.default_layer_ids(target_mod.num_layers(target), 3)
     prep = prepare(cfg, target, tok, layer_ids=ids)
     assert prep.features and len(prep.features) >= len(prep.samples)

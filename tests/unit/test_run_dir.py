@@ -1,6 +1,7 @@
 """`--out` is ours to write, and only ours: new, empty or marked dirs only; one run at a
 time (a lock naming its holder); nothing deleted that dflash did not write; a killed
-save's temp dir cleaned up. Torch-free unit tests plus the CLI's one line."""
+save's temp dir cleaned up. Torch-free unit tests; the CLI's one line for a run dir in use:
+tests/cli/test_cli_errors.py."""
 import json
 import os
 import subprocess
@@ -8,11 +9,10 @@ import sys
 
 import pytest
 
-from dflash.checkpoint.files import remove_written
-from dflash.config import ConfigError
+from dflash.errors import ConfigError
 from dflash.preflight import checkpoint_files as files
 from dflash.preflight import run_dir
-from helpers import ROOT, run_dflash
+from helpers import ROOT
 
 
 def test_new_and_empty_dirs_are_claimed_and_marked(tmp_path):
@@ -90,31 +90,6 @@ def test_a_checkpoint_dir_holding_a_users_file_is_refused(tmp_path):
         run_dir.check(str(tmp_path), resume=False, overwrite=True)
 
 
-_HOLD = """
-import sys
-from dflash.preflight import run_dir
-run_dir.claim(sys.argv[1], resume=False, overwrite=False)
-print("held", flush=True)
-sys.stdin.read()
-"""
-
-
-def test_a_second_run_gets_one_line_naming_the_holder(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(tmp_path)], cwd=ROOT, stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        with pytest.raises(ConfigError, match=rf"in use by another dflash run \(pid {holder.pid} "):
-            run_dir.claim(str(tmp_path), resume=True, overwrite=False)
-        p = run_dflash("train", "--out", tmp_path, "--overwrite", "--target", "tiny-qwen3", check=False, timeout=120)
-        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-        assert p.returncode == 2 and len(lines) == 1 and f"pid {holder.pid}" in lines[0], p.stderr
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=30)
-    run_dir.claim(str(tmp_path), resume=False, overwrite=True)  # the lock went with its process
-
-
 def test_overwrite_removes_only_what_a_run_wrote(tmp_path):
     run_dir.claim(str(tmp_path), resume=False, overwrite=False)
     for rel in ("summary.json", "config.yaml", "telemetry/traces.jsonl", "telemetry/rank1/metrics.jsonl",
@@ -132,13 +107,13 @@ def test_replacing_a_checkpoint_never_deletes_a_file_dflash_did_not_write(tmp_pa
     for name in files.WRITTEN:
         (d / name).write_text("ours")
     (d / "thesis.tex").write_text("theirs")
-    kept = remove_written(d)
+    kept = files.remove_written(d)
     assert not d.exists() and kept is not None
     assert sorted(os.listdir(kept)) == ["thesis.tex"]
     empty = tmp_path / "c2"
     empty.mkdir()
     (empty / files.CONFIG).write_text("{}")
-    assert remove_written(empty) is None and not empty.exists()
+    assert files.remove_written(empty) is None and not empty.exists()
 
 
 def test_a_killed_saves_temp_dirs_are_removed_by_the_next_save(tmp_path):

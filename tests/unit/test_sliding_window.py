@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from dflash.checkpoint import export_format as fmt
-from dflash.config import ConfigError, load_config
+from dflash.config import load_config
+from dflash.errors import ConfigError
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
 
 H, V, BK, W = 64, 101, 8, 16

@@ -5,30 +5,14 @@ import torch
 from dflash.data.dataset import prompts_for_eval
 from dflash.decode.spec_decode import greedy_generate, speculative_generate
 from dflash.model import target as T
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.drafter import DFlashDrafter
+from helpers import drafter_config, scripted_drafter
 
 BK = 6
 
 
-class ScriptedDrafter(DFlashDrafter):
-    """Drafts the reference continuation, correct for the first `good` slots, then wrong."""
-
-    def __init__(self, cfg, reference, prompt_len, good):
-        super().__init__(cfg)
-        self.reference, self.prompt_len, self.good = reference, prompt_len, good
-
-    def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head):
-        gen = anchor_pos - self.prompt_len  # the anchor is generated token number `gen`
-        out = []
-        for k in range(1, self.cfg.block_size):
-            t = self.reference[gen + k] if gen + k < len(self.reference) else 0
-            out.append(t if k <= self.good else (t + 1) % 1000)
-        return torch.tensor([out])
-
-
 def _cfg(model, tok):
-    return DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
-                                     mask_token_id=16, block_size=BK)
+    return drafter_config(model, tok, BK)
 
 
 @pytest.mark.parametrize("good", [0, 2, BK - 1])
@@ -37,7 +21,7 @@ def test_tau_and_losslessness_on_scripted_drafts(tiny, good):
     prompt = prompts_for_eval(tok, [[{"role": "user", "content": "Tell me about rivers."}]], max_prompt_len=64)[0]
     n = 30
     ref = greedy_generate(model, prompt, max_new_tokens=n + BK)
-    d = ScriptedDrafter(_cfg(model, tok), ref, len(prompt), good)
+    d = scripted_drafter(model, tok, ref, len(prompt), good, BK)
     res = speculative_generate(model, d, prompt, max_new_tokens=n)
     assert res.tokens == ref[:n], "speculative decoding must reproduce the target's greedy output"
     # every step accepts exactly `good` drafts, plus the bonus token

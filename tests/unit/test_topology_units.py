@@ -60,28 +60,6 @@ def test_balance_measures_work_not_waits():
     assert balance([s for s in spans if s["attributes"]["worker"] == "target0"]) is None
 
 
-@pytest.mark.parametrize("env,args,expect", [
-    ({}, ["--layout", "target:x,drafter:1"], "'x' is not an integer"),
-    ({}, ["--layout", "target:1,drafter:1"], "roles are given to torchrun's ranks"),
-    ({"WORLD_SIZE": "3"}, ["--layout", "target:1,drafter:1"], "needs 2 ranks, but torchrun started WORLD_SIZE=3"),
-    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--eval"], "no rank holds both the target and the drafter"),
-    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "train.estimate_every=5"],
-     "train.estimate_every=5 with pipeline.layout"),
-    ({"WORLD_SIZE": "2"}, ["--layout", "target:1,drafter:1", "--set", "pipeline.handoff=nccl"],
-     "pipeline.handoff=nccl: expected every target and drafter device on CUDA"),
-])
-def test_a_layout_that_cannot_run_is_one_line_and_exit_2(tmp_path, env, args, expect):
-    import os
-    import subprocess
-    import sys
-
-    from helpers import ROOT
-    p = subprocess.run([sys.executable, "-m", "dflash", "train", "--out", str(tmp_path / "o"), *args],
-                       cwd=ROOT, env=dict(os.environ) | env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and expect in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert not (tmp_path / "o").exists()
-
-
 def test_the_wandb_summary_carries_the_balance_figure():
     from dflash.trackers.report import run_summary
 

@@ -1,4 +1,4 @@
-"""The three channels (run/channels.py) implement one interface, the `Channel` protocol:
+"""The two channels (run/channels.py) implement one interface, the `Channel` protocol:
 checked at run time (`runtime_checkable`: every member present) and member by member, so a
 method added to the protocol and forgotten in one channel fails here, not in a worker."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dflash.config import PipelineConfig
-from dflash.run.channels import Channel, DirectChannel, HiddenItem, QueueChannel, RankChannel
+from dflash.run.channels import Channel, QueueChannel, RankChannel
 
 MEMBERS = sorted(n for n in dir(Channel) if not n.startswith("_")) + sorted(Channel.__annotations__)
 
@@ -18,11 +18,11 @@ MEMBERS = sorted(n for n in dir(Channel) if not n.startswith("_")) + sorted(Chan
 def _channels():
     pcfg = PipelineConfig()
     side = SimpleNamespace(transport="gloo")
-    return {"direct": DirectChannel(), "queue": QueueChannel(pcfg, torch.device("cpu")),
+    return {"queue": QueueChannel(pcfg, torch.device("cpu")),
             "ranks": RankChannel(pcfg, torch.device("cpu"), target_side=side, index=0)}
 
 
-@pytest.mark.parametrize("name", ["direct", "queue", "ranks"])
+@pytest.mark.parametrize("name", ["queue", "ranks"])
 def test_each_channel_is_a_channel(name):
     ch = _channels()[name]
     assert isinstance(ch, Channel)
@@ -38,21 +38,9 @@ def test_each_channel_is_a_channel(name):
 
 def test_a_partial_channel_is_not_a_channel():
     class TakeOnly:
-        waits, span_attrs = False, {}
+        span_attrs = {}
 
         def take(self, step):
             return None, 0.0
 
     assert not isinstance(TakeOnly(), Channel)
-
-
-def test_direct_channel_makes_each_item_inline_in_step_order():
-    ch = DirectChannel()
-    made = []
-
-    def make(b, extra):
-        made.append(extra["step"])
-        return HiddenItem(batch=b, packed=torch.zeros(1)), extra, None
-    ch.feed(make, iter([(f"batch{s}", {"step": s}) for s in range(3)]))
-    assert [ch.take(s)[0].batch for s in range(3)] == ["batch0", "batch1", "batch2"]
-    assert made == [0, 1, 2] and ch.batch_id(5) == 5 and not ch.waits

@@ -11,7 +11,7 @@ import torch
 
 from dflash.run.hidden_queue import Closed, HiddenQueue
 from dflash.run.channels import PinnedPool
-from dflash.run.step import DeferredScalars
+from dflash.run.readback import DeferredScalars
 
 DONE_S = 10.0      # upper bound for something that must happen
 BLOCKED_S = 0.05   # how long "still blocked" is watched

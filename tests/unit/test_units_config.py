@@ -2,7 +2,8 @@
 (defaults <- --config FILE <- --set key=value <- dedicated flags)."""
 import pytest
 
-from dflash.config import Config, ConfigError, load_config
+from dflash.config import Config, load_config
+from dflash.errors import ConfigError
 
 
 def _yaml(tmp_path, text):

@@ -7,7 +7,8 @@ import torch
 from dflash.data.dataset import prompts_for_eval
 from dflash.decode.spec_decode import _TargetRunner, cache_mode, greedy_generate, speculative_generate
 from dflash.model import target as T
-from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.drafter import DFlashDrafter
+from helpers import drafter_config, scripted_drafter
 
 BK = 6
 QUESTIONS = ["Tell me about rivers.", "Write a haiku about the sea", "What is 12 times 7?"]
@@ -22,31 +23,12 @@ def _prompts(tok):
     return prompts_for_eval(tok, [[{"role": "user", "content": q}] for q in QUESTIONS], max_prompt_len=64)
 
 
-class PartlyRightDrafter(DFlashDrafter):
-    """Drafts the reference continuation, right for the first `good` slots of each block:
-    every verify step is then a partial accept of `good` drafts (a restore + replay)."""
-
-    def __init__(self, cfg, reference, prompt_len, good):
-        super().__init__(cfg)
-        self.reference, self.prompt_len, self.good = reference, prompt_len, good
-
-    def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head):
-        gen = anchor_pos - self.prompt_len
-        out = []
-        for k in range(1, self.cfg.block_size):
-            t = self.reference[gen + k] if gen + k < len(self.reference) else 0
-            out.append(t if k <= self.good else (t + 1) % 1000)
-        return torch.tensor([out])
-
-
 def _cfg(model, tok):
-    return DrafterConfig.from_target(model.config, target_layer_ids=[1, 2], vocab_size=len(tok),
-                                     mask_token_id=16, block_size=BK)
+    return drafter_config(model, tok, BK)
 
 
-def test_modes_are_chosen_by_cache_kind(hybrid):
-    tiny, _ = T.load_target("tiny-qwen3", seed=0)
-    assert cache_mode(tiny) == "crop"
+def test_modes_are_chosen_by_cache_kind(hybrid, tiny):
+    assert cache_mode(tiny[0]) == "crop"
     assert cache_mode(hybrid[0]) == "snapshot", "hybrid targets must not fall back to re-running"
 
 
@@ -55,7 +37,7 @@ def test_snapshot_path_equals_rerun_path_on_hybrid_target(hybrid, good):
     model, tok = hybrid
     prompt = _prompts(tok)[good % 3]
     ref = greedy_generate(model, prompt, max_new_tokens=16 + BK)
-    d = PartlyRightDrafter(_cfg(model, tok), ref, len(prompt), good)
+    d = scripted_drafter(model, tok, ref, len(prompt), good, BK)
     fast = speculative_generate(model, d, prompt, max_new_tokens=16, mode="snapshot")
     slow = speculative_generate(model, d, prompt, max_new_tokens=16, mode="rerun")
     assert fast.tokens == slow.tokens == ref[:16]
@@ -74,7 +56,7 @@ def test_every_forward_sees_the_positions_of_its_tokens(hybrid, mode):
     model, tok = hybrid
     prompt = _prompts(tok)[1]
     ref = greedy_generate(model, prompt, max_new_tokens=16 + BK)
-    d = PartlyRightDrafter(_cfg(model, tok), ref, len(prompt), good=2)
+    d = scripted_drafter(model, tok, ref, len(prompt), 2, BK)
     fed, ids = [], []
     dec = model.get_decoder()
     hooks = [dec.rotary_emb.register_forward_pre_hook(
@@ -166,7 +148,7 @@ def test_partial_accept_restores_states_and_continues_exactly(hybrid):
     assert small.pending == [] and small.cache.get_seq_length() == len(prompt) + 2, "replayed at max_pending"
 
 
-def test_divergence_is_reported_with_its_position(monkeypatch):
+def test_divergence_is_reported_with_its_position(monkeypatch, tiny):
     """A spec output that departs from the greedy reference is counted and located."""
     from dflash.decode import evaluate as E
     from dflash.decode.spec_decode import DecodeResult, first_divergence
@@ -175,7 +157,7 @@ def test_divergence_is_reported_with_its_position(monkeypatch):
     assert first_divergence([1, 2, 3], [1, 9, 3]) == 1
     assert first_divergence([1, 2, 3], [1, 2]) == 2
 
-    model, tok = T.load_target("tiny-qwen3", seed=0)
+    model, tok = tiny
     real = E.speculative_generate
 
     def flip_fifth(*a, **kw):  # stand-in for a bf16 near-tie flipping one token
