@@ -101,6 +101,20 @@ def se(xs: list[float]) -> float:
     return statistics.stdev(xs) / math.sqrt(len(xs)) if len(xs) > 1 else 0.0
 
 
+def eval_exports(base: str, rows: list[dict], flags: list[str], tag: str) -> list[str]:
+    """`dflash eval --json` over the rows' exports, side by side on the same held-out prompts;
+    its stdout lines (the last: one JSON object)."""
+    cmd = [sys.executable, "-m", "dflash", "eval", *flags, "--json", "--baseline", "none",
+           "--target", BASES[base]["target"]]
+    for r in rows:
+        cmd += ["--checkpoint", str(Path(r["run"]) / "export")]
+    print(f"[{tag}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
+    return p.stdout.strip().splitlines()
+
+
 def decode_side_by_side(rows: list[dict], base: str, out: Path) -> None:
     """One `dflash eval` over every arm's export (our decoder, the same held-out prompts, one
     target load): each row gets its decoded tau per verify step, per-prompt taus and the
@@ -109,15 +123,7 @@ def decode_side_by_side(rows: list[dict], base: str, out: Path) -> None:
         rs = [r for r in rows if r["seed"] == seed]
         path = out / f"{base}-s{seed}-decoded.json"
         if not path.is_file():
-            cmd = [sys.executable, "-m", "dflash", "eval", "--json", "--baseline", "none",
-                   "--target", BASES[base]["target"]]
-            for r in rs:
-                cmd += ["--checkpoint", str(Path(r["run"]) / "export")]
-            print(f"[decode seed {seed}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if p.returncode != 0:
-                sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
-            path.write_text(p.stdout.strip().splitlines()[-1])
+            path.write_text(eval_exports(base, rs, [], f"decode seed {seed}")[-1])
         got = json.loads(path.read_text())
         results = got.get("drafters", [got])
         for r, res in zip(rs, results):
@@ -135,23 +141,15 @@ def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
         return None
     path, text = out / f"{base}-engine.json", out / f"{base}-engine.txt"
     if not path.is_file():
-        cmd = [sys.executable, "-m", "dflash", "eval", "--engine", "vllm", "--engine-no-batched", "--json",
-               "--baseline", "none", "--target", BASES[base]["target"]]
-        for r in servable:
-            cmd += ["--checkpoint", str(Path(r["run"]) / "export")]
-        print(f"[engine] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
-        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-        if p.returncode != 0:
-            sys.exit(f"bench/architectures.py: {' '.join(cmd)} exited {p.returncode}:\n{p.stderr[-3000:]}")
-        lines = p.stdout.strip().splitlines()
+        lines = eval_exports(base, servable, ["--engine", "vllm", "--engine-no-batched"], "engine")
         path.write_text(lines[-1])
         text.write_text("\n".join(ln for ln in lines if not ln.startswith("{")))
     return text.read_text()
 
 
 def table(title: str, rows: list[dict], names: list[str]) -> None:
-    print(f"\n{title}")
-    print(f"{'arm':14} {'steps':>5} {'train s':>7} {'s/step':>6} {'tau/step walked':>15} {'decoded ± SE':>15} "
+    print(f"\n{title}  (train s, s/step: the run's own, as loaded as the machine was then)")
+    print(f"{'arm':16} {'steps':>5} {'train s':>7} {'s/step':>6} {'tau/step walked':>15} {'decoded ± SE':>15} "
           f"{'vs first (paired)':>18}  lossless  per position (walked)")
     first = None
     for name in names:
@@ -174,7 +172,7 @@ def table(title: str, rows: list[dict], names: list[str]) -> None:
         wall = statistics.mean(r["wall_s"] for r in rs)
         lossless = all(r["lossless"] for r in rs) if all(r["lossless"] is not None for r in rs) else "-"
         pos = " ".join(f"{x:.3f}" for x in (rs[0]["per_position"] or []))
-        print(f"{name:14} {rs[0]['steps']:5d} {wall:7.0f} {wall / rs[0]['steps']:6.3f} "
+        print(f"{name:16} {rs[0]['steps']:5d} {wall:7.0f} {wall / rs[0]['steps']:6.3f} "
               f"{(f'{statistics.mean(ests):.4f}' if ests else '-'):>15} {decoded:>15} {diff:>18}  {lossless!s:8}  {pos}")
 
 
@@ -223,7 +221,7 @@ def equal_time(rows: list[dict], names: list[str], per_step: dict | None) -> Non
         got = [v for v in vals if v is not None]
         why = ("past its last step (cheaper per step: its equal-steps figure is a floor)" if k >= rs[0]["steps"]
                else "no learning-curve points around that step (train.estimate_every)")
-        print(f"{name:14} {k:6.0f} steps ({per:.3f} s/step)  " + (f"{statistics.mean(got):.4f}" if got else why))
+        print(f"{name:16} {k:6.0f} steps ({per:.3f} s/step)  " + (f"{statistics.mean(got):.4f}" if got else why))
 
 
 def main() -> None:
