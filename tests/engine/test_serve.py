@@ -56,7 +56,7 @@ def test_serve_answers_a_chat_completion_traces_it_and_stops_its_tree(tiny_expor
             tree = [p.pid for p in psutil.Process(proc.pid).children(recursive=True)]
             assert tree, "the server runs as a child of dflash serve"
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(timeout=60) == 130
+            assert proc.wait(timeout=180) == 130  # vLLM winds its tree down slowly on a loaded 2-core host
         finally:
             if proc.poll() is None:
                 proc.kill()
