@@ -125,8 +125,13 @@ def decode_side_by_side(rows: list[dict], base: str, out: Path) -> None:
         if not path.is_file():
             path.write_text(eval_exports(base, rs, [], f"decode seed {seed}")[-1])
         got = json.loads(path.read_text())
-        results = got.get("drafters", [got])
-        for r, res in zip(rs, results):
+        by_dir = {res["checkpoint"]: res for res in got.get("drafters", [got])}
+        if any(str(Path(r["run"]) / "export") not in by_dir for r in rs):  # another set of arms: decode again
+            path.write_text(eval_exports(base, rs, [], f"decode seed {seed}")[-1])
+            got = json.loads(path.read_text())
+            by_dir = {res["checkpoint"]: res for res in got.get("drafters", [got])}
+        for r in rs:
+            res = by_dir[str(Path(r["run"]) / "export")]
             r |= {"tau": res["tau_per_step"], "tau_per_response": res["acceptance_length"],
                   "per_prompt": res["per_prompt"], "lossless": res["lossless"],
                   "per_position": res["per_position_acceptance"]}
