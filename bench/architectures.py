@@ -17,8 +17,9 @@ held-out prompts, our decoder beside it.
     .venv/bin/python bench/architectures.py --base demo --engine     # SmolLM2, configs/demo.yaml, ~45 min
     .venv/bin/python bench/architectures.py --base tiny --seeds 0,1,2 --arms dflash,dflash2
 
-Noise: with --decode each prompt's tau, so the standard error over prompts and,
-paired against the first arm, the mean difference ± its SE; over seeds with --seeds. A run
+Noise: with --decode each prompt's tau, so the standard error over (seed, prompt) pairs and,
+paired against the first arm, the mean difference ± its SE. A seed (train.seed) also draws
+the data: its own conversations and held-out prompts, so prompts pair only within a seed. A run
 dir already in --out is kept (an interrupted bench resumes). The last line is one JSON object.
 """
 from __future__ import annotations
@@ -155,28 +156,26 @@ def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
 def table(title: str, rows: list[dict], names: list[str]) -> None:
     print(f"\n{title}  (train s, s/step: the run's own, as loaded as the machine was then)")
     print(f"{'arm':16} {'steps':>5} {'train s':>7} {'s/step':>6} {'tau/step walked':>15} {'decoded ± SE':>15} "
-          f"{'vs first (paired)':>18}  lossless  per position (walked)")
-    first = None
+          f"{'vs first (paired)':>18}  lossless  per seed (decoded, else walked)")
+    first = {r["seed"]: r["per_prompt"] for r in rows if r["arm"] == names[0] and r["per_prompt"]}
     for name in names:
         rs = [r for r in rows if r["arm"] == name]
         if not rs:
             continue
         ests = [r["estimate"] for r in rs if r["estimate"] is not None]
         taus = [r["tau"] for r in rs if r["tau"] is not None]
-        pp = [r["per_prompt"] for r in rs if r["per_prompt"]]
-        pp_mean = [statistics.mean(col) for col in zip(*pp)] if pp else None
+        # per (seed, prompt): a seed draws its own data split, so prompts pair only within a seed
+        pp = [t for r in rs if r["per_prompt"] for t in r["per_prompt"]]
         decoded, diff = "-", ""
         if taus:
-            spread = se(pp_mean) if pp_mean else (statistics.stdev(taus) if len(taus) > 1 else 0.0)
-            decoded = f"{statistics.mean(taus):.3f} ± {spread:.3f}"
-        if pp_mean and first is None:
-            first = pp_mean
-        elif pp_mean and first and len(first) == len(pp_mean):
-            d = [b - a for a, b in zip(first, pp_mean)]
+            decoded = f"{statistics.mean(taus):.3f} ± {se(pp) if pp else 0.0:.3f}"
+        d = [b - a for r in rs if r["per_prompt"] and r["seed"] in first
+             for a, b in zip(first[r["seed"]], r["per_prompt"])]
+        if name != names[0] and d:
             diff = f"{statistics.mean(d):+.3f} ± {se(d):.3f}"
         wall = statistics.mean(r["wall_s"] for r in rs)
         lossless = all(r["lossless"] for r in rs) if all(r["lossless"] is not None for r in rs) else "-"
-        pos = " ".join(f"{x:.3f}" for x in (rs[0]["per_position"] or []))
+        pos = " ".join(f"{r['tau'] if r['tau'] is not None else r['estimate']:.3f}" for r in rs)
         print(f"{name:16} {rs[0]['steps']:5d} {wall:7.0f} {wall / rs[0]['steps']:6.3f} "
               f"{(f'{statistics.mean(ests):.4f}' if ests else '-'):>15} {decoded:>15} {diff:>18}  {lossless!s:8}  {pos}")
 
