@@ -50,7 +50,11 @@ class ModelConfig:
 class DataConfig:
     path: str = ""                       # ShareGPT json; empty = the embedded ShareGPT V3
     num_conversations: int = 384
+    max_samples: int = 0                 # >0: train on the first N prepared samples only (a capture's too): one
+                                         # regeneration or capture, several data sizes (bench/data_scale.py)
     max_len: int = 256
+    long_samples: str = "cut"            # a conversation longer than max_len: cut (its first max_len tokens) |
+                                         # split (every max_len window a sample: read text with train.loss=kl)
     regenerate: str = "auto"             # auto (on for tiny random targets) | on | off
     regen_max_new_tokens: int = 96
     regen_max_prompt_len: int = 128
@@ -375,6 +379,7 @@ RANGES: dict[str, Range] = {
     "model.num_target_layers": Range(1, MAX_LAYERS, note="at most the target's layers"),
     "model.target_layer_ids": Range(0, MAX_LAYERS - 1, note="decoder layer indices of the target"),
     "data.num_conversations": Range(2),
+    "data.max_samples": Range(0, note="0: all"),
     "data.max_len": Range(5, MAX_TOKENS),
     "data.regen_max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "data.regen_max_prompt_len": Range(1, MAX_TOKENS),
@@ -518,6 +523,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
+    if d.long_samples not in ("cut", "split"):
+        raise ConfigError(f"data.long_samples={d.long_samples!r}: expected cut or split")
     if d.features:
         _check_features(cfg)
     if p.layout:

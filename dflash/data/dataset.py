@@ -134,25 +134,28 @@ def _truncate(s: Sample, max_len: int) -> Sample:
     return s.cut(max_len)
 
 
-def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, counts: dict | None = None) -> list[Sample]:
+def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, counts: dict | None = None,
+                  long: str = "cut") -> list[Sample]:
     """Tokenize all conversations; drop those with fewer than ``min_loss_tokens`` loss tokens.
 
     A sample longer than ``max_len`` is cut to it, not dropped: its first ``max_len`` tokens
     still hold whole replies to learn from (the cut may then leave it too few loss tokens, and
-    only then is it dropped). ``counts``, when given, gets ``over_length`` (cut) and
-    ``too_few_loss_tokens`` (dropped), for :func:`data_report`.
+    only then is it dropped). ``long="split"`` (`data.long_samples`) keeps the rest too, as
+    consecutive windows of ``max_len`` tokens, each a sample of its own (a window starts
+    mid-conversation: its context is the window only). ``counts``, when given, gets
+    ``over_length`` (cut or split) and ``too_few_loss_tokens`` (dropped), for :func:`data_report`.
     """
     out, over, few = [], 0, 0
     for c in convs:
         whole = _tokenize_whole(tokenizer, c)
         over += len(whole) > max_len
-        s = _truncate(whole, max_len)
-        if s.loss_tokens >= min_loss_tokens:
-            out.append(s)
-        else:
-            few += 1
+        for s in (whole.windows(max_len) if long == "split" else [_truncate(whole, max_len)]):
+            if s.loss_tokens >= min_loss_tokens:
+                out.append(s)
+            else:
+                few += 1
     if counts is not None:
-        counts.update(over_length=over, too_few_loss_tokens=few)
+        counts.update(over_length=over, too_few_loss_tokens=few, long=long)
     return out
 
 
@@ -169,8 +172,9 @@ def data_report(counts: dict, *, max_len: int, samples: int) -> str:
         if counts.get("held_out_repeats"):
             held += f" ({counts['held_out_repeats']} repeating a held-out prompt left out of training)"
         read += f"{counts['conversations']} conversations{short}{held}, "
+    how = "split into windows of" if counts.get("long") == "split" else "cut to"
     return (f"data: {read}{samples} training samples; dropped: {', '.join(dropped) or 'none'}; "
-            f"over_length {counts.get('over_length', 0)} (cut to data.max_len={max_len})")
+            f"over_length {counts.get('over_length', 0)} ({how} data.max_len={max_len})")
 
 
 def split_heldout(items, *, eval_fraction: float = 0.05, min_eval: int = 8, seed: int = 0,

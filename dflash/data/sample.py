@@ -46,6 +46,11 @@ class Sample:
         """The first ``max_len`` tokens, as a copy: a view would keep the whole sample alive."""
         return self if len(self) <= max_len else Sample(self.ids[:max_len].copy(), self.mask[:max_len].copy())
 
+    def windows(self, max_len: int) -> list["Sample"]:
+        """Consecutive pieces of at most ``max_len`` tokens (copies), the last one shorter."""
+        return [Sample(self.ids[a:a + max_len].copy(), self.mask[a:a + max_len].copy())
+                for a in range(0, len(self), max_len)]
+
     def __eq__(self, other) -> bool:
         if not isinstance(other, Sample):
             return NotImplemented

@@ -53,7 +53,8 @@ def training_samples(cfg: Config, store: FeatureStore) -> list:
     samples = [s for s in store.samples() if s.loss_tokens >= need]
     if not samples:
         raise ValueError(f"features {store.path}: no sample has >= {need} loss tokens (2 x model.block_size)")
-    return samples
+    from ..prep.prepare import first_samples
+    return first_samples(samples, cfg.data.max_samples)
 
 
 def feature_sides(target, devices, dtype) -> list[FeatureSide]:

@@ -30,6 +30,15 @@ class Prepared:
     counts: dict = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
 
 
+def first_samples(samples: list, max_samples: int) -> list:
+    """`data.max_samples`: the first N prepared samples (all for 0), said once when it cuts."""
+    if max_samples and len(samples) > max_samples:
+        print(f"data: training on the first {max_samples} of {len(samples)} samples (data.max_samples)",
+              file=sys.stderr)
+        return samples[:max_samples]
+    return samples
+
+
 def should_regenerate(cfg: Config) -> bool:
     if cfg.data.regenerate == "auto":
         return cfg.model.target.startswith("tiny-")
@@ -97,7 +106,9 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard:
         if train_convs is None:
             return None
     samples = data_mod.build_samples(tokenizer, train_convs, max_len=cfg.data.max_len,
-                                     min_loss_tokens=2 * cfg.model.block_size, counts=data_counts)
+                                     min_loss_tokens=2 * cfg.model.block_size, counts=data_counts,
+                                     long=cfg.data.long_samples)
+    samples = first_samples(samples, cfg.data.max_samples)
     report = data_mod.data_report(data_counts, max_len=cfg.data.max_len, samples=len(samples))
     if not samples:  # bad input is one line: the counts go into it
         raise data_mod.DatasetError(

@@ -22,6 +22,8 @@ from helpers import NO_OTEL_ENV, ROOT, TINY, cli_before_torch, free_port, run_df
     (["--set", "pipeline.rank_timeout_s=1e300"], "pipeline.rank_timeout_s="),
     (["--set", "pipeline.queue_size=1000000000"], "pipeline.queue_size=1000000000"),
     (["--set", "eval.temperature=1e-300"], "eval.temperature=1e-300: expected 0 (greedy) or a number in"),
+    (["--set", "data.long_samples=windows"], "data.long_samples='windows': expected cut or split"),
+    (["--set", "data.max_samples=-1"], "data.max_samples=-1: expected an integer >= 0"),
 ])
 def test_bad_train_values_are_one_line_before_torch(tmp_path, args, needle):
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)

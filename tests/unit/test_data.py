@@ -56,6 +56,28 @@ def test_truncation_and_min_loss_tokens(tok):
     assert D.build_samples(tok, [CONV], max_len=30, min_loss_tokens=n_loss) == []  # cut by max_len
 
 
+def test_long_samples_split_into_windows_that_keep_every_token(tok):
+    """data.long_samples=split: consecutive max_len windows, nothing lost or repeated; a window
+    with too few loss tokens is dropped (counted) like a cut sample."""
+    full = D.tokenize_conversation(tok, CONV, max_len=10_000)
+    counts = {}
+    wins = D.build_samples(tok, [CONV], max_len=16, min_loss_tokens=0, counts=counts, long="split")
+    assert len(wins) == -(-len(full) // 16) and all(len(w) <= 16 for w in wins)
+    assert [i for w in wins for i in w.input_ids] == full.input_ids
+    assert [m for w in wins for m in w.loss_mask] == full.loss_mask
+    assert counts["over_length"] == 1 and "split into windows" in D.data_report(counts, max_len=16, samples=len(wins))
+    kept = D.build_samples(tok, [CONV], max_len=16, min_loss_tokens=2, long="split")
+    assert kept == [w for w in wins if w.loss_tokens >= 2] and len(kept) < len(wins)
+    assert D.build_samples(tok, [CONV], max_len=16, min_loss_tokens=2) == \
+        [w for w in wins[:1] if w.loss_tokens >= 2]  # cut: the first window only
+
+
+def test_max_samples_keeps_the_first_prepared_samples():
+    from dflash.prep.prepare import first_samples
+    xs = list(range(10))
+    assert first_samples(xs, 0) == xs and first_samples(xs, 20) == xs and first_samples(xs, 3) == [0, 1, 2]
+
+
 def test_split_heldout_deterministic_disjoint():
     items = list(range(1000))
     train, ev = D.split_heldout(items, eval_fraction=0.05, seed=3)
