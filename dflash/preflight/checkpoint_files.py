@@ -48,15 +48,27 @@ MAX_SLIDING_WINDOW = 1 << 24
 # DFlash2's float fields (model/dflash2.py): (lo, hi, lo excluded); finite, as vLLM multiplies logits by them
 DFLASH2_FLOATS = {"output_multiplier": (0.0, 1e6, True), "final_logit_softcapping": (0.0, 1e6, False),
                   "input_embedding_scale": (0.0, 1e6, True)}
+COPY_MAX_NGRAM = 3  # model/prompt_lookup.py MAX_NGRAM: the copy head's bias has a column per match length
 
 
 def parameter_count(fields: dict) -> int:
-    """The drafter's parameters from its config alone (ours: DrafterLayer x n, fc, norms;
-    a copy head is a few thousand more)."""
+    """The drafter's trainable parameters from its config alone: DrafterLayer x n, fc, the
+    norms, DFlash2's convolutions and selector, a copy head. (A draft vocabulary's head is a
+    frozen buffer, not a parameter: `training_bytes` counts it.)"""
     h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
-    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h \
+    copy = (fields["block_size"] - 1) * (COPY_MAX_NGRAM + 1) + h if fields.get("copy_head") else 0
+    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h + copy \
         + _dflash2_parameters(fields)
+
+
+def training_bytes(fields: dict) -> int:
+    """What training a drafter of this config holds at the least, from the config alone: every
+    parameter in float32 (the master weights, in whatever dtype the target computes), its
+    gradient and AdamW's two moments (16 bytes a parameter), plus a draft vocabulary's frozen
+    head and ids (float32 rows, int64 ids). Activations, the target and DDP's buckets come on top."""
+    dv = int(fields.get("draft_vocab_size") or 0)
+    return 16 * parameter_count(fields) + dv * (4 * fields["hidden_size"] + 8)
 
 
 def bounds_error(fields: dict, where: str) -> str | None:

@@ -6,6 +6,7 @@ config are a FIFO or a device, whose DFlash2 floats are not finite or whose slid
 Each test damages a real drafter dir the way it arrives broken: a copy of a written export."""
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -213,3 +214,18 @@ def test_a_sliding_window_of_10_to_the_12_is_one_line(tmp_path, served):
     (d / "config.json").write_text(json.dumps(cfg))
     _refused_before_torch(d, tmp_path, "sliding_window=1000000000000: expected an integer in [0, 16777216]")
 
+
+# ------------------------------------------------------------------ sizes against the machine
+@pytest.mark.slow  # loads the target (and the data set) first: ~20-30 s on two busy cores
+def test_a_drafter_too_large_for_the_machine_is_one_line_before_it_is_allocated(tmp_path):
+    """On main: model.selector_rank=65536 (in range) was OOM-killed (rc 137, 16 GB RSS, no word).
+    With 128 layers of ungrouped 1024-tap convolutions besides, ~650 GB: no test machine has it."""
+    sets = ["model.arch=dflash2", "model.selector_rank=65536", "model.num_layers=128", "model.conv_group_size=1",
+            "model.conv_kernel_size=1024"]
+    p = run_dflash("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, "--set", "data.regenerate=off",
+                   "--no-telemetry", *[x for s in sets for x in ("--set", s)], check=False, timeout=300)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    m = re.search(r"the drafter has ([\d,]+) parameters: training it needs at least ([\d.]+) GiB", lines[-1])
+    assert m and int(m[1].replace(",", "")) > 40e9 and float(m[2]) > 600, lines
+    assert "the host has" in lines[-1] and "available (MemAvailable)" in lines[-1], lines
