@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from .errors import ConfigError
+from .preflight.checkpoint_files import DFLASH2_FLOATS, MAX_SLIDING_WINDOW
 from .preflight.inputs import short_repr as _short
 
 
@@ -400,14 +401,13 @@ RANGES: dict[str, Range] = {
     "train.estimate_samples": Range(1),
     "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.draft_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
-    "model.sliding_window": Range(0, 1 << 24, note="0: no sliding layers"),
+    "model.sliding_window": Range(0, MAX_SLIDING_WINDOW, note="0: no sliding layers"),
     "model.conv_kernel_size": Range(1, 1024, note="dflash2"),
     "model.conv_group_size": Range(1, 65536, note="dflash2; divides the hidden size"),
     "model.selector_rank": Range(1, 65536, note="dflash2"),
     "model.selector_top_k": Range(1, 65536, note="dflash2"),
-    "model.output_multiplier": Range(0, 1e6, lo_open=True, note="dflash2"),
-    "model.final_logit_softcapping": Range(0, 1e6, note="dflash2; 0: none"),
-    "model.input_embedding_scale": Range(0, 1e6, lo_open=True, note="dflash2"),
+    **{f"model.{k}": Range(lo, hi, lo_open=lo_open, note="dflash2" + ("; 0: none" if not lo_open else ""))
+       for k, (lo, hi, lo_open) in DFLASH2_FLOATS.items()},
     "train.selector_loss_alpha": Range(0, 1e6, note="dflash2"),
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),

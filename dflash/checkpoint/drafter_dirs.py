@@ -26,6 +26,9 @@ class DrafterDir:
     kind: str                      # "checkpoint" (ours) | "export" (the served format)
     raw: dict                      # its config.json
     run_config: dict = field(default_factory=dict)  # ours only: the training run's config
+    # a draft vocabulary's highest target token id and the draft id that maps to it (d2t /
+    # draft_ids); None without one. Checked against the target's rows (check_fits, fit_error)
+    draft_token_max: tuple[int, int] | None = None
 
     @property
     def target(self) -> str | None:
@@ -33,15 +36,17 @@ class DrafterDir:
 
 
 def inspect(path: str | Path) -> DrafterDir:
-    """Which kind a directory is, from its config.json, and that its files are whole (a
-    corrupt config, a truncated safetensors: one line); nothing heavy is imported."""
+    """Which kind a directory is, from its config.json, and that what it holds can be used,
+    before an engine or a decoder sees it (one line each; nothing heavy is imported): a
+    config and safetensors that are regular files (a FIFO would hang the reader), whole,
+    within bounds; every weight finite (read in bounded memory: a NaN drafter fails eval at
+    T > 0 and trains nan -> nan); a draft vocabulary's ids inside its vocabulary."""
     from ..preflight import checkpoint_files as files
 
     try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
         p = files.resolve(path)
         raw = files.read_config(p)
-        for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]:
-            files.check_safetensors(f)
+        headers = {f: files.check_safetensors(f) for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]}
     except files.CheckpointError as e:
         raise DrafterDirError(f"--{e}") from None
     if fmt.is_export_config(raw):
@@ -52,15 +57,50 @@ def inspect(path: str | Path) -> DrafterDir:
         err = files.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
         if err:
             raise DrafterDirError(err)
-        return DrafterDir(p, "export", raw)
-    if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
-        raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint nor "
-                              f"a DFlash drafter (architectures {raw.get('architectures')})")
-    try:
-        files.check_drafter_bounds(path, raw)
+        d = DrafterDir(p, "export", raw)
+    else:
+        if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
+            raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint "
+                                  f"nor a DFlash drafter (architectures {raw.get('architectures')})")
+        try:
+            files.check_drafter_bounds(path, raw)
+        except files.CheckpointError as e:
+            raise DrafterDirError(f"--{e}") from None
+        f, d = raw, DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
+    try:  # the weights' values: after the config's bounds (sizes known sane), before anything is built
+        for file in headers:  # a checkpoint's training state (optimizer moments) is not what is run
+            if d.kind == "export" or file.name == files.WEIGHTS:
+                files.check_safetensors(file, values=True)
     except files.CheckpointError as e:
         raise DrafterDirError(f"--{e}") from None
-    return DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
+    d.draft_token_max = _draft_tokens(d, f, headers)
+    return d
+
+
+def _draft_tokens(d: DrafterDir, fields: dict, headers: dict) -> tuple[int, int] | None:
+    """(highest target id, its draft id) of a draft vocabulary (served: `d2t` offsets, as
+    vLLM reads EAGLE-3's; ours: `draft_ids`), refused when one falls outside the drafter's own
+    vocab_size (an index error in eval, a dead engine on the first request when served)."""
+    from ..preflight import checkpoint_files as files
+
+    name = "d2t" if d.kind == "export" else "draft_ids"
+    if not fields.get("draft_vocab_size"):
+        return None
+    for f, header in headers.items():
+        k = next((k for k in header if k.removeprefix("model.") == name), None)
+        if k is None or header[k][0] not in ("I64", "I32"):
+            continue  # absent, or a float: the header check of load() names it
+        found = files.token_ids(f, k, offsets=d.kind == "export")
+        if found is None:
+            continue  # empty: the header check of load() names its shape
+        lo, lo_at, hi, hi_at = found
+        vocab = fields["vocab_size"]
+        for tok, at in ((lo, lo_at), (hi, hi_at)):
+            if not 0 <= tok < vocab:
+                raise DrafterDirError(f"--checkpoint {str(d.path)!r}: {f.name}: {name} maps draft id {at} to token "
+                                      f"{tok}, outside the vocabulary (vocab_size={vocab} in config.json)")
+        return hi, hi_at
+    return None
 
 
 def load(d: DrafterDir, device="cpu"):
@@ -125,11 +165,12 @@ _FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "hea
 _DFLASH2_FIT = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
-def check_fits(have: dict, where: str, *, target=None, built=None) -> None:
+def check_fits(have: dict, where: str, *, target=None, built=None, draft_token_max=None) -> None:
     """One line (bad input, exit 2) naming the first way a drafter does not fit, from its
     DrafterConfig fields ``have`` (config.json: before its weights are read).
     - ``target``: the model it is to draft for (a served drafter, --init-from, eval): the
-      target's hidden size, decoder layers and embedding rows (export_format.fit_error);
+      target's hidden size, decoder layers and embedding rows (export_format.fit_error), and
+      ``draft_token_max`` (DrafterDir.draft_token_max) within those rows;
     - ``built``: the DrafterConfig this run builds for its target (a resumed checkpoint: the
       CLI checked the run config, this checks shapes): every field that shapes the weights
       is equal."""
@@ -146,6 +187,7 @@ def check_fits(have: dict, where: str, *, target=None, built=None) -> None:
 
         tc = target.config.get_text_config()
         err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=num_layers(target),
-                            embed_rows=target.get_input_embeddings().weight.shape[0], where=where)
+                            embed_rows=target.get_input_embeddings().weight.shape[0], where=where,
+                            draft_token_max=draft_token_max)
         if err:
             raise DrafterDirError(err)

@@ -40,6 +40,7 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
     if raw.get("copy_head") and not without_copy_head:
         raise ConfigError(f"--checkpoint {checkpoint!r}: the drafter has a copy head (model.copy_head), which the "
                           f"DFlash format cannot carry; add --without-copy-head to export the rest")
+    files.check_readable(checkpoint)  # whole, within bounds, every weight finite: before torch loads it
     from ..preflight.run_dir import check_place
 
     dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")

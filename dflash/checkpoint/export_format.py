@@ -264,8 +264,8 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
                               f"(other variants add parts this trainer does not have)")
     extra = dflash2.import_fields(raw, where, FormatError) if dflash2.is_dflash2(raw) else {}
     for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
-        if not extra and float(_value(raw, key, neutral)) != neutral:
-            raise FormatError(f"{where}: {key}={_value(raw, key)}: this trainer's drafter supports {neutral} only")
+        if not extra and _value(raw, key, neutral) != neutral:  # NaN, "2", [1] too: never equal to 1.0
+            raise FormatError(f"{where}: {key}={_value(raw, key)!r}: this trainer's drafter supports {neutral} only")
     if not extra and _value(raw, "final_logit_softcapping"):
         raise FormatError(f"{where}: final_logit_softcapping: not supported by this trainer's drafter")
     if raw.get("attention_bias"):
@@ -312,8 +312,10 @@ def draft_vocab_size(raw: dict) -> int:
     return 0 if n is None or int(n) == int(raw.get("vocab_size", -1)) else int(n)
 
 
-def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: int, where: str) -> str | None:
-    """One line naming the first way a drafter does not fit a target, or None."""
+def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: int, where: str,
+              draft_token_max: tuple[int, int] | None = None) -> str | None:
+    """One line naming the first way a drafter does not fit a target, or None.
+    ``draft_token_max``: (highest target id, its draft id) of a draft vocabulary (d2t)."""
     if fields["hidden_size"] != hidden_size:
         return (f"{where}: drafter hidden_size={fields['hidden_size']} does not fit the target's "
                 f"hidden size {hidden_size}")
@@ -324,4 +326,7 @@ def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: in
     if not 0 <= fields["mask_token_id"] < embed_rows:
         return (f"{where}: mask_token_id={fields['mask_token_id']} is outside the target's {embed_rows} "
                 f"embedding rows")
+    if draft_token_max is not None and draft_token_max[0] >= embed_rows:
+        return (f"{where}: d2t maps draft id {draft_token_max[1]} to token {draft_token_max[0]}, outside the "
+                f"target's {embed_rows} embedding rows")
     return None

@@ -35,7 +35,8 @@ def load_into_run(cfg, target):
     from ..model.architectures import make_drafter
 
     d = drafter_dirs.inspect(cfg.model.init_from)
-    drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target)
+    drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target,
+                            draft_token_max=d.draft_token_max)
     # set in a YAML file rather than by --init-from, the run's shape may disagree with DIR's
     for key, want in init_flags(cfg.model.init_from).items():
         have = getattr(cfg.model, key.split(".")[1])

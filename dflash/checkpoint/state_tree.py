@@ -53,10 +53,11 @@ def save(tree, tensors_path: Path, tree_path: Path) -> None:
 
 
 def load(tensors_path: Path, tree_path: Path):
-    from ..preflight.inputs import read_json
+    from ..preflight.inputs import read_json, read_safetensors_header
 
     try:
         skeleton = read_json(tree_path, tree_path.name, StateFormatError)  # bounded in size and depth
+        read_safetensors_header(tensors_path)  # a regular file (a FIFO would block the loader), whole
         tensors = load_file(str(tensors_path))
     except StateFormatError:
         raise

@@ -292,7 +292,8 @@ def run(a) -> int:
     chat_template.configure_from(tok, cfg.data)  # the run's data.chat_template(_kwargs): its prompts
     drafters = []
     for d in dirs:  # every one is checked against the target before any is evaluated
-        drafter_dirs.check_fits(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}", target=target)
+        drafter_dirs.check_fits(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}", target=target,
+                                draft_token_max=d.draft_token_max)
         drafter = drafter_dirs.load(d, device=dev)
         drafter.use_copy = not a.no_copy_head
         if getattr(a, "engine", None) and drafter.copy is not None and drafter.use_copy:

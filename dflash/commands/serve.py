@@ -51,7 +51,9 @@ def run(a) -> int:
 
 
 def check_drafter(export: str, target: str) -> dict:
-    """The export's DrafterConfig fields, checked against the target's config (no weights loaded)."""
+    """The export's DrafterConfig fields, checked against the target's config; its weights are
+    read once, in bounded memory, for what vLLM would only trip over once serving (NaN or Inf
+    values, a d2t past the target's vocabulary: drafter_dirs.inspect), never loaded."""
     from ..checkpoint import drafter_dirs
     from ..checkpoint import export_format as fmt
     from ..checkpoint.export import target_config
@@ -64,7 +66,7 @@ def check_drafter(export: str, target: str) -> dict:
     have = drafter_dirs.fields(d)
     tc = target_config(target).get_text_config()
     err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
-                        embed_rows=tc.vocab_size, where=export)
+                        embed_rows=tc.vocab_size, where=export, draft_token_max=d.draft_token_max)
     if err:
         raise ConfigError(err)
     return have

@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 
 from ..errors import UserError
-from .inputs import MAX_JSON_FILE_BYTES, SafetensorsHeaderError, read_json_object, read_safetensors_header
+from .inputs import (MAX_JSON_FILE_BYTES, NotRegularFile, SafetensorsHeaderError, open_regular, read_json_object,
+                     read_safetensors_header)
 from .layer_ids import default_layer_ids
 
 CONFIG = "config.json"
@@ -41,15 +42,33 @@ BOUNDS = {"hidden_size": (1, 65536), "num_attention_heads": (1, 1024), "num_key_
           "head_dim": (2, 1024), "intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 23),
           "num_hidden_layers": (1, 128), "block_size": (2, 1024)}
 MAX_PARAMETERS = 20_000_000_000   # a drafter larger than this is not a drafter (the paper's: ~1 B for 8B)
+# config.RANGES takes these for model.* too: one bound, whether a value comes from a config or a drafter dir.
+# A sliding window past any context a target has is a typo (or a crafted config), not a window.
+MAX_SLIDING_WINDOW = 1 << 24
+# DFlash2's float fields (model/dflash2.py): (lo, hi, lo excluded); finite, as vLLM multiplies logits by them
+DFLASH2_FLOATS = {"output_multiplier": (0.0, 1e6, True), "final_logit_softcapping": (0.0, 1e6, False),
+                  "input_embedding_scale": (0.0, 1e6, True)}
+COPY_MAX_NGRAM = 3  # model/prompt_lookup.py MAX_NGRAM: the copy head's bias has a column per match length
 
 
 def parameter_count(fields: dict) -> int:
-    """The drafter's parameters from its config alone (ours: DrafterLayer x n, fc, norms;
-    a copy head is a few thousand more)."""
+    """The drafter's trainable parameters from its config alone: DrafterLayer x n, fc, the
+    norms, DFlash2's convolutions and selector, a copy head. (A draft vocabulary's head is a
+    frozen buffer, not a parameter: `training_bytes` counts it.)"""
     h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
-    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h \
+    copy = (fields["block_size"] - 1) * (COPY_MAX_NGRAM + 1) + h if fields.get("copy_head") else 0
+    return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h + copy \
         + _dflash2_parameters(fields)
+
+
+def training_bytes(fields: dict) -> int:
+    """What training a drafter of this config holds at the least, from the config alone: every
+    parameter in float32 (the master weights, in whatever dtype the target computes), its
+    gradient and AdamW's two moments (16 bytes a parameter), plus a draft vocabulary's frozen
+    head and ids (float32 rows, int64 ids). Activations, the target and DDP's buckets come on top."""
+    dv = int(fields.get("draft_vocab_size") or 0)
+    return 16 * parameter_count(fields) + dv * (4 * fields["hidden_size"] + 8)
 
 
 def bounds_error(fields: dict, where: str) -> str | None:
@@ -77,6 +96,14 @@ def bounds_error(fields: dict, where: str) -> str | None:
         v = fields.get(key, lo + 1e-6)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v <= hi:
             return f"{where}: {key}={v!r}: expected a finite number in ({lo:g}, {hi:g}]"
+    for key, (lo, hi, lo_open) in DFLASH2_FLOATS.items():  # a DFlash2 config's (absent in a DFlash one)
+        v = fields.get(key, hi)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
+                or not (lo < v if lo_open else lo <= v) or v > hi:
+            return f"{where}: {key}={v!r}: expected a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    win = fields.get("sliding_window", 0)
+    if isinstance(win, bool) or not isinstance(win, int) or not 0 <= win <= MAX_SLIDING_WINDOW:
+        return f"{where}: sliding_window={win!r}: expected an integer in [0, {MAX_SLIDING_WINDOW}] (0: no sliding layers)"
     n = parameter_count(fields)
     if n > MAX_PARAMETERS:
         return f"{where}: the config describes a drafter of {n:,} parameters (at most {MAX_PARAMETERS:,} accepted)"
@@ -109,6 +136,9 @@ def resolve(path: str | os.PathLike) -> Path:
     old = p.with_name(p.name + ".old")
     if (old / CONFIG).is_file():
         return old
+    if (p / CONFIG).exists():  # a FIFO or a device: never opened (a FIFO blocks the reader forever)
+        raise CheckpointError(f"checkpoint {str(path)!r}: {CONFIG} is not a regular file (a FIFO, a device, a socket "
+                              f"or a directory)")
     if p.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r}: is a file (expected a directory with {CONFIG})")
     raise CheckpointError(f"checkpoint {str(path)!r}: no {CONFIG} there (expected RUN/checkpoint from dflash "
@@ -120,22 +150,94 @@ def read_config(path: Path) -> dict:
     return read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
 
 
-def check_safetensors(f: Path) -> dict:
-    """A safetensors file is whole and its header tells the truth (inputs.read_safetensors_header:
-    known dtypes, shapes that match their offsets, offsets that tile the data, the data ending
-    where the file does). A truncated copy (an interrupted download or scp) or a crafted header
-    is one line here, not a traceback from deep inside the loader. Returns the tensors'
-    ``{name: (dtype, shape, (begin, end))}``."""
+def check_safetensors(f: Path, *, values: bool = False) -> dict:
+    """A safetensors file is a regular file (a FIFO would block its reader forever), whole,
+    and its header tells the truth (inputs.read_safetensors_header: known dtypes, shapes that
+    match their offsets, offsets that tile the data, the data ending where the file does). A
+    truncated copy (an interrupted download or scp) or a crafted header is one line here, not
+    a traceback from deep inside the loader. ``values``: every float in it is finite too
+    (`nonfinite`). Returns the tensors' ``{name: (dtype, shape, (begin, end))}``."""
     try:
-        tensors, _, _ = read_safetensors_header(f)
+        tensors, _, start = read_safetensors_header(f)
+        bad = nonfinite(f, tensors, start) if values else None
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: no {f.name}") from None
     except SafetensorsHeaderError as e:
         why = "is truncated" if str(e).startswith("truncated") else "is corrupt"
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} {why} ({e})") from None
+    except NotRegularFile as e:
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is {e}") from None
     except OSError as e:
         raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name} is unreadable ({e.strerror or e})") from None
+    if bad:
+        raise CheckpointError(f"checkpoint {str(f.parent)!r}: {f.name}: {bad} (a diverged or damaged drafter: "
+                              f"nothing to evaluate, serve or train from)")
     return tensors
+
+
+# NaN and Inf are the values whose exponent bits are all set (Inf: a zero mantissa): read from
+# the bits, bf16 needs no torch. dtype -> (unsigned view, exponent mask, mantissa mask)
+_FLOAT_BITS = {"F64": ("<u8", 0x7FF0000000000000, 0x000FFFFFFFFFFFFF), "F32": ("<u4", 0x7F800000, 0x007FFFFF),
+               "F16": ("<u2", 0x7C00, 0x03FF), "BF16": ("<u2", 0x7F80, 0x007F)}
+_CHUNK_BYTES = 16 << 20       # what is read at a time: memory stays bounded whatever a tensor's size
+_FINITE_FILES: set = set()    # (device, inode, size, mtime) of files read whole and found finite, this process
+
+
+def nonfinite(f: Path, tensors: dict, data_start: int) -> str | None:
+    """"tensor NAME holds N NaN and M Inf of its K values" for the first float tensor of a
+    safetensors file (its checked header: ``tensors``, ``data_start``) that holds any, else
+    None. Streamed in chunks of 16 MiB; a file found finite is not read again by this process
+    (eval reads a dir's files when it inspects and when it loads it) until it changes."""
+    import numpy as np
+
+    with open_regular(f) as fh:
+        st = os.fstat(fh.fileno())
+        key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if key in _FINITE_FILES:
+            return None
+        buf = bytearray(_CHUNK_BYTES)
+        for name, (dtype, _, (begin, end)) in sorted(tensors.items(), key=lambda kv: kv[1][2]):
+            if dtype not in _FLOAT_BITS:
+                continue
+            view, exp, mant = _FLOAT_BITS[dtype]
+            nan = inf = 0
+            fh.seek(data_start + begin)
+            left = end - begin
+            while left:
+                n = fh.readinto(memoryview(buf)[:min(left, _CHUNK_BYTES)])
+                if not n:  # the file shrank under us: the loader would fail on it as well
+                    raise SafetensorsHeaderError(f"truncated while reading tensor {name[:80]!r}")
+                left -= n
+                u = np.frombuffer(buf, dtype=view, count=n // np.dtype(view).itemsize)
+                special = (u & exp) == exp
+                if special.any():
+                    k = int(np.count_nonzero(special & ((u & mant) != 0)))
+                    nan, inf = nan + k, inf + int(np.count_nonzero(special)) - k
+            if nan or inf:
+                count = (end - begin) // np.dtype(view).itemsize
+                return f"tensor {name[:80]!r} holds {nan} NaN and {inf} Inf of its {count} values"
+        _FINITE_FILES.add(key)
+    return None
+
+
+def token_ids(f: Path, name: str, *, offsets: bool) -> tuple[int, int, int, int] | None:
+    """A draft vocabulary's target token ids, from its I64 or I32 tensor ``name`` in a checked
+    safetensors file: ``(lowest, its draft id, highest, its draft id)``, None when it is empty.
+    ``offsets``: stored as EAGLE-3's `d2t` (target id = draft id + d2t[draft id]), else the ids
+    themselves (ours)."""
+    import numpy as np
+
+    tensors, _, start = read_safetensors_header(f)
+    dtype, _, (begin, end) = tensors[name]
+    with open_regular(f) as fh:
+        fh.seek(start + begin)
+        ids = np.frombuffer(fh.read(end - begin), dtype={"I64": "<i8", "I32": "<i4"}[dtype]).astype(np.int64)
+    if offsets:
+        ids = ids + np.arange(len(ids), dtype=np.int64)
+    if not len(ids):
+        return None
+    lo, hi = int(ids.argmin()), int(ids.argmax())
+    return int(ids[lo]), lo, int(ids[hi]), hi
 
 
 def check_drafter_bounds(path, raw: dict) -> None:
@@ -182,7 +284,7 @@ def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:
     p = resolve(path)
     raw = read_config(p)
     check_drafter_bounds(path, raw)
-    check_safetensors(p / WEIGHTS)
+    check_safetensors(p / WEIGHTS, values=True)
     return p, raw
 
 

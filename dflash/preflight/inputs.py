@@ -153,6 +153,31 @@ class JSONTooDeep(ValueError):
     malformed, a ValueError like any other, instead of a RecursionError."""
 
 
+class NotRegularFile(OSError):
+    """A path that names a FIFO, a device, a socket or a directory where a file is read:
+    opening a FIFO to read blocks until a writer comes (forever), a device never ends."""
+
+
+def open_regular(path: str | os.PathLike):
+    """``open(path, "rb")`` for a regular file only (symlinks to one are followed), else
+    NotRegularFile: checked with stat before anything is opened, and again on the open
+    descriptor (opened non-blocking, so a FIFO put in its place meanwhile cannot hang it).
+    ``FileNotFoundError`` and other OSErrors pass through."""
+    import stat
+
+    why = "not a regular file (a FIFO, a device, a socket or a directory)"
+    if not stat.S_ISREG(os.stat(path).st_mode):
+        raise NotRegularFile(why)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotRegularFile(why)
+        return os.fdopen(fd, "rb")  # O_NONBLOCK changes nothing for a regular file's reads
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _check_size(p: Path, max_bytes: int) -> None:
     size = p.stat().st_size  # a sparse 3 GB file is refused as fast as a real one
     if size > max_bytes:
@@ -187,9 +212,12 @@ def read_json(path: Path, label: str, error: type[Exception], max_bytes: int = M
     path = Path(path)
     try:
         _check_size(path, max_bytes)
-        return json_loads(path.read_bytes().decode("utf-8"))
+        with open_regular(path) as fh:
+            return json_loads(fh.read(max_bytes + 1).decode("utf-8"))
     except FileTooLarge as e:
         raise error(f"{label}: {e}") from None
+    except NotRegularFile as e:
+        raise error(f"{label}: {path.name} is {e}") from None
     except JSONTooDeep:
         raise error(f"{label}: {path.name} is not readable JSON (nested too deeply)") from None
     except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -487,11 +515,11 @@ def read_safetensors_header(path: Path) -> tuple[dict, dict, int]:
     span, the spans tile the data with no gap or overlap, and the data ends where the file does.
     A header that lies about any of it is a SafetensorsHeaderError naming what, before any
     loader maps a byte (their errors are tracebacks, or reads past what the file holds).
-    ``FileNotFoundError`` / ``OSError`` pass through."""
+    ``FileNotFoundError`` / ``OSError`` (NotRegularFile: a FIFO, a device) pass through."""
     import struct
 
-    size = Path(path).stat().st_size
-    with open(path, "rb") as fh:
+    with open_regular(path) as fh:
+        size = os.fstat(fh.fileno()).st_size
         head = fh.read(8)
         if len(head) < 8:
             raise SafetensorsHeaderError("shorter than its header")

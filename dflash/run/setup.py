@@ -49,6 +49,7 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
         from ..offline.train_from_features import open_capture, training_samples
         target, tok, store, features_dtype = open_capture(cfg, device=place.load_device, dtype=dtype)
         warmup_s, layer_ids = None, store.layer_ids
+        _check_memory(cfg, place, target, tok, layer_ids)
         from ..prep.prepare import Prepared
         prep = Prepared(samples=training_samples(cfg, store), eval_convs=[], regenerated=False)
     else:
@@ -62,6 +63,7 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
                                quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+        _check_memory(cfg, place, target, tok, layer_ids)  # before data preparation and the drafter
         # what regeneration keeps for the feature cache: what the target side would compute
         prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
     start_step = _start_step(place, out, groups, resume)
@@ -120,6 +122,14 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
     state = RunState(tel=tel, train_step=train_step, targets=targets, feature_caches=caches, vote=vote,
                      sync_timer=sync_timer, estimate=estimate, tokens=tokens, history=history)
     return spec, state
+
+
+def _check_memory(cfg, place, target, tok, layer_ids) -> None:
+    """A drafter whose training state cannot fit its device (or the host's memory, on CPU) is
+    one line (exit 2) now, from its config alone, not an OOM kill (rc 137, no word) later."""
+    if place.has_drafter:
+        from ..preflight.launch_checks import check_training_memory
+        check_training_memory(drafter_config(cfg, target, tok, layer_ids).to_dict(), place.drafter_device)
 
 
 def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):
