@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from helpers import ROOT, free_port, served_drafter
+from helpers import ROOT, free_port, live, served_drafter
 
 STANDIN = '''#!{python}
 import http.server, subprocess, sys, time
@@ -113,26 +113,16 @@ class Dflash:
             assert time.monotonic() < deadline, (self.tree, self.text()[-3000:])
             time.sleep(0.1)
 
-    def live(self) -> list[psutil.Process]:
-        out = []
-        for q in self.tree:
-            try:
-                if q.status() != psutil.STATUS_ZOMBIE:  # a zombie holds nothing (this host's init reaps none)
-                    out.append(q)
-            except psutil.NoSuchProcess:
-                pass
-        return out
-
     def assert_tree_gone(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
-        while self.live():
-            assert time.monotonic() < deadline, f"outlived dflash: {[q.cmdline() for q in self.live()]}"
+        while live(self.tree):
+            assert time.monotonic() < deadline, f"outlived dflash: {[q.cmdline() for q in live(self.tree)]}"
             time.sleep(0.2)
 
     def cleanup(self) -> None:
         if self.p.poll() is None:
             self.p.kill()
-        for q in self.live():  # what a failing run leaves: not left to the next test
+        for q in live(self.tree):  # what a failing run leaves: not left to the next test
             q.kill()
 
 

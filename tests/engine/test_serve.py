@@ -14,7 +14,7 @@ import urllib.request
 
 import psutil
 
-from helpers import ROOT, free_port
+from helpers import ROOT, free_port, live
 from otlp_receivers import OtlpGrpcReceiver
 
 
@@ -67,17 +67,6 @@ def test_serve_answers_a_chat_completion_traces_it_and_stops_its_tree(tiny_expor
             time.sleep(0.5)
 
 
-def _live(procs: list[psutil.Process]) -> list[psutil.Process]:
-    out = []
-    for q in procs:
-        try:
-            if q.status() != psutil.STATUS_ZOMBIE:  # a zombie holds nothing (some inits reap none)
-                out.append(q)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_serve_killed_by_sigkill_takes_vllms_tree_along(tiny_export, tmp_path):
     """vLLM's API server, EngineCore and worker stop when dflash serve is killed outright: they
     neither keep serving on the port nor hold their gigabytes; the scratch dir is swept later."""
@@ -94,8 +83,8 @@ def test_serve_killed_by_sigkill_takes_vllms_tree_along(tiny_export, tmp_path):
         proc.kill()
         proc.wait()
         deadline = time.monotonic() + 60
-        while _live(tree):
-            assert time.monotonic() < deadline, f"outlived dflash serve: {[q.cmdline()[:4] for q in _live(tree)]}"
+        while live(tree):
+            assert time.monotonic() < deadline, f"outlived dflash serve: {[q.cmdline()[:4] for q in live(tree)]}"
             time.sleep(0.5)
         code = ("from otel.confined import remove_scratch, scratch_dir, scratch_root; import os; "
                 "remove_scratch(scratch_dir('next')); print(os.listdir(scratch_root()))")
@@ -104,5 +93,5 @@ def test_serve_killed_by_sigkill_takes_vllms_tree_along(tiny_export, tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-        for q in _live(tree):
+        for q in live(tree):
             q.kill()

@@ -5,7 +5,6 @@ And nothing left behind: a tethered child's tree stops with its parent, and a sc
 with its owner."""
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ import time
 import psutil
 import pytest
 from otel_test_helpers import MODES
+
+from helpers import live
 
 from otel import confined, read_spans
 
@@ -143,17 +144,6 @@ time.sleep(600)
 """
 
 
-def _live(procs):
-    out = []
-    for q in procs:
-        try:
-            if q.status() != psutil.STATUS_ZOMBIE:  # a zombie holds nothing (some inits reap none)
-                out.append(q)
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
 def test_a_tethered_tree_stops_with_its_parent_not_with_the_thread_that_started_it(tmp_path):
     child = tmp_path / "child.py"  # starts a child of its own (in its group), as an engine does
     child.write_text("import subprocess, sys, time\n"
@@ -172,12 +162,12 @@ def test_a_tethered_tree_stops_with_its_parent_not_with_the_thread_that_started_
         p.kill()
         p.wait()
         deadline = time.monotonic() + 30
-        while _live(tree):
-            assert time.monotonic() < deadline, [q.cmdline() for q in _live(tree)]
+        while live(tree):
+            assert time.monotonic() < deadline, [q.cmdline() for q in live(tree)]
             time.sleep(0.1)
     finally:
         p.kill()
-        for q in _live(tree):
+        for q in live(tree):
             q.kill()
 
 
