@@ -107,7 +107,7 @@ class Dflash:
                 mine = [q for q in self.tree if not engine or "engine-python" in " ".join(q.cmdline())
                         or "time.sleep(3600)" in " ".join(q.cmdline())]
             except psutil.NoSuchProcess:  # one ended while read: read again
-                continue
+                mine = []
             if len(mine) >= at_least:
                 return self.tree
             assert time.monotonic() < deadline, (self.tree, self.text()[-3000:])
