@@ -26,26 +26,45 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    """The command line; ``argv`` None: this process's own (the `dflash` script, `python -m
+    dflash`), whose exit code no late signal may change (below)."""
     from .commands import command
-    from .errors import on_hard_stop, raise_on_sigterm, said_how_it_ended
+    from .errors import ignore_stop_signals, on_hard_stop, raise_on_sigterm, said_how_it_ended
 
+    program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"
     on_hard_stop(lambda: f"dflash {a.cmd}: stopped by a second signal during {a.phase}; {_what_next(a)}")
-    # a job runner's SIGTERM before the loop's own handler is in place (model load,
-    # regeneration): stop now with 130 and say how to go on, not die silently with 143
+    # a job runner's SIGTERM (or a closed terminal's SIGHUP) before the loop's own handler is in
+    # place (model load, regeneration): stop now with 130 and say how to go on, not die
+    # silently with 143
     raise_on_sigterm()
+    ended = ignore_stop_signals if program else (lambda: None)
     try:
-        rc = command(a.cmd).run(a)
-        said_how_it_ended()  # a second signal from here on ends it quietly
-        return rc
+        try:
+            rc = command(a.cmd).run(a)
+        finally:
+            # the exit code is chosen (or an exception is on its way to choose it): a signal
+            # from here on, the second of a pair say, must not turn it into a death by the
+            # signal, a traceback in the line below, or an exit code other than the one said
+            ended()
     except KeyboardInterrupt:
-        print(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}", file=sys.stderr)
-        said_how_it_ended()
-        return 130
+        ended()  # one that landed just before the line above
+        _say(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}")
+        rc = 130
     except Exception as e:
-        return _report_failure(a, e)
+        rc = _report_failure(a, e)
+    said_how_it_ended()  # the watch for a second signal (errors.py) has nothing more to say
+    return rc
+
+
+def _say(line: str) -> None:
+    """A last line to stderr; a closed terminal (SIGHUP's) cannot take it, and that is no error."""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except OSError:
+        pass
 
 
 def _what_next(a) -> str:

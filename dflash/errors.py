@@ -10,8 +10,9 @@
 The stage is known because an exception leaving `tel.stage(...)` carries that stage's name
 (otel sets it, the innermost stage wins, with telemetry on or off).
 
-Signals are here too: SIGTERM reaches the commands as Ctrl-C does (`raise_on_sigterm`,
-`stop_on_signal`), and how an interrupted command ends is part of how a run stops.
+Signals are here too: SIGTERM and SIGHUP (a closed terminal or ssh session) reach the
+commands as Ctrl-C does (`raise_on_sigterm`, `stop_on_signal`), and how an interrupted
+command ends is part of how a run stops.
 Torch-free, and light: every floor of dflash/ imports it for UserError and ConfigError.
 """
 from __future__ import annotations
@@ -93,22 +94,50 @@ def report(err: BaseException, out: str | os.PathLike | None) -> tuple[str, Path
 # -- signals -------------------------------------------------------------------------------
 # Signals for the commands, in one place (torch-free).
 #
-# - `raise_on_sigterm`: SIGTERM (what job runners send) raises like Ctrl-C does, so a set-up
-#   phase (model load, regeneration) stops at once with 130 and a line saying how to go on,
-#   rather than dying silently with 143;
+# The stop signals (`stop_signals`): SIGINT, SIGTERM, and SIGHUP unless it is ignored (nohup:
+# the user asked to outlive the terminal).
+# - `raise_on_sigterm`: SIGTERM (what job runners send) and SIGHUP raise like Ctrl-C does, so
+#   a set-up phase (model load, regeneration) stops at once with 130 and a line saying how to
+#   go on, rather than dying silently with 143 (129);
 # - `stop_on_signal`: inside a loop that can stop cleanly (an eval between verify steps),
-#   SIGTERM / SIGINT set an event instead; a second one raises.
+#   a stop signal sets an event instead; a second one raises.
 # - `watch_second_signal`: a second signal ends the process within seconds even when the
 #   main thread is deep in one long C call (a forward over a huge prompt) and so never
 #   gets to run a Python handler: the signal is seen through the wakeup fd, written by the
 #   interpreter's C handler at once, and read by a thread of its own.
+# - `ignore_stop_signals`: once the command has chosen its exit code (cli.main), a late
+#   signal (the second of a pair, landing in the teardown) cannot change it.
 # The training loop has its own graceful handler (run/trainer.py): finish the step, save.
 
+_STOPPING = {signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", signal.SIGTERM)}
 SECOND_SIGNAL_GRACE_S = 3.0   # the main thread's own way out first: it says the same, and tidies
 _last_word = None             # () -> the line a hard stop prints (the CLI's: what was saved, what next)
 _said = threading.Event()     # the CLI has said how the command ended: nothing more to say
 _signals_seen = [0]
 _watching = [False]
+
+
+def stop_signals() -> list[int]:
+    """SIGINT, SIGTERM and SIGHUP (a closed terminal or ssh session), less SIGHUP where it is
+    ignored (nohup): what stops a command."""
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    hup = getattr(signal, "SIGHUP", None)
+    if hup is not None and signal.getsignal(hup) is not signal.SIG_IGN:
+        sigs.append(hup)
+    return sigs
+
+
+def ignore_stop_signals() -> None:
+    """From here on the stop signals are ignored: the command has chosen its exit code and
+    says how it ended, and the rest is teardown (telemetry's drain, which has its deadline;
+    thread joins; the interpreter's exit). A Python handler there would raise into that
+    teardown, and the interpreter's exit puts a Python handler back to the default one, so a
+    signal landing late would end the process by the signal (-15) after its report. SIG_IGN
+    is the one disposition the exit leaves alone. Main thread only (a no-op elsewhere)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for s in stop_signals():
+        signal.signal(s, signal.SIG_IGN)
 
 
 def on_hard_stop(last_word) -> None:
@@ -122,7 +151,7 @@ def said_how_it_ended() -> None:
 
 
 def watch_second_signal() -> None:
-    """From here on, a second SIGINT/SIGTERM ends the process within
+    """From here on, a second stop signal (SIGINT, SIGTERM, SIGHUP) ends the process within
     SECOND_SIGNAL_GRACE_S + a moment, exit 130, whatever the main thread is doing. Called
     where a first signal means "stop cleanly" (an eval, the training loop); main thread only."""
     _signals_seen[0] = 0
@@ -146,7 +175,7 @@ def _count_signals(r: int) -> None:
         data = os.read(r, 64)
         if not data:
             return
-        _signals_seen[0] += sum(b in (signal.SIGINT, signal.SIGTERM) for b in data)
+        _signals_seen[0] += sum(b in _STOPPING for b in data)
     time.sleep(SECOND_SIGNAL_GRACE_S)
     if not _said.is_set():
         try:
@@ -170,8 +199,11 @@ def _raise(signum, frame):
 
 
 def raise_on_sigterm() -> None:
+    """SIGTERM and SIGHUP (not ignored) raise Interrupted, as Ctrl-C raises KeyboardInterrupt."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise)
+        for s in stop_signals():
+            if s != signal.SIGINT:
+                signal.signal(s, _raise)
 
 
 class stop_on_signal:
@@ -180,7 +212,7 @@ class stop_on_signal:
 
     def __enter__(self) -> threading.Event:
         self.stop = threading.Event()
-        self.prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self.prev = {s: signal.getsignal(s) for s in stop_signals()}
 
         def on_signal(signum, frame):
             if self.stop.is_set():

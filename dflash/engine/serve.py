@@ -5,8 +5,10 @@ export is a drafter dir in the served format that fits the target (commands/serv
 check_drafter: hidden size, layer ids, mask row; from configs alone). Then the server runs
 from `.venv-vllm` (engine/runner.py: `-I`, a cwd of its own, its own process group),
 listening on 127.0.0.1 only. We wait for its /health, print the URL and a curl line, and stay
-in front: Ctrl-C or SIGTERM stops the whole server process tree and exits 130; a server that
-dies on its own exits 1 with its log's last line.
+in front: Ctrl-C, SIGTERM or SIGHUP stops the whole server process tree, removes its scratch
+dir and exits 130; a server that dies on its own exits 1 with its log's last line (or the
+signal that killed it), the log kept. Killed outright (SIGKILL), we take the server with us:
+it is tethered to us (runner.py), its scratch dir swept by a later start.
 
 Traces: `--otlp ENDPOINT`, else the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
 OTEL_EXPORTER_OTLP_ENDPOINT, go to vLLM's own OTLP tracing, with `service.name` dflash-serve
@@ -19,7 +21,6 @@ import json
 import os
 import socket
 import sys
-import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -59,8 +60,7 @@ def wait_ready(proc, url: str, log: Path, timeout_s: float) -> None:
     t0 = time.monotonic()
     while True:
         if proc.poll() is not None:
-            raise runner.EngineFailed(f"the server exited {proc.returncode} before it was ready: "
-                                      f"{runner.last_line(log)} (its log: {log})")
+            raise runner.EngineFailed(f"the server {runner.exited(proc.returncode, log, ' before it was ready')}")
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
@@ -77,7 +77,7 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
     from .targets import engine_target
 
     target = engine_target(target_spec, target_seed)
-    work = Path(tempfile.mkdtemp(prefix="dflash-serve-"))
+    work = Path(runner.scratch_dir("serve"))
     log_path = Path(log).resolve() if log else work / "vllm-serve.log"
     env = runner.engine_env(offline=runner.is_local(target))
     endpoint = otlp_endpoint(otlp)
@@ -90,6 +90,7 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
                                     max_model_len=max_model_len, name=name, otlp=endpoint),
                         log=log_path, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"
+    stopped = False  # by us (a signal): nothing to keep; else the log a failure names is kept
     try:
         print(f"dflash serve: starting vLLM (target {target_spec}, drafter {export}, k={k}); log: {log_path}",
               file=sys.stderr)
@@ -98,8 +99,11 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
         print(f"dflash serve: ready at {url}/v1 (OpenAI API; traces: {endpoint or 'off'})", flush=True)
         print(f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
         proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
-        print(f"dflash serve: the server exited {proc.returncode}: {runner.last_line(log_path)} (its log: {log_path})",
-              file=sys.stderr)
+        print(f"dflash serve: the server {runner.exited(proc.returncode, log_path)}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        stopped = True
+        raise
     finally:
         runner.stop_group(proc)
+        (runner.remove_scratch if stopped or log_path.parent != work else runner.keep_scratch)(work)

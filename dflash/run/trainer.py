@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from otel.confined import write_text
 
 from ..config import Config, dumps
-from ..errors import watch_second_signal
+from ..errors import stop_signals, watch_second_signal
 from . import distributed as dist_mod
 from . import readback
 from .context import RunSpec, RunState
@@ -181,8 +181,9 @@ class Trainer:
 
 @contextlib.contextmanager
 def _graceful_signals(spec: RunSpec, state: RunState):
-    """First Ctrl-C / SIGTERM (preemption, torchrun's shutdown): finish the current step,
-    save, stop (every rank at the same step: they vote); a second one raises."""
+    """First Ctrl-C / SIGTERM / SIGHUP (preemption, torchrun's shutdown, a closed terminal):
+    finish the current step, save, stop (every rank at the same step: they vote); a second one
+    raises."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -195,7 +196,7 @@ def _graceful_signals(spec: RunSpec, state: RunState):
               f"stops now, keeping the last checkpoint)", file=sys.stderr)
         state.stop.set()
 
-    prev = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    prev = {s: signal.getsignal(s) for s in stop_signals()}  # SIGHUP too: a closed terminal
     for s in prev:
         signal.signal(s, on_signal)
     watch_second_signal()

@@ -9,15 +9,13 @@ and exit 2.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from otel.confined import start_python
+from otel.confined import keep_scratch, remove_scratch, scratch_dir, start_python, stop_group
 
 from ..errors import ConfigError
 
@@ -95,17 +93,20 @@ def serve(a) -> int:
         mod = cmd[0].split(".")[0]
         if importlib.util.find_spec(mod) is None:
             raise ConfigError(f"dflash watch: {name} needs the {mod} package (pip install 'dflash-otel[trackers]')")
-    logs = Path(tempfile.mkdtemp(prefix="dflash-watch-"))
+    logs = Path(scratch_dir("watch"))  # swept by a later start if we are killed
     procs = []
+    keep = False  # the logs a failure names
     try:
         deadline = time.monotonic() + READY_S
         for name, cmd, url, probe in todo:
             log = logs / f"{name.lower()}.log"
-            # its own session: a Ctrl-C in this terminal reaches us, and we stop it. Nothing in
-            # the cwd or the run dir is importable in it, nor in what it starts (MLflow's
-            # `python -m uvicorn`): otel.confined gives it an empty cwd of its own
-            proc = start_python(sys.executable, cmd[0], cmd[1:], stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=server_env())
+            # its own session: a Ctrl-C in this terminal reaches us, and we stop it; tethered:
+            # it stops when we end, however. Nothing in the cwd or the run dir is importable in
+            # it, nor in what it starts (MLflow's `python -m uvicorn`): otel.confined gives it
+            # an empty cwd of its own
+            with open(log, "w") as out:
+                proc = start_python(sys.executable, cmd[0], cmd[1:], stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, tethered=True, env=server_env())
             procs.append((name, proc, url, probe, log))
         for name, proc, url, probe, log in procs:
             _ready(probe, proc, deadline, log)
@@ -116,16 +117,11 @@ def serve(a) -> int:
         name, proc = next((n, p) for n, p, *_ in procs if p.poll() is not None)
         print(f"dflash watch: {name} exited with {proc.returncode} (log: {logs / (name.lower() + '.log')})",
               file=sys.stderr)
+        keep = True
         return 1
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM (dflash.errors): the normal way to stop
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM or SIGHUP (dflash.errors): the normal way to stop
         return 0
     finally:
         for _, proc, *_ in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        for _, proc, *_ in procs:
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            stop_group(proc)
+        (keep_scratch if keep else remove_scratch)(logs)

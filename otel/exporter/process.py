@@ -9,9 +9,9 @@ It owns the OpenTelemetry SDK, the OTLP/file/Prometheus exporters, the NVML samp
 every per-record step (profile, idle attribution, span building: otel.exporter.consumer), so
 their GIL time is not the training process's.
 
-Signals: SIGINT and SIGTERM are ignored. Ctrl-C, `timeout`, `scancel` and many job
-runners signal the whole process group; the training process decides when telemetry
-stops (it may still be saving a checkpoint and flushing). EOF on stdin means it is done
+Signals: SIGINT, SIGTERM and SIGHUP are ignored. Ctrl-C, `timeout`, `scancel`, many job
+runners and a closed terminal signal the whole process group; the training process decides
+when telemetry stops (it may still be saving a checkpoint and flushing). EOF on stdin means it is done
 or gone: export what is left (local files completely, the network within the budget)
 and exit. The child never outlives its parent for long.
 """
@@ -36,8 +36,8 @@ def _nice(config: ExportConfig) -> None:
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(s, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     out_lock = threading.Lock()
 

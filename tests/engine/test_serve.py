@@ -1,6 +1,7 @@
 """`dflash serve`: vLLM's OpenAI server with our export as its drafter, on 127.0.0.1 only;
 its request traces reach an OTLP receiver (the Collector's place); Ctrl-C stops the whole
-server process tree and exits 130."""
+server process tree and exits 130, and a SIGKILL of dflash takes that tree along (the
+stand-in engine's faster variants: tests/cli/test_nothing_outlives_dflash.py)."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import urllib.request
 
 import psutil
 
-from helpers import ROOT, free_port
+from helpers import ROOT, free_port, live
 from otlp_receivers import OtlpGrpcReceiver
 
 
@@ -64,3 +65,33 @@ def test_serve_answers_a_chat_completion_traces_it_and_stops_its_tree(tiny_expor
         while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in tree):
             assert time.monotonic() < deadline, "vLLM processes outlived dflash serve"
             time.sleep(0.5)
+
+
+def test_serve_killed_by_sigkill_takes_vllms_tree_along(tiny_export, tmp_path):
+    """vLLM's API server, EngineCore and worker stop when dflash serve is killed outright: they
+    neither keep serving on the port nor hold their gigabytes; the scratch dir is swept later."""
+    port = free_port()
+    env = dict(os.environ, PYTHONUNBUFFERED="1", TMPDIR=str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "serve", str(tiny_export), "--target", "tiny-qwen3",
+                             "--port", str(port), "--max-model-len", "512"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    tree = []
+    try:
+        _wait_line(proc, proc.stdout, "ready at", 900)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        assert len(tree) >= 3, [q.cmdline()[:4] for q in tree]  # the keeper, the API server, its EngineCore
+        proc.kill()
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while live(tree):
+            assert time.monotonic() < deadline, f"outlived dflash serve: {[q.cmdline()[:4] for q in live(tree)]}"
+            time.sleep(0.5)
+        code = ("from otel.confined import remove_scratch, scratch_dir, scratch_root; import os; "
+                "remove_scratch(scratch_dir('next')); print(os.listdir(scratch_root()))")
+        left = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+        assert "serve-" not in left, left
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for q in live(tree):
+            q.kill()

@@ -73,7 +73,7 @@ import os, signal, sys, time
 sys.path.insert(0, {root!r})
 import otel
 stop = []
-signal.signal(signal.SIGTERM, lambda *a: stop.append(1))   # the trainer saves and exits
+signal.signal({sig}, lambda *a: stop.append(1))   # the trainer saves and exits
 tel = otel.Telemetry.from_env("dflash", file_dir={out!r}, console=False, export_interval_s=0.05)
 print(tel._transport.proc.pid, flush=True)
 i = 0
@@ -89,12 +89,14 @@ print(json.dumps(tel.summary()["health"]), flush=True)
 """
 
 
-def test_sigterm_to_the_process_group_loses_nothing(tmp_path):
-    """`timeout`, `scancel` and job runners signal the whole group: the exporter process
-    ignores it and the training process decides when telemetry ends."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_sigterm_to_the_process_group_loses_nothing(tmp_path, sig):
+    """`timeout`, `scancel` and job runners signal the whole group (SIGTERM), and so does a
+    closed terminal (SIGHUP): the exporter process ignores it and the training process
+    decides when telemetry ends."""
     import json
 
-    proc = subprocess.Popen([sys.executable, "-c", _SIGNALLED.format(root=ROOT, out=str(tmp_path))],
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNALLED.format(root=ROOT, out=str(tmp_path), sig=int(sig))],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         child_pid = int(proc.stdout.readline())
@@ -102,7 +104,7 @@ def test_sigterm_to_the_process_group_loses_nothing(tmp_path):
         while not os.path.exists(tmp_path / "traces.jsonl"):  # the exporter is running
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        os.killpg(proc.pid, signal.SIGTERM)
+        os.killpg(proc.pid, sig)
         out, _ = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

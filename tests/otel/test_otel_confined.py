@@ -1,13 +1,19 @@
 """Nothing from elsewhere (otel/confined.py): a package planted where a child is started never
 runs in it; a file written through open_for_write never follows a symbolic link; spans that
-no exporter took are never counted as exported; a bad OTEL_* number is one note and a default."""
+no exporter took are never counted as exported; a bad OTEL_* number is one note and a default.
+And nothing left behind: a tethered child's tree stops with its parent, and a scratch dir
+with its owner."""
 import json
 import os
 import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 from otel_test_helpers import MODES
+
+from helpers import live
 
 from otel import confined, read_spans
 
@@ -120,3 +126,87 @@ def test_open_for_write_refuses_links_at_the_file_and_on_the_way(tmp_path):
         f.write("\n")
     assert (run / "summary.json").read_text() == "{}\n"
     assert confined.links_on_the_way(run, run / "tensorboard" / "x") == str(run / "tensorboard")
+
+
+_GRANDPARENT = """
+import sys, threading, time
+from otel.confined import start_python
+started = []
+# started from a thread that then ends (once the keeper is up): PR_SET_PDEATHSIG fires on that
+# thread's exit, which must not be taken for ours
+t = threading.Thread(target=lambda: (started.append(start_python(sys.executable, sys.argv[1], tethered=True)),
+                                     time.sleep(1.0)))
+t.start()
+t.join()
+time.sleep(1.0)
+print(started[0].pid, started[0].poll(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_tethered_tree_stops_with_its_parent_not_with_the_thread_that_started_it(tmp_path):
+    child = tmp_path / "child.py"  # starts a child of its own (in its group), as an engine does
+    child.write_text("import subprocess, sys, time\n"
+                     "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+                     "time.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", _GRANDPARENT, str(child)], stdout=subprocess.PIPE, text=True)
+    tree = []
+    try:
+        keeper, rc = p.stdout.readline().split()
+        assert rc == "None", "the keeper ended when the thread that started it did"
+        deadline = time.monotonic() + 30
+        while len(tree) < 3:  # the keeper, the child, the child's own child
+            assert time.monotonic() < deadline, tree
+            tree = psutil.Process(p.pid).children(recursive=True)
+        assert tree[0].pid == int(keeper) and os.getpgid(tree[-1].pid) == int(keeper)
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 30
+        while live(tree):
+            assert time.monotonic() < deadline, [q.cmdline() for q in live(tree)]
+            time.sleep(0.1)
+    finally:
+        p.kill()
+        for q in live(tree):
+            q.kill()
+
+
+_OWNER = """
+import time
+from otel.confined import keep_scratch, scratch_dir
+mine, kept = scratch_dir("mine"), scratch_dir("kept")
+keep_scratch(kept)
+open(mine + "/work", "w").write("x")
+print(mine, kept, flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_scratch_dir_is_swept_once_its_owner_is_killed_and_only_then(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    sweep = [sys.executable, "-c", "from otel.confined import sweep_scratch; print(*sweep_scratch())"]
+    p = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        mine, kept = p.stdout.readline().split()
+        assert os.path.dirname(mine) == str(tmp_path / f"dflash-{os.getuid()}")
+        assert oct(os.stat(os.path.dirname(mine)).st_mode & 0o777) == "0o700"
+        assert subprocess.run(sweep, env=env, capture_output=True, text=True).stdout.split() == []  # its owner lives
+        p.kill()
+        p.wait()
+        assert subprocess.run(sweep, env=env, capture_output=True, text=True).stdout.split() == [mine]
+        assert not os.path.exists(mine) and os.path.isdir(kept)  # a kept dir (a failure's log) stays
+        assert sorted(os.listdir(tmp_path / f"dflash-{os.getuid()}")) == [os.path.basename(kept)]
+    finally:
+        p.kill()
+
+
+def test_a_scratch_root_someone_else_holds_is_not_trusted(tmp_path):
+    """The shared name taken by a link (or another's dir): a plain private temp dir instead,
+    and nothing under that name is swept."""
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (tmp_path / f"dflash-{os.getuid()}").symlink_to(other)
+    code = "from otel.confined import scratch_dir, sweep_scratch; print(scratch_dir('x'), sweep_scratch())"
+    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(tmp_path)),
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out[0].startswith(str(tmp_path / "dflash-x-")) and out[1] == "[]" and os.listdir(other) == []
