@@ -576,13 +576,10 @@ def validate(cfg: Config) -> None:
 
 def _check_features(cfg: Config) -> None:
     """`data.features`: what training from a capture cannot do (it has no target to run)."""
-    m, p, where = cfg.model, cfg.pipeline, f"data.features={cfg.data.features!r}"
+    p, where = cfg.pipeline, f"data.features={cfg.data.features!r}"
     if p.layout:
         raise ConfigError(f"{where} with pipeline.layout={p.layout!r}: no target ranks are needed; launch the "
                           "drafter ranks alone (torchrun --nproc_per_node N, no --layout)")
-    if m.drafter_init == "target":
-        raise ConfigError(f"{where} with model.drafter_init=target: only the target's embedding and lm_head are "
-                          "loaded; use model.drafter_init=random, or train online")
 
 
 def check_trackers(names: list[str], where: str = "--tracker ") -> list[str]:

@@ -35,8 +35,8 @@ def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:
     dcfg = drafter_config(cfg, target, tokenizer, layer_ids)
     torch.manual_seed(cfg.train.seed)
     drafter = make_drafter(dcfg)
-    if cfg.model.drafter_init == "target":
-        init_from_target(drafter, target)
+    if cfg.model.drafter_init == "target":  # a head-only target (train --features) carries what init reads
+        init_from_target(drafter, getattr(target, "init_source", None) or target)
     return drafter
 
 
@@ -79,17 +79,31 @@ def _copy(dst: torch.Tensor, src, copied: list, name: str) -> None:
         copied.append(name)
 
 
+def init_layers(target, target_layer_ids, n: int) -> list[int]:
+    """The target decoder layers drafter layers 0..n-1 copy: the attention layers after the
+    deepest fused one first, then those before it, deepest first; in the target's order."""
+    layers = list(getattr(_decoder(target), "layers", []))
+    attn = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "self_attn", None), "q_proj")]
+    deepest = max(target_layer_ids)
+    after = [i for i in attn if i > deepest]
+    return sorted((after + [i for i in attn if i <= deepest][::-1])[:n])  # next layers first
+
+
+def init_modules(target, target_layer_ids, n: int) -> list[torch.nn.Module]:
+    """What init_from_target reads of the target: the chosen decoder layers and the final norm
+    (offline/head_only.py reads only these of a target on disk when training from features)."""
+    dec = _decoder(target)
+    layers = list(getattr(dec, "layers", []))
+    norm = getattr(dec, "norm", None)
+    return [layers[i] for i in init_layers(target, target_layer_ids, n)] + ([norm] if norm is not None else [])
+
+
 @torch.no_grad()
 def init_from_target(drafter, target) -> list[str]:
     """Copy what fits; returns the names of the drafter tensors that were copied."""
     dec = _decoder(target)
     layers = list(getattr(dec, "layers", []))
-    attn = [i for i, layer in enumerate(layers) if hasattr(getattr(layer, "self_attn", None), "q_proj")]
-    n = len(drafter.layers)
-    deepest = max(drafter.cfg.target_layer_ids)
-    after = [i for i in attn if i > deepest]
-    chosen = (after + [i for i in attn if i <= deepest][::-1])[:n]  # next layers first
-    chosen.sort()
+    chosen = init_layers(target, drafter.cfg.target_layer_ids, len(drafter.layers))
     copied: list[str] = []
     for i, t_idx in enumerate(chosen):
         src = dict(layers[t_idx].named_parameters())

@@ -34,7 +34,11 @@ def open_capture(cfg: Config, *, device, dtype):
           f"{key['target']} layers {key['layer_ids']} ({key['dtype']}); no target forward", file=sys.stderr)
     config = target_mod.from_pretrained(AutoConfig, store.path / TARGET_DIR,
                                         f"features {cfg.data.features}: {TARGET_DIR}/")
-    target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed)
+    init_for = None
+    if cfg.model.drafter_init == "target":  # the layers the drafter starts from, read from the target's files
+        init_for = (list(key["layer_ids"]), cfg.model.num_layers)
+    target = load_head_only(cfg.model.target, config, device=device, dtype=dtype, seed=cfg.model.target_seed,
+                            init_for=init_for)
     print(f"target {cfg.model.target}: {target.note}", file=sys.stderr)
     tok = target_mod.load_tokenizer(cfg.model.target)
     chat_template.configure_from(tok, cfg.data)  # the mask-token probe renders with it, as online

@@ -5,7 +5,8 @@
 - the run from features emits the same stage spans, and `dflash stalls` answers;
 - two ranks capture what one does, and two ranks train from it;
 - a stopped capture resumes: its whole shards are kept, only the rest is captured;
-- only the target's embedding and lm_head are read (tied and untied);
+- only the target's embedding and lm_head are read (tied and untied), plus, for
+  model.drafter_init=target, the layers the drafter copies;
 - bad requests are one line, exit 2, before torch loads.
 """
 from __future__ import annotations
@@ -229,6 +230,35 @@ def test_only_the_embedding_and_lm_head_are_read(tmp_path, tied):
     n = sum(p.numel() for p in head.parameters())
     assert n == 300 * 64 * (1 if tied else 2)  # nothing else was loaded
     assert "embedding and lm_head only" in head.note
+
+
+def test_drafter_init_target_from_features_reads_only_the_layers_it_copies(tmp_path):
+    """`train --features` with model.drafter_init=target: the drafter starts from exactly the
+    weights an online run's would, read from the target's files, and nothing else of its layers."""
+    from transformers import AutoConfig, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash.model.architectures import make_drafter
+    from dflash.model.build import init_from_target
+    from dflash.model.drafter import DrafterConfig
+    from dflash.offline.head_only import load_head_only
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = Qwen3ForCausalLM(cfg)
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    dcfg = DrafterConfig.from_target(cfg, target_layer_ids=[0, 2], mask_token_id=299, vocab_size=300,
+                                     num_hidden_layers=2, block_size=4, target="x")
+    online, offline = make_drafter(dcfg), make_drafter(dcfg)
+    offline.load_state_dict(online.state_dict())
+    head = load_head_only(str(tmp_path), AutoConfig.from_pretrained(tmp_path), init_for=([0, 2], 2))
+    assert init_from_target(online, model) == init_from_target(offline, head.init_source)
+    for k, v in online.state_dict().items():
+        assert torch.equal(v, offline.state_dict()[k]), k
+    layers = head.init_source.model.layers
+    assert [i for i, layer in enumerate(layers) if not layer.mlp.up_proj.weight.is_meta] == [3, 4]
+    assert sum(p.numel() for p in head.parameters()) == 2 * 300 * 64  # the pair itself, as without init
+    assert "model.drafter_init=target copies" in head.note
 
 
 @pytest.mark.parametrize("case,needle", [

@@ -1,0 +1,355 @@
+"""The data curve on this machine (issue 47): which use of the CPU's minutes buys the most tau.
+
+Arms (each a real `dflash capture` + `dflash train --features`, subprocesses one after another):
+  regen       the target's own replies (regenerated, greedy), CE; few samples, many epochs or
+              more samples, fewer epochs (the epochs are a cell's second coordinate)
+  read        ShareGPT's own replies, read by the target: KL to its top-64 distribution at every
+              position (`train.loss=kl`), captured once (features + top-k) and reused over epochs
+  read+regen  a `read` drafter (`--init-from`), then trained on regenerated replies
+
+Data. One pool of ShareGPT conversations in a fixed order (`pool.jsonl`), with every
+conversation that repeats a scored prompt left out; a size-N arm trains on the first N
+samples of one capture of the pool's first conversations (`data.max_samples`), so the sizes
+are nested, and regeneration's cache (one reply per prompt) serves every size at once.
+
+Scored on fixed prompts, the same for every cell: the demo's 16 held-out ShareGPT prompts
+(`make demo`'s split) and MT-Bench's 80 first turns, cut to 64 tokens, 96 new tokens, T=0.
+tau is per verify step (engines' convention), walked from one drafter pass over the target's
+greedy continuation (run/acceptance_estimate.py: equal to decoding up to near-ties), per
+prompt, so arms compare prompt by prompt (paired differences +- their SE over prompts).
+
+Cost. Every child's wall time and CPU time (user + sys, the process tree) are recorded. The
+machine may be shared while the curve runs (tau does not depend on it: training on the CPU is
+deterministic), so the time axis is the CPU seconds each part took, divided by the 2 cores;
+`--calibrate` times each unit (a reply regenerated, a sample read, a training step of each
+arm) alone on a quiet machine and the table says which it uses.
+
+    .venv/bin/python bench/data_scale.py prep                       # pool + scored prompts (~2 min)
+    .venv/bin/python bench/data_scale.py capture --arm regen --n 5000
+    .venv/bin/python bench/data_scale.py train --cells regen:300x8,regen:1500x8,read:1500x8
+    .venv/bin/python bench/data_scale.py walk                       # every trained cell not walked yet
+    .venv/bin/python bench/data_scale.py table                      # docs/demo-recipe.md's table
+
+Everything lives under --work (default runs/data-scale) and is reused: a stopped bench resumes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+BASE = ["--config", "configs/demo.yaml", "--set", "telemetry.console_interval_s=0", "--set", "eval.engine=none",
+        "--set", "train.estimate_every=0"]
+ARM_SETS = {"regen": ["--set", "data.regenerate=on"],
+            "read": ["--set", "data.regenerate=off", "--set", "data.long_samples=split", "--set", "train.loss=kl",
+                     "--set", "train.kl_topk=64"]}
+POOL = 24000          # conversations in the pool (the largest arm's)
+HELD = 8              # what a capture's split holds out of the pool (its minimum): never scored here
+SETS = ("sharegpt16", "mtbench80")
+
+
+def run(cmd: list[str], log: Path) -> dict:
+    """A child to the end, its output to ``log``; wall and CPU seconds (its whole tree)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.monotonic()
+    print(f"[{time.strftime('%H:%M:%S')}] {' '.join(cmd[2:])}  (log: {log})", file=sys.stderr, flush=True)
+    with open(log, "w") as f:
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if rc != 0:
+        sys.exit(f"bench/data_scale.py: exited {rc}: {' '.join(cmd)}\n{log.read_text()[-3000:]}")
+    return {"wall_s": round(time.monotonic() - t0, 1),
+            "cpu_s": round(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, 1),
+            "load_avg": round(os.getloadavg()[0], 2)}
+
+
+def dflash(*args) -> list[str]:
+    return [sys.executable, "-m", "dflash", *map(str, args)]
+
+
+# --------------------------------------------------------------------------- prep
+
+
+def prep(work: Path) -> None:
+    """pool.jsonl and the scored prompt sets, once."""
+    from dflash.config import load_config
+    from dflash.data import prompt_sets
+    from dflash.data.conversations import load_conversations
+    from dflash.prep.prepare import split
+
+    work.mkdir(parents=True, exist_ok=True)
+    demo = load_config(str(ROOT / "configs/demo.yaml"))
+    _, held = split(demo)
+    sharegpt = prompt_sets.first_turns(held)
+    prompt_sets.write_jsonl(sharegpt, work / "sharegpt16.jsonl")
+    mt = prompt_sets.read_bench("mt-bench")
+    mt_first = [prompt_sets.Dialog(d.id, d.turns[:1], d.system) for d in mt.dialogs]
+    prompt_sets.write_jsonl(mt_first, work / "mtbench80.jsonl")
+    scored = {prompt_sets.prompt_identity(t) for d in sharegpt + mt.dialogs for t in d.turns}
+    convs = load_conversations(None, limit=POOL + 2000, seed=1234)
+    kept = [c for c in convs if scored.isdisjoint(prompt_sets.user_turn_keys(c))][:POOL]
+    with open(work / "pool.jsonl", "w", encoding="utf-8") as f:
+        for c in kept:
+            f.write(json.dumps({"conversations": c}, ensure_ascii=False) + "\n")
+    (work / "prep.json").write_text(json.dumps({"pool": len(kept), "sharegpt16": len(sharegpt),
+                                                "mtbench80": len(mt_first)}, indent=1))
+    print(f"pool: {len(kept)} conversations; scored: {len(sharegpt)} ShareGPT + {len(mt_first)} MT-Bench",
+          file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def capture(work: Path, arm: str, n: int) -> dict:
+    """The target's features (and for `read` its top-64) of the pool's first n + HELD
+    conversations' samples; timed. Reused when already there."""
+    out = work / "feats" / f"{arm}-{n}"
+    meta = out.with_suffix(".json")
+    if meta.is_file():
+        return json.loads(meta.read_text())
+    cmd = dflash("capture", *BASE, *ARM_SETS[arm], "--set", f"data.path={work / 'pool.jsonl'}",
+                 "--set", f"data.num_conversations={n + HELD}", "--set", "data.eval_fraction=0.0001",
+                 "--out", out, "--overwrite")
+    t = run(cmd, work / "logs" / f"capture-{arm}-{n}.log")
+    index = json.loads((out / "index.json").read_text())
+    log = (work / "logs" / f"capture-{arm}-{n}.log").read_text()
+    regen = next((ln for ln in log.splitlines() if "regenerat" in ln.lower()), "")
+    res = {"arm": arm, "n": n, "samples": index["samples"], "tokens": index["tokens"], "bytes": index["bytes"],
+           "seconds": index["seconds"], **t, "regen_line": regen}
+    meta.write_text(json.dumps(res, indent=1))
+    return res
+
+
+# --------------------------------------------------------------------------- train
+
+
+def parse_cell(spec: str) -> dict:
+    """ARM:NxE[:from=CELL][:seed=S]: arm, samples, epochs (steps = E * N / batch 4)."""
+    parts = spec.split(":")
+    arm, size = parts[0], parts[1]
+    n, e = size.split("x")
+    cell = {"name": spec.replace(":", "_").replace("=", "-"), "arm": arm, "n": int(n), "epochs": float(e),
+            "seed": 0, "init": None}
+    for p in parts[2:]:
+        k, v = p.split("=", 1)
+        if k == "seed":
+            cell["seed"] = int(v)
+        elif k == "from":
+            cell["init"] = v.replace(":", "_").replace("=", "-")
+    return cell
+
+
+def train(work: Path, spec: str, capture_n: dict) -> dict:
+    c = parse_cell(spec)
+    data_arm = "regen" if c["arm"] in ("regen", "read+regen") else "read"
+    feats = work / "feats" / f"{data_arm}-{capture_n[data_arm]}"
+    if not (feats / "index.json").is_file():
+        sys.exit(f"bench/data_scale.py: no capture {feats}: run `capture --arm {data_arm} --n {capture_n[data_arm]}`")
+    run_dir = work / "runs" / c["name"]
+    res_file = run_dir.with_suffix(".json")
+    if res_file.is_file():
+        return json.loads(res_file.read_text())
+    steps = max(1, round(c["epochs"] * c["n"] / 4))
+    extra = list(ARM_SETS[data_arm])
+    if c["init"]:
+        init = work / "runs" / c["init"] / "checkpoint"
+        if not init.is_dir():
+            sys.exit(f"bench/data_scale.py: {spec}: train {c['init']} first")
+        extra += ["--init-from", init]
+    cmd = dflash("train", *BASE, *extra, "--features", feats, "--set", f"data.max_samples={c['n']}",
+                 "--set", f"train.steps={steps}", "--set", f"train.seed={c['seed']}", "--no-telemetry",
+                 "--set", "eval.baseline=none", "--out", run_dir, "--overwrite")
+    t = run(cmd, work / "logs" / f"train-{c['name']}.log")
+    summ = json.loads((run_dir / "summary.json").read_text())
+    res = {**c, "spec": spec, "steps": steps, "features": str(feats), **t,
+           "loss_first": summ.get("loss_first"), "loss_last": summ.get("loss_last"),
+           "train_samples": summ.get("train_samples"), "tokens": summ.get("tokens"),
+           "tokens_per_s": summ.get("tokens_per_s")}
+    res_file.write_text(json.dumps(res, indent=1))
+    return res
+
+
+# --------------------------------------------------------------------------- walk
+
+
+class Walker:
+    """The scored prompts' rows (prompt + the target's greedy continuation, features) built once
+    per set, then any number of drafters walked over them per prompt."""
+
+    def __init__(self, work: Path):
+        import torch
+
+        from dflash.config import load_config
+        from dflash.model import target as T
+        from dflash.run import acceptance_estimate as est
+
+        self.torch, self.est = torch, est
+        self.cfg = cfg = load_config(str(ROOT / "configs/demo.yaml"))
+        self.target, self.tok = T.load_target(cfg.model.target, dtype=torch.float32)
+        L = T.num_layers(self.target)
+        self.layer_ids = cfg.model.target_layer_ids or T.default_layer_ids(L, cfg.model.num_target_layers)
+        self.embed, self.head = self.target.get_input_embeddings(), self.target.get_output_embeddings()
+        self.rows = {s: self._rows(work, s) for s in SETS}
+
+    def _rows(self, work: Path, name: str):
+        """The set's WalkRows, its token rows cached as JSON (the continuation is the slow part)."""
+        from dflash.data import prompt_sets
+        from dflash.data.dataset import collate
+        from dflash.data.sample import Sample
+
+        cache = work / f"rows-{name}.json"
+        if cache.is_file():
+            d = json.loads(cache.read_text())
+            rows = [Sample(ids, mask) for ids, mask in zip(d["ids"], d["mask"])]
+            return self.est.WalkRows(collate(rows, self.tok.pad_token_id, 0), d["start"], d["stop"], d["source"])
+        ps = prompt_sets.read_file(str(work / f"{name}.jsonl"))
+        convs = [([{"role": "system", "content": d.system}] if d.system else []) +
+                 [{"role": "user", "content": d.turns[0]}] for d in ps.dialogs]
+        e = self.cfg.eval
+        rows = self.est.eval_prompt_rows(self.target, self.tok, convs, n=len(convs), max_prompt_len=e.max_prompt_len,
+                                         max_new_tokens=e.max_new_tokens, block_size=self.cfg.model.block_size,
+                                         pad_id=self.tok.pad_token_id, batch_size=64)
+        b = rows.batch
+        ids = [b.input_ids[i, :n].tolist() for i, n in enumerate(b.lengths)]
+        mask = [b.loss_mask[i, :n].tolist() for i, n in enumerate(b.lengths)]
+        cache.write_text(json.dumps({"ids": ids, "mask": mask, "start": rows.start, "stop": rows.stop,
+                                    "source": rows.source}))
+        return rows
+
+    def walk(self, ckpt: Path) -> dict:
+        """Per set: tau per verify step pooled, and per prompt (accepted + 1 summed, steps)."""
+        from types import SimpleNamespace
+
+        from dflash.checkpoint import drafter_dirs
+
+        torch = self.torch
+        drafter = drafter_dirs.load(drafter_dirs.inspect(ckpt)).eval()
+        side = SimpleNamespace(drafter=drafter, device=torch.device("cpu"), embed=self.embed, lm_head=self.head)
+        out = {}
+        for name, rows in self.rows.items():
+            if name not in self.__dict__.setdefault("_est", {}):
+                self._est[name] = self.est.AcceptanceEstimate(side, self.target, rows, layer_ids=self.layer_ids,
+                                                              feature_store=None, every=1)
+            e = self._est[name]
+            e.train_step = side
+            with torch.no_grad():
+                acc, _ = e._accepted(drafter)
+                steps = self.est.walk(acc, e.limit)
+            gained = ((acc + 1) * steps).sum(1).tolist()
+            n = steps.sum(1).tolist()
+            out[name] = {"tau": round(sum(gained) / max(1, sum(n)), 4), "gained": gained, "steps": n}
+        return out
+
+
+def cell_results(work: Path) -> list[Path]:
+    return sorted(p for p in (work / "runs").glob("*.json") if not p.name.endswith(".walk.json"))
+
+
+def walk_all(work: Path) -> None:
+    walker = None
+    for res_file in cell_results(work):
+        w = res_file.with_suffix(".walk.json")
+        if w.is_file():
+            continue
+        walker = walker or Walker(work)
+        t0 = time.monotonic()
+        figs = walker.walk(res_file.with_suffix("") / "checkpoint")
+        figs["walk_s"] = round(time.monotonic() - t0, 1)
+        w.write_text(json.dumps(figs))
+        print(f"{res_file.stem}: " + "  ".join(f"{s} {figs[s]['tau']:.4f}" for s in SETS), file=sys.stderr)
+
+
+# --------------------------------------------------------------------------- table
+
+
+def paired(a: dict, b: dict) -> tuple[float, float]:
+    """Mean per-prompt difference of tau (a - b) and its SE over prompts."""
+    ta = [g / max(1, n) for g, n in zip(a["gained"], a["steps"])]
+    tb = [g / max(1, n) for g, n in zip(b["gained"], b["steps"])]
+    d = [x - y for x, y in zip(ta, tb)]
+    return statistics.fmean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else float("nan"))
+
+
+def table(work: Path, base: str | None) -> None:
+    caps = {}
+    for m in (work / "feats").glob("*.json"):
+        c = json.loads(m.read_text())
+        caps[c["arm"]] = c
+    cells = []
+    for res_file in cell_results(work):
+        r = json.loads(res_file.read_text())
+        w = res_file.with_suffix(".walk.json")
+        if not w.is_file():
+            continue
+        r["walk"] = json.loads(w.read_text())
+        data_arm = "regen" if r["arm"] in ("regen", "read+regen") else "read"
+        cap = caps.get(data_arm)
+        per_sample = cap["cpu_s"] / cap["samples"] if cap else float("nan")
+        r["data_cpu_s"] = per_sample * r["n"]
+        r["train_cpu_s"] = r["cpu_s"]
+        if r["init"]:
+            src = json.loads((work / "runs" / f"{r['init']}.json").read_text())
+            src_cap = caps.get("read")
+            r["data_cpu_s"] += (src_cap["cpu_s"] / src_cap["samples"] * src["n"]) if src_cap else float("nan")
+            r["train_cpu_s"] += src["cpu_s"]
+        r["minutes"] = (r["data_cpu_s"] + r["train_cpu_s"]) / 2 / 60  # 2 cores
+        cells.append(r)
+    cells.sort(key=lambda r: (r["arm"], r["n"], r["epochs"], r["seed"]))
+    ref = next((r for r in cells if r["name"] == base), None)
+    print("| cell | samples | epochs | steps | data min | train min | minutes (2 cores) | "
+          "tau ShareGPT-16 | tau MT-Bench-80 |" + (f" vs {base} (ShareGPT / MT-Bench) |" if ref else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|" if ref else ""))
+    for r in cells:
+        line = (f"| {r['spec']} | {r['n']} | {r['epochs']:g} | {r['steps']} | {r['data_cpu_s'] / 120:.1f} | "
+                f"{r['train_cpu_s'] / 120:.1f} | {r['minutes']:.1f} | {r['walk']['sharegpt16']['tau']:.3f} | "
+                f"{r['walk']['mtbench80']['tau']:.3f} |")
+        if ref:
+            if r is ref:
+                line += " — |"
+            else:
+                d1, s1 = paired(r["walk"]["sharegpt16"], ref["walk"]["sharegpt16"])
+                d2, s2 = paired(r["walk"]["mtbench80"], ref["walk"]["mtbench80"])
+                line += f" {d1:+.3f} ± {s1:.3f} / {d2:+.3f} ± {s2:.3f} |"
+        print(line)
+    print(json.dumps({"cells": [{k: r[k] for k in ("spec", "n", "epochs", "steps", "minutes", "wall_s", "cpu_s")}
+                                | {s: r["walk"][s]["tau"] for s in SETS} for r in cells]}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("stage", choices=("prep", "capture", "train", "walk", "table"))
+    p.add_argument("--work", default=str(ROOT / "runs" / "data-scale"))
+    p.add_argument("--arm", choices=tuple(ARM_SETS))
+    p.add_argument("--n", type=int, help="capture: conversations of the pool to capture")
+    p.add_argument("--cells", default="", help="train: ARM:NxE[:from=CELL][:seed=S], comma-separated")
+    p.add_argument("--regen-capture", type=int, default=5000, help="train: the regen capture's n")
+    p.add_argument("--read-capture", type=int, default=5000, help="train: the read capture's n")
+    p.add_argument("--base", help="table: the cell the others are paired against")
+    a = p.parse_args()
+    work = Path(a.work)
+    if a.stage == "prep":
+        prep(work)
+    elif a.stage == "capture":
+        print(json.dumps(capture(work, a.arm, a.n)))
+    elif a.stage == "train":
+        for spec in [s for s in a.cells.split(",") if s]:
+            print(json.dumps(train(work, spec, {"regen": a.regen_capture, "read": a.read_capture})))
+    elif a.stage == "walk":
+        walk_all(work)
+    else:
+        table(work, a.base)
+
+
+if __name__ == "__main__":
+    main()
