@@ -58,6 +58,20 @@ HELD = 8              # what a capture's split holds out of the pool (its minimu
 SETS = ("sharegpt16", "mtbench80")
 
 
+THREADS = os.environ.get("DATA_SCALE_THREADS", "1")
+# The bench's own cache (regenerated replies, the converted target): replies made with one
+# thread may differ from two threads' at near-ties, and `make demo` must not read them.
+CACHE = os.environ.get("DATA_SCALE_CACHE", str(Path.home() / ".cache" / "dflash-data-scale"))
+
+
+def child_env() -> dict:
+    """One compute thread per child (DATA_SCALE_THREADS): on a shared machine two threads of one
+    process wait on each other at every parallel region (a decode step is hundreds of small
+    ones), which cost ~10x the CPU seconds here; with one, a child's CPU time is its work, so
+    the curve's time axis (core-seconds) holds whatever else runs."""
+    return dict(os.environ, OMP_NUM_THREADS=THREADS, MKL_NUM_THREADS=THREADS, DFLASH_CACHE=CACHE)
+
+
 def run(cmd: list[str], log: Path) -> dict:
     """A child to the end, its output to ``log``; wall and CPU seconds (its whole tree)."""
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -65,13 +79,13 @@ def run(cmd: list[str], log: Path) -> dict:
     t0 = time.monotonic()
     print(f"[{time.strftime('%H:%M:%S')}] {' '.join(cmd[2:])}  (log: {log})", file=sys.stderr, flush=True)
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=child_env()).returncode
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if rc != 0:
         sys.exit(f"bench/data_scale.py: exited {rc}: {' '.join(cmd)}\n{log.read_text()[-3000:]}")
     return {"wall_s": round(time.monotonic() - t0, 1),
             "cpu_s": round(after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime, 1),
-            "load_avg": round(os.getloadavg()[0], 2)}
+            "load_avg": round(os.getloadavg()[0], 2), "threads": int(THREADS)}
 
 
 def dflash(*args) -> list[str]:
@@ -111,21 +125,22 @@ def prep(work: Path) -> None:
 # --------------------------------------------------------------------------- capture
 
 
-def capture(work: Path, arm: str, n: int) -> dict:
+def capture(work: Path, arm: str, n: int, max_samples: int = 0) -> dict:
     """The target's features (and for `read` its top-64) of the pool's first n + HELD
-    conversations' samples; timed. Reused when already there."""
-    out = work / "feats" / f"{arm}-{n}"
+    conversations' samples (the first max_samples of them); timed. Reused when already there."""
+    name = f"{arm}-{n}" + (f"-m{max_samples}" if max_samples else "")
+    out = work / "feats" / name
     meta = out.with_suffix(".json")
     if meta.is_file():
         return json.loads(meta.read_text())
     cmd = dflash("capture", *BASE, *ARM_SETS[arm], "--set", f"data.path={work / 'pool.jsonl'}",
                  "--set", f"data.num_conversations={n + HELD}", "--set", "data.eval_fraction=0.0001",
-                 "--out", out, "--overwrite")
-    t = run(cmd, work / "logs" / f"capture-{arm}-{n}.log")
+                 "--set", f"data.max_samples={max_samples}", "--out", out, "--overwrite")
+    t = run(cmd, work / "logs" / f"capture-{name}.log")
     index = json.loads((out / "index.json").read_text())
-    log = (work / "logs" / f"capture-{arm}-{n}.log").read_text()
+    log = (work / "logs" / f"capture-{name}.log").read_text()
     regen = next((ln for ln in log.splitlines() if "regenerat" in ln.lower()), "")
-    res = {"arm": arm, "n": n, "samples": index["samples"], "tokens": index["tokens"], "bytes": index["bytes"],
+    res = {"arm": arm, "name": name, "n": n, "samples": index["samples"], "tokens": index["tokens"], "bytes": index["bytes"],
            "seconds": index["seconds"], **t, "regen_line": regen}
     meta.write_text(json.dumps(res, indent=1))
     return res
@@ -150,12 +165,12 @@ def parse_cell(spec: str) -> dict:
     return cell
 
 
-def train(work: Path, spec: str, capture_n: dict) -> dict:
+def train(work: Path, spec: str, captures: dict) -> dict:
     c = parse_cell(spec)
     data_arm = "regen" if c["arm"] in ("regen", "read+regen") else "read"
-    feats = work / "feats" / f"{data_arm}-{capture_n[data_arm]}"
+    feats = work / "feats" / captures[data_arm]
     if not (feats / "index.json").is_file():
-        sys.exit(f"bench/data_scale.py: no capture {feats}: run `capture --arm {data_arm} --n {capture_n[data_arm]}`")
+        sys.exit(f"bench/data_scale.py: no capture {feats}: run `capture --arm {data_arm} ...` first")
     run_dir = work / "runs" / c["name"]
     res_file = run_dir.with_suffix(".json")
     if res_file.is_file():
@@ -285,7 +300,7 @@ def table(work: Path, base: str | None) -> None:
     caps = {}
     for m in (work / "feats").glob("*.json"):
         c = json.loads(m.read_text())
-        caps[c["arm"]] = c
+        caps[str(work / "feats" / c.get("name", f"{c['arm']}-{c['n']}"))] = c
     cells = []
     for res_file in cell_results(work):
         r = json.loads(res_file.read_text())
@@ -293,15 +308,13 @@ def table(work: Path, base: str | None) -> None:
         if not w.is_file():
             continue
         r["walk"] = json.loads(w.read_text())
-        data_arm = "regen" if r["arm"] in ("regen", "read+regen") else "read"
-        cap = caps.get(data_arm)
-        per_sample = cap["cpu_s"] / cap["samples"] if cap else float("nan")
-        r["data_cpu_s"] = per_sample * r["n"]
-        r["train_cpu_s"] = r["cpu_s"]
-        if r["init"]:
+        def data_cost(cell):  # the capture's CPU seconds per sample, times the cell's samples
+            cap = caps.get(cell["features"])
+            return cap["cpu_s"] / cap["samples"] * cell["n"] if cap else float("nan")
+        r["data_cpu_s"], r["train_cpu_s"] = data_cost(r), r["cpu_s"]
+        if r["init"]:  # read+regen: the read cell it started from is part of its cost
             src = json.loads((work / "runs" / f"{r['init']}.json").read_text())
-            src_cap = caps.get("read")
-            r["data_cpu_s"] += (src_cap["cpu_s"] / src_cap["samples"] * src["n"]) if src_cap else float("nan")
+            r["data_cpu_s"] += data_cost(src)
             r["train_cpu_s"] += src["cpu_s"]
         r["minutes"] = (r["data_cpu_s"] + r["train_cpu_s"]) / 2 / 60  # 2 cores
         cells.append(r)
@@ -333,15 +346,16 @@ def main() -> None:
     p.add_argument("--arm", choices=tuple(ARM_SETS))
     p.add_argument("--n", type=int, help="capture: conversations of the pool to capture")
     p.add_argument("--cells", default="", help="train: ARM:NxE[:from=CELL][:seed=S], comma-separated")
-    p.add_argument("--regen-capture", type=int, default=5000, help="train: the regen capture's n")
-    p.add_argument("--read-capture", type=int, default=5000, help="train: the read capture's n")
+    p.add_argument("--max-samples", type=int, default=0, help="capture: the first N samples only")
+    p.add_argument("--regen-capture", default="regen-5000", help="train: the regen arms' capture (under feats/)")
+    p.add_argument("--read-capture", default="read-10000-m20000", help="train: the read arms' capture")
     p.add_argument("--base", help="table: the cell the others are paired against")
     a = p.parse_args()
     work = Path(a.work)
     if a.stage == "prep":
         prep(work)
     elif a.stage == "capture":
-        print(json.dumps(capture(work, a.arm, a.n)))
+        print(json.dumps(capture(work, a.arm, a.n, a.max_samples)))
     elif a.stage == "train":
         for spec in [s for s in a.cells.split(",") if s]:
             print(json.dumps(train(work, spec, {"regen": a.regen_capture, "read": a.read_capture})))

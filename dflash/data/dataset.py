@@ -142,18 +142,25 @@ def build_samples(tokenizer, convs, *, max_len: int, min_loss_tokens: int, count
     still hold whole replies to learn from (the cut may then leave it too few loss tokens, and
     only then is it dropped). ``long="split"`` (`data.long_samples`) keeps the rest too, as
     consecutive windows of ``max_len`` tokens, each a sample of its own (a window starts
-    mid-conversation: its context is the window only). ``counts``, when given, gets
+    mid-conversation: its context is the window only), ordered by rounds: every
+    conversation's first window, then every second one, and so on. ``counts``, when given, gets
     ``over_length`` (cut or split) and ``too_few_loss_tokens`` (dropped), for :func:`data_report`.
     """
-    out, over, few = [], 0, 0
+    rounds, over, few = [], 0, 0
     for c in convs:
         whole = _tokenize_whole(tokenizer, c)
         over += len(whole) > max_len
-        for s in (whole.windows(max_len) if long == "split" else [_truncate(whole, max_len)]):
+        pieces = whole.windows(max_len) if long == "split" else [_truncate(whole, max_len)]
+        for k, s in enumerate(pieces):
+            if k == len(rounds):
+                rounds.append([])
             if s.loss_tokens >= min_loss_tokens:
-                out.append(s)
+                rounds[k].append(s)
             else:
                 few += 1
+    # windows in rounds: every conversation's first, then every second one, ...: the first N
+    # samples (data.max_samples) span as many conversations as they can
+    out = [s for r in rounds for s in r]
     if counts is not None:
         counts.update(over_length=over, too_few_loss_tokens=few, long=long)
     return out

@@ -70,6 +70,12 @@ def test_long_samples_split_into_windows_that_keep_every_token(tok):
     assert kept == [w for w in wins if w.loss_tokens >= 2] and len(kept) < len(wins)
     assert D.build_samples(tok, [CONV], max_len=16, min_loss_tokens=2) == \
         [w for w in wins[:1] if w.loss_tokens >= 2]  # cut: the first window only
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there."}]
+    other = D.build_samples(tok, [short], max_len=16, min_loss_tokens=0, long="split")
+    assert len(other) != len(wins)
+    per_conv = [wins, other, wins]
+    rounds = [w[k] for k in range(max(map(len, per_conv))) for w in per_conv if k < len(w)]
+    assert D.build_samples(tok, [CONV, short, CONV], max_len=16, min_loss_tokens=0, long="split") == rounds
 
 
 def test_max_samples_keeps_the_first_prepared_samples():
