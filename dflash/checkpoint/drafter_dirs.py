@@ -32,10 +32,15 @@ class DrafterDir:
         return (self.run_config.get("model") or {}).get("target") or self.raw.get("target") or None
 
 
-def inspect(path: str | Path) -> DrafterDir:
+def inspect(path: str | Path, flag: str = "--checkpoint") -> DrafterDir:
     """Which kind a directory is, from its config.json, and that its files are whole (a
-    corrupt config, a truncated safetensors: one line); nothing heavy is imported."""
+    corrupt config, a truncated safetensors: one line); nothing heavy is imported. `flag`:
+    how the command names the dir in its messages (`dflash serve` has no --checkpoint)."""
     from ..preflight import checkpoint_files as files
+
+    def named(e: Exception) -> str:  # checkpoint_files says "checkpoint '<dir>': ..."
+        msg = str(e)
+        return flag + msg[len("checkpoint"):] if msg.startswith("checkpoint ") else msg
 
     try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
         p = files.resolve(path)
@@ -43,23 +48,23 @@ def inspect(path: str | Path) -> DrafterDir:
         for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]:
             files.check_safetensors(f)
     except files.CheckpointError as e:
-        raise DrafterDirError(f"--{e}") from None
+        raise DrafterDirError(named(e)) from None
     if fmt.is_export_config(raw):
         try:
             f = fmt.drafter_config_fields(raw, str(path))
         except fmt.FormatError as e:
             raise DrafterDirError(str(e)) from None
-        err = files.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
+        err = files.bounds_error(f, f"{flag} {str(path)!r}: config.json")
         if err:
             raise DrafterDirError(err)
         return DrafterDir(p, "export", raw)
     if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
-        raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint nor "
+        raise DrafterDirError(f"{flag} {str(path)!r}: config.json is neither a dflash train checkpoint nor "
                               f"a DFlash drafter (architectures {raw.get('architectures')})")
     try:
         files.check_drafter_bounds(path, raw)
     except files.CheckpointError as e:
-        raise DrafterDirError(f"--{e}") from None
+        raise DrafterDirError(named(e)) from None
     return DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
 
 
