@@ -84,9 +84,12 @@ def check_drafter(export: str, target: str) -> tuple[dict, int | None]:
         raise ConfigError(f"{export}: a dflash training checkpoint, not the served format; export it first: "
                           f"dflash export --checkpoint {shlex.quote(export)} --out EXPORT_DIR")
     have = drafter_dirs.fields(d)
+    err = unservable(have, export)  # from its config alone: before the target's config is read
+    if err:
+        raise ConfigError(err)
     tc = target_config(target).get_text_config()
     err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
-                        embed_rows=tc.vocab_size, where=export) or unservable(have, export)
+                        embed_rows=tc.vocab_size, where=export)
     if err:
         raise ConfigError(err)
     return have, target_positions(tc)

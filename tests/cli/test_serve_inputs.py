@@ -137,11 +137,9 @@ def test_an_export_vllm_cpu_cannot_serve_is_refused_before_any_engine(tmp_path, 
     args = (["eval", "--checkpoint", exp, "--target", "tiny-qwen3", "--engine", "vllm", "--prompts", "1",
              "--max-new-tokens", "4"] if command == "eval" else
             ["serve", exp, "--target", "tiny-qwen3", "--port", free_port()])
-    p = subprocess.run([sys.executable, "-m", "dflash", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, env=os.environ | env)
-    lines = _lines(p.stderr)
-    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and "vLLM-CPU" in lines[0], p.stderr
-    assert not record.exists()
+    out, lines = cli_before_torch(*args, env=env, heavy=True, timeout=600)
+    assert out == {"rc": 2, "heavy": []} and len(lines) == 1, (out, lines)
+    assert needle in lines[0] and "vLLM-CPU" in lines[0] and not record.exists(), lines
 
 
 def test_only_the_cpu_build_refuses_them(tmp_path, monkeypatch):
