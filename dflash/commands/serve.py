@@ -121,6 +121,6 @@ def check_max_model_len(asked: int | None, positions: int | None) -> int:
             raise ConfigError(f"the target has {positions} positions: too few to serve (16 at least)")
         return n
     if positions is not None and asked > positions:
-        raise ConfigError(f"--max-model-len={asked}: the target has {positions} positions "
-                          f"(max_position_embeddings); expected an integer in 16..{positions}")
+        raise ConfigError(f"--max-model-len={asked}: the target has {positions} positions (its config's "
+                          f"limit, which vLLM enforces once started); expected an integer in 16..{positions}")
     return asked

@@ -68,7 +68,7 @@ def unservable(fields: dict, where: str) -> str | None:
     if what is None or not cpu_build():
         return None
     return (f"{where}: {what}; vLLM-CPU cannot serve it (its V1 model runner refuses it, the V2 runner needs "
-            f"Triton, i.e. a GPU): serve it with GPU vLLM, or evaluate it without --engine")
+            f"Triton, i.e. a GPU): serve it with vLLM on a GPU (dflash eval without --engine decodes it here)")
 
 
 def engine_env(*, offline: bool) -> dict:
