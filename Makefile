@@ -30,7 +30,8 @@ vllm: .venv-vllm/.installed
 	python3 deploy/vllm_env.py
 
 # The newest releases in a throwaway venv (.venv-newest): the quick tiers and the decode tests,
-# the versions taken and what broke. `make lock`: the same, then, if green, the lock from it.
+# the versions taken and what broke. `make lock`: the same, then, if green, the newest engine venv
+# and the engine tier on the pair; only if that is green too, both locks, together.
 test-newest:
 	TORCH="$(TORCH)" EXTRAS="$(EXTRAS)" FAST="$(FAST)" bash deploy/newest.sh
 lock:

@@ -561,6 +561,7 @@ def validate(cfg: Config) -> None:
     if m.init_from and not os.path.isfile(os.path.join(m.init_from, "config.json")):
         raise ConfigError(f"model.init_from={m.init_from!r}: no config.json there (expected a DFlash drafter dir)")
     inputs.check_target_spec(m.target)
+    inputs.check_cache_dir()  # a file named by DFLASH_CACHE: one line now, not NotADirectoryError later
     if d.path:
         inputs.check_dataset_path(d.path)
     chat_template.check(d.chat_template, d.chat_template_kwargs)

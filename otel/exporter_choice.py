@@ -31,3 +31,34 @@ def spans_local_only(file_dir) -> bool:
     """True when every span exporter writes locally (files, console): such a sink is
     always drained completely, however long it takes."""
     return set(selected_exporters("traces", file_dir)) <= LOCAL_EXPORTERS
+
+
+def endpoint_error(value: str, protocol: str = "grpc") -> str | None:
+    """Why ``value`` cannot be an OTLP traces endpoint, or None. http/protobuf takes a URL
+    (http or https, a host, a port if any in 1..65535); gRPC takes that or a bare
+    ``host:port`` (what its channel dials). Checked by whoever hands an endpoint to a child
+    (`dflash serve` to vLLM), so a typo is one line before the child starts rather than the
+    child's own failure after it loaded a model."""
+    from urllib.parse import urlsplit
+
+    if not value or any(c.isspace() or not c.isprintable() for c in value):
+        return "expected a URL such as http://127.0.0.1:4317 (it is empty or holds spaces or control characters)"
+    bare = "://" not in value
+    if bare and protocol == "grpc":  # host:port, as gRPC dials it
+        value = "grpc-bare://" + value
+    try:
+        u = urlsplit(value)
+        port = u.port
+    except ValueError as e:
+        return f"not a URL ({e})"
+    if bare and protocol != "grpc":
+        return f"expected an http:// or https:// URL (OTLP over {protocol})"
+    if not bare and u.scheme not in ("http", "https"):
+        return f"scheme {u.scheme!r}: expected http or https"
+    if not u.hostname:
+        return "no host in it"
+    if bare and (port is None or u.path or u.query or u.fragment):
+        return "expected host:port or an http:// URL"
+    if port == 0:
+        return "port 0: expected a port in 1..65535"
+    return None

@@ -35,49 +35,54 @@ class DrafterDir:
         return (self.run_config.get("model") or {}).get("target") or self.raw.get("target") or None
 
 
-def inspect(path: str | Path) -> DrafterDir:
+def inspect(path: str | Path, flag: str = "--checkpoint") -> DrafterDir:
     """Which kind a directory is, from its config.json, and that what it holds can be used,
     before an engine or a decoder sees it (one line each; nothing heavy is imported): a
     config and safetensors that are regular files (a FIFO would hang the reader), whole,
     within bounds; every weight finite (read in bounded memory: a NaN drafter fails eval at
-    T > 0 and trains nan -> nan); a draft vocabulary's ids inside its vocabulary."""
+    T > 0 and trains nan -> nan); a draft vocabulary's ids inside its vocabulary. `flag`:
+    how the command names the dir in its messages (`dflash serve` has no --checkpoint)."""
     from ..preflight import checkpoint_files as files
+
+    def named(e: Exception) -> str:  # checkpoint_files says "checkpoint '<dir>': ..."
+        msg = str(e)
+        return flag + msg[len("checkpoint"):] if msg.startswith("checkpoint ") else msg
 
     try:  # an interrupted checkpoint swap leaves `checkpoint.old`: resolve takes it
         p = files.resolve(path)
         raw = files.read_config(p)
         headers = {f: files.check_safetensors(f) for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]}
     except files.CheckpointError as e:
-        raise DrafterDirError(f"--{e}") from None
+        raise DrafterDirError(named(e)) from None
     if fmt.is_export_config(raw):
         try:
             f = fmt.drafter_config_fields(raw, str(path))
         except fmt.FormatError as e:
             raise DrafterDirError(str(e)) from None
-        err = files.bounds_error(f, f"--checkpoint {str(path)!r}: config.json")
+        err = files.bounds_error(f, f"{flag} {str(path)!r}: config.json")
         if err:
             raise DrafterDirError(err)
         d = DrafterDir(p, "export", raw)
     else:
         if raw.get("model_type") != "dflash_drafter" and "DFlashDrafter" not in (raw.get("architectures") or []):
-            raise DrafterDirError(f"--checkpoint {str(path)!r}: config.json is neither a dflash train checkpoint "
+            raise DrafterDirError(f"{flag} {str(path)!r}: config.json is neither a dflash train checkpoint "
                                   f"nor a DFlash drafter (architectures {raw.get('architectures')})")
         try:
             files.check_drafter_bounds(path, raw)
         except files.CheckpointError as e:
-            raise DrafterDirError(f"--{e}") from None
+            raise DrafterDirError(named(e)) from None
         f, d = raw, DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
     try:  # the weights' values: after the config's bounds (sizes known sane), before anything is built
         for file in headers:  # a checkpoint's training state (optimizer moments) is not what is run
             if d.kind == "export" or file.name == files.WEIGHTS:
                 files.check_safetensors(file, values=True)
     except files.CheckpointError as e:
-        raise DrafterDirError(f"--{e}") from None
-    d.draft_token_max = _draft_tokens(d, f, headers)
+        raise DrafterDirError(named(e)) from None
+    d.draft_token_max = _draft_tokens(d, f, headers, flag)
     return d
 
 
-def _draft_tokens(d: DrafterDir, fields: dict, headers: dict) -> tuple[int, int] | None:
+def _draft_tokens(d: DrafterDir, fields: dict, headers: dict, flag: str) -> tuple[int, int] | None:
     """(highest target id, its draft id) of a draft vocabulary (served: `d2t` offsets, as
     vLLM reads EAGLE-3's; ours: `draft_ids`), refused when one falls outside the drafter's own
     vocab_size (an index error in eval, a dead engine on the first request when served)."""
@@ -97,7 +102,7 @@ def _draft_tokens(d: DrafterDir, fields: dict, headers: dict) -> tuple[int, int]
         vocab = fields["vocab_size"]
         for tok, at in ((lo, lo_at), (hi, hi_at)):
             if not 0 <= tok < vocab:
-                raise DrafterDirError(f"--checkpoint {str(d.path)!r}: {f.name}: {name} maps draft id {at} to token "
+                raise DrafterDirError(f"{flag} {str(d.path)!r}: {f.name}: {name} maps draft id {at} to token "
                                       f"{tok}, outside the vocabulary (vocab_size={vocab} in config.json)")
         return hi, hi_at
     return None

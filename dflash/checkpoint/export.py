@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -60,12 +61,14 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
 
 
 def serve_commands(target: str, out: Path, block_size: int) -> dict:
+    """The engines' command lines, every word quoted for a shell (a path can hold anything)."""
     out = str(Path(out).resolve())
     spec = json.dumps({"method": "dflash", "model": out, "num_speculative_tokens": block_size - 1})
     return {
-        "sglang": f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-                  f"--speculative-draft-model-path {out} --speculative-num-draft-tokens {block_size}",
-        "vllm": f"vllm serve {target} --speculative-config '{spec}'",
+        "sglang": shlex.join(["python", "-m", "sglang.launch_server", "--model-path", target,
+                              "--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", out,
+                              "--speculative-num-draft-tokens", str(block_size)]),
+        "vllm": shlex.join(["vllm", "serve", target, "--speculative-config", spec]),
     }
 
 
@@ -133,7 +136,8 @@ def readme(dcfg, *, target: str, out: Path, dtype: str, figures: dict | None, no
         "",
         "Compare against another drafter on your prompts:",
         "",
-        f"    dflash eval --target {target} --checkpoint {Path(out).resolve()} --checkpoint OTHER_DIR",
+        f"    dflash eval --target {shlex.quote(str(target))} --checkpoint {shlex.quote(str(Path(out).resolve()))} "
+        "--checkpoint OTHER_DIR",
         "",
     ])
 
@@ -302,7 +306,8 @@ def export_after_run(spec, drafter, summary: dict, *, dtype: str = "bfloat16", t
     try:
         if drafter.copy is not None:
             why = ("the drafter has a copy head (model.copy_head), which the DFlash format cannot carry; export "
-                   f"the rest with: dflash export --checkpoint {spec.out / 'checkpoint'} --out {spec.out / 'export'} "
+                   f"the rest with: dflash export --checkpoint {shlex.quote(str(spec.out / 'checkpoint'))} "
+                   f"--out {shlex.quote(str(spec.out / 'export'))} "
                    "--without-copy-head")
             print(f"dflash train: no served export: {why}", file=sys.stderr)
             return {"skipped": why}

@@ -14,7 +14,7 @@ from . import drafter_dirs
 
 def init_flags(path: str) -> dict:
     """Config keys DIR fixes (dotted, as the CLI's flags are)."""
-    d = drafter_dirs.inspect(path)
+    d = drafter_dirs.inspect(path, flag="--init-from")
     f = drafter_dirs.fields(d)
     flags = {"model.init_from": str(d.path), "model.num_layers": int(f["num_hidden_layers"]),
              "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
@@ -34,7 +34,7 @@ def load_into_run(cfg, target):
 
     from ..model.architectures import make_drafter
 
-    d = drafter_dirs.inspect(cfg.model.init_from)
+    d = drafter_dirs.inspect(cfg.model.init_from, flag="--init-from")
     drafter_dirs.check_fits(drafter_dirs.fields(d), f"--init-from {cfg.model.init_from!r}", target=target,
                             draft_token_max=d.draft_token_max)
     # set in a YAML file rather than by --init-from, the run's shape may disagree with DIR's

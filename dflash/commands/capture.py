@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 
 from ..config import needs_target_distribution
@@ -80,7 +81,8 @@ def run(a) -> int:
     if index:
         print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
               f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
-              f"{index['key']['dtype']}) -> {out}\ntrain from it: dflash train --features {out} --out RUN")
+              f"{index['key']['dtype']}) -> {out}\n"
+              f"train from it: dflash train --features {shlex.quote(str(out))} --out RUN")
     return 0
 
 
@@ -113,7 +115,7 @@ def check_resumable(out: str) -> None:
     p = Path(out).expanduser()
     if (p / INDEX).is_file():
         raise ConfigError(f"--resume: {out} holds a finished capture (it has its {INDEX}); train from it with "
-                          f"dflash train --features {out}, or capture again with --overwrite")
+                          f"dflash train --features {shlex.quote(str(out))}, or capture again with --overwrite")
     if not p.is_dir() or not any(p.glob(SHARD_GLOB)):
         raise ConfigError(f"--resume: no shards in {out} to continue from; run dflash capture without --resume")
     from ..offline.feature_index import FeaturesError, shards_on_disk

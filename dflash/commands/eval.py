@@ -95,6 +95,11 @@ def _check_args(a) -> None:
         from ..preflight.inputs import check_dataset_path
         check_dataset_path(a.prompts_from)
     a.engine_ks = []
+    for flag, given in (("--engine-k", getattr(a, "engine_k", None) is not None),
+                        ("--engine-no-batched", getattr(a, "engine_no_batched", False))):
+        if given and not getattr(a, "engine", None):  # not ignored in silence
+            raise ConfigError(f"{flag} without --engine vllm: it sets how the engine serves; add --engine vllm "
+                              f"or drop {flag}")
     if getattr(a, "engine_k", None) is not None:
         try:
             a.engine_ks = [int(k) for k in str(a.engine_k).split(",")]
@@ -250,6 +255,8 @@ def run(a) -> int:
     _check_args(a)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
+    if getattr(a, "engine", None):
+        _check_engine(dirs, cfg)
     if a.trackers:  # a drafter dir handed over never chooses where figures go (docs/failures.md)
         from ..trackers import check_eval_destination
         check_eval_destination(tracker_run_dir(dirs), a.trackers, repr(str(dirs[0].path)))
@@ -356,6 +363,21 @@ def run(a) -> int:
               f"run it again for all: dflash {shlex.join(a.argv)}", file=sys.stderr)
         return 130
     return 0
+
+
+def _check_engine(dirs, cfg) -> None:
+    """What `--engine vllm` will need, checked before torch loads and before any engine runs
+    (the none and ngram engines take minutes before a drafter's own): every drafter is one
+    the engine can serve, and the engine's copy of a tiny target can be cached."""
+    from ..checkpoint import drafter_dirs
+    from ..engine.runner import unservable
+    from ..engine.targets import check_engine_target
+
+    for d in dirs:
+        err = unservable(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}")
+        if err:
+            raise ConfigError(err)
+    check_engine_target(cfg.model.target, cfg.model.target_seed)
 
 
 def _flat_steps(res: dict) -> list[dict]:

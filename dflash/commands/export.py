@@ -2,6 +2,8 @@
 (checkpoint/export.py); its arguments are checked before torch loads."""
 from __future__ import annotations
 
+import shlex
+
 
 def add_parser(sub) -> None:
     x = sub.add_parser("export", help="write a checkpoint in the DFlash format SGLang, vLLM and the reference read")
@@ -25,6 +27,6 @@ def run(a) -> int:
         tau = res["tau_no_copy_estimate"]
         print("without its copy head: " + (f"held-out acceptance estimate tau {tau:.3f} (from training)"
                                            if tau is not None else "tau not measured")
-              + f"; measure it: dflash eval --checkpoint {a.checkpoint} --no-copy-head")
+              + f"; measure it: dflash eval --checkpoint {shlex.quote(a.checkpoint)} --no-copy-head")
     print(f"serve it: see {res['out']}/README.md (vLLM num_speculative_tokens = {res['block_size'] - 1})")
     return 0

@@ -1,6 +1,10 @@
 """`dflash serve EXPORT --target T`: vLLM's OpenAI-compatible server on 127.0.0.1 with the
-export as its DFlash drafter (dflash/engine/serve.py). Checked first, before vLLM starts: the
-flags, the port, the target, the engine's venv, and that the export fits the target."""
+export as its DFlash drafter (dflash/engine/serve.py). Checked first, before vLLM starts (one
+line, exit 2): the flags (--ready-timeout finite and > 0, --target-seed in range, the OTLP
+endpoint parsed), the port, the --log file (as given, never through a link), the target, the
+cache dir, the engine's venv, that the export fits the target and that the engine can serve
+it, and --max-model-len within the target's positions (unset: 2048, or fewer if the target
+has fewer)."""
 from __future__ import annotations
 
 import sys
@@ -14,7 +18,8 @@ def add_parser(sub) -> None:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--k", type=int, help="tokens drafted per verify step (default block_size - 1)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
-    s.add_argument("--max-model-len", type=int, default=2048)
+    s.add_argument("--max-model-len", type=int,
+                   help="the longest prompt + reply served (default: 2048, or the target's positions if fewer)")
     s.add_argument("--otlp", metavar="ENDPOINT",
                    help="send vLLM's request traces here (default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT / "
                         "OTEL_EXPORTER_OTLP_ENDPOINT if set)")
@@ -23,19 +28,32 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
+    import math
+
+    from ..config import MAX_SEED
     from ..engine import runner
-    from ..engine.serve import check_port, serve
+    from ..engine.serve import check_log, check_otlp, check_port, serve
+    from ..engine.targets import check_engine_target
     from ..errors import ConfigError
-    from ..preflight.inputs import check_target_spec
+    from ..preflight.inputs import check_cache_dir, check_target_spec
 
     if a.k is not None and not 1 <= a.k <= 64:
         raise ConfigError(f"--k={a.k}: expected an integer in 1..64")
-    if not 16 <= a.max_model_len <= 1 << 20:
+    if a.max_model_len is not None and not 16 <= a.max_model_len <= 1 << 20:
         raise ConfigError(f"--max-model-len={a.max_model_len}: expected an integer in 16..1048576")
+    if not (math.isfinite(a.ready_timeout) and a.ready_timeout > 0):  # nan would never time out
+        raise ConfigError(f"--ready-timeout={a.ready_timeout}: expected a finite number of seconds > 0")
+    if not 0 <= a.target_seed <= MAX_SEED:  # as model.target_seed: what torch.manual_seed takes
+        raise ConfigError(f"--target-seed={a.target_seed}: expected an integer >= 0 and <= {MAX_SEED}")
+    check_otlp(a.otlp)
     check_port(a.port)
+    check_log(a.log)
     check_target_spec(a.target, probe_hub=True)
+    check_cache_dir()
+    check_engine_target(a.target, a.target_seed)
     runner.engine_python()
-    have = check_drafter(a.export, a.target)
+    have, positions = check_drafter(a.export, a.target)
+    a.max_model_len = check_max_model_len(a.max_model_len, positions)
     a.phase = "serve"
     try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
         return serve(export=a.export, target_spec=a.target, target_seed=a.target_seed, port=a.port,
@@ -50,23 +68,61 @@ def run(a) -> int:
         return 1
 
 
-def check_drafter(export: str, target: str) -> dict:
-    """The export's DrafterConfig fields, checked against the target's config; its weights are
-    read once, in bounded memory, for what vLLM would only trip over once serving (NaN or Inf
-    values, a d2t past the target's vocabulary: drafter_dirs.inspect), never loaded."""
+def check_drafter(export: str, target: str) -> tuple[dict, int | None]:
+    """The export's DrafterConfig fields, checked against the target's config and against what
+    the engine can serve; its weights are read once, in bounded memory, for what vLLM would only
+    trip over once serving (NaN or Inf values, a d2t past the target's vocabulary:
+    drafter_dirs.inspect), never loaded; and the target's positions (None: unknown)."""
+    import shlex
+
     from ..checkpoint import drafter_dirs
     from ..checkpoint import export_format as fmt
     from ..checkpoint.export import target_config
+    from ..engine.runner import unservable
     from ..errors import ConfigError
 
-    d = drafter_dirs.inspect(export)
+    d = drafter_dirs.inspect(export, flag="export")  # serve has no --checkpoint: its messages say "export"
     if d.kind != "export":
         raise ConfigError(f"{export}: a dflash training checkpoint, not the served format; export it first: "
-                          f"dflash export --checkpoint {export} --out EXPORT_DIR")
+                          f"dflash export --checkpoint {shlex.quote(export)} --out EXPORT_DIR")
     have = drafter_dirs.fields(d)
+    err = unservable(have, export)  # from its config alone: before the target's config is read
+    if err:
+        raise ConfigError(err)
     tc = target_config(target).get_text_config()
     err = fmt.fit_error(have, hidden_size=tc.hidden_size, num_layers=tc.num_hidden_layers,
                         embed_rows=tc.vocab_size, where=export, draft_token_max=d.draft_token_max)
     if err:
         raise ConfigError(err)
-    return have
+    return have, target_positions(tc)
+
+
+DEFAULT_MAX_MODEL_LEN = 2048
+# the keys vLLM reads a model's length from (the smallest wins: vllm/transformers_utils)
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "model_max_length",
+                  "max_target_positions", "max_sequence_length", "max_seq_length", "seq_len")
+
+
+def target_positions(tc) -> int | None:
+    """The positions the target was built for, as vLLM derives them (the smallest of its
+    keys), or None: none given, or a RoPE scaling that vLLM may stretch them by."""
+    found = [v for v in (getattr(tc, k, None) for k in _POSITION_KEYS) if isinstance(v, int) and v > 0]
+    rope = getattr(tc, "rope_parameters", None) or getattr(tc, "rope_scaling", None) or {}
+    scaled = isinstance(rope, dict) and rope.get("rope_type", rope.get("type", "default")) not in (None, "default")
+    return min(found) if found and not scaled else None
+
+
+def check_max_model_len(asked: int | None, positions: int | None) -> int:
+    """--max-model-len within the target's positions (vLLM refuses more, but only once it has
+    started); unset: 2048, or the target's positions when it has fewer."""
+    from ..errors import ConfigError
+
+    if asked is None:
+        n = min(DEFAULT_MAX_MODEL_LEN, positions or DEFAULT_MAX_MODEL_LEN)
+        if n < 16:
+            raise ConfigError(f"the target has {positions} positions: too few to serve (16 at least)")
+        return n
+    if positions is not None and asked > positions:
+        raise ConfigError(f"--max-model-len={asked}: the target has {positions} positions (its config's "
+                          f"limit, which vLLM enforces once started); expected an integer in 16..{positions}")
+    return asked

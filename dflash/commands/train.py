@@ -3,6 +3,7 @@ layout launch, data, resume fit, run dir) before torch and transformers are impo
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 
 from ..config import needs_target_distribution
@@ -134,7 +135,8 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
         raise ConfigError(f"--features {path}: {why}")
     if eval_flag:
         raise ConfigError(f"--eval with --features: the run loads no target to decode with; after training run: "
-                          f"dflash eval --checkpoint {asked.out or 'OUT'}/checkpoint")
+                          f"dflash eval --checkpoint "
+                          f"{shlex.quote(f'{asked.out}/checkpoint') if asked.out else 'OUT/checkpoint'}")
     key = idx["key"]
     t = asked.train
     if needs_target_distribution(t.loss):  # the target's distribution comes from the capture: enough of it?
@@ -184,7 +186,8 @@ def _check_layout_launch(cfg, eval_flag: bool) -> None:
     Layout.parse(cfg.pipeline.layout).check_world(int(world))
     if eval_flag:
         raise ConfigError(f"--eval with --layout {cfg.pipeline.layout}: no rank holds both the target and the "
-                          f"drafter; after training run: dflash eval --checkpoint {cfg.out}/checkpoint")
+                          "drafter; after training run: dflash eval --checkpoint "
+                          f"{shlex.quote(f'{cfg.out}/checkpoint')}")
 
 
 def what_next(a) -> str:

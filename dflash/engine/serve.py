@@ -1,6 +1,8 @@
 """`dflash serve`: vLLM's OpenAI-compatible server with an export as its DFlash drafter.
 
 Checked before vLLM starts (one line, exit 2): the port is free on 127.0.0.1 (here), the
+OTLP endpoint parses, the --log file is a regular file we can append to, named as given
+(`check_log`: never resolved, a link there refused), the
 export is a drafter dir in the served format that fits the target (commands/serve.py's
 check_drafter: hidden size, layer ids, mask row; from configs alone). Then the server runs
 from `.venv-vllm` (engine/runner.py: `-I`, a cwd of its own, its own process group),
@@ -12,18 +14,28 @@ it is tethered to us (runner.py), its scratch dir swept by a later start.
 
 Traces: `--otlp ENDPOINT`, else the standard OTEL_EXPORTER_OTLP_TRACES_ENDPOINT /
 OTEL_EXPORTER_OTLP_ENDPOINT, go to vLLM's own OTLP tracing, with `service.name` dflash-serve
-and the drafter's dir and run as resource attributes, so its requests land in the same
+and the drafter's dir and the target as resource attributes, so its requests land in the same
 Collector (and Jaeger) as the run that trained the drafter.
+
+Names and paths stay what they are: the curl line is shell-quoted word by word (the served
+name is the --target as given; a path can hold quotes or `$(...)`), the resource attributes
+are percent-encoded (otel/env_values.py: a `,` or `=` in a path adds no attribute), and the
+port check binds as vLLM does (SO_REUSEADDR: a port whose last connections sit in TIME_WAIT
+is free).
 """
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
+import stat
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from otel.env_values import resource_attributes
 
 from ..errors import ConfigError
 from . import runner
@@ -33,6 +45,9 @@ def check_port(port: int) -> None:
     if not 1 <= port <= 65535:
         raise ConfigError(f"--port={port}: expected a port in 1..65535")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as servers bind (vLLM's uvicorn too): a port whose last connections sit in TIME_WAIT
+        # (our own /health polls of the previous serve, ~60 s) is free; a listener still is not
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError as e:
@@ -43,6 +58,77 @@ def check_port(port: int) -> None:
 def otlp_endpoint(flag: str | None) -> str | None:
     return flag or os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or os.environ.get(
         "OTEL_EXPORTER_OTLP_ENDPOINT") or None
+
+
+def check_otlp(flag: str | None) -> None:
+    """The endpoint vLLM would be given (--otlp, else the OTEL_* variables), parsed now: a
+    malformed one is one line before vLLM starts, not vLLM's failure after its model loaded."""
+    from otel.exporter_choice import endpoint_error
+
+    value = otlp_endpoint(flag)
+    if value is None:
+        return
+    where = "--otlp" if flag else next(n for n in ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
+                                       if os.environ.get(n))
+    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "").strip() or "grpc"  # what vLLM reads
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ConfigError(f"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL={protocol!r}: expected grpc or http/protobuf "
+                          "(what vLLM's tracing takes)")
+    err = endpoint_error(value, protocol)
+    if err:
+        raise ConfigError(f"{where}={value[:200]!r}: {err}")
+
+
+def check_log(log: str | None) -> None:
+    """`--log FILE`, checked before vLLM starts and opened as given: a symbolic link there is
+    refused, never followed (otel/confined.py), and anything but a regular file we can append
+    to (a directory, a missing dir, a FIFO, a device, /proc or /sys) is one line."""
+    from otel.confined import LinkRefused, open_for_write
+
+    if log is None:
+        return
+    path = Path(log).absolute()  # absolute, links left as they are (no resolve())
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise ConfigError(f"--log {log!r}: cannot be reached ({e.strerror or e}); expected a file to append "
+                          "vLLM's log to") from None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise ConfigError(f"--log {log!r}: a symbolic link, never followed when writing a log; name the file itself")
+    if st is not None and (not stat.S_ISREG(st.st_mode) or _pseudo_fs(st)):
+        raise ConfigError(f"--log {log!r}: not a regular file; expected a file to append vLLM's log to")
+    try:
+        with open_for_write(path, "ab") as f:
+            os.write(f.fileno(), b"")  # a write of nothing: refused where a pseudo-file takes no writes
+    except LinkRefused:  # made a link since the lstat above
+        raise ConfigError(f"--log {log!r}: a symbolic link, never followed when writing a log; "
+                          "name the file itself") from None
+    except FileNotFoundError:
+        raise ConfigError(f"--log {log!r}: its directory {str(path.parent)!r} does not exist; expected a file "
+                          "in an existing directory") from None
+    except OSError as e:
+        raise ConfigError(f"--log {log!r}: cannot append to it ({e.strerror or e}); expected a writable file "
+                          "in an existing directory") from None
+
+
+def _pseudo_fs(st) -> bool:
+    """A file of /proc or /sys (regular to stat, but the kernel's, not a log's place)."""
+    for root in ("/proc", "/sys"):
+        try:
+            if os.stat(root).st_dev == st.st_dev:
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def curl_line(url: str, name: str) -> str:
+    """The request a user can paste to try the server; every word quoted for a shell (the
+    served name is the --target as given: a path can hold quotes, `$(...)`, anything)."""
+    body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
+    return shlex.join(["curl", f"{url}/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body])
 
 
 def server_args(*, target: str, export: str, k: int, port: int, dtype: str, max_model_len: int,
@@ -78,12 +164,12 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
 
     target = engine_target(target_spec, target_seed)
     work = Path(runner.scratch_dir("serve"))
-    log_path = Path(log).resolve() if log else work / "vllm-serve.log"
+    log_path = Path(log).absolute() if log else work / "vllm-serve.log"  # opened as given: never resolve()
     env = runner.engine_env(offline=runner.is_local(target))
     endpoint = otlp_endpoint(otlp)
     if endpoint:
         env.setdefault("OTEL_SERVICE_NAME", "dflash-serve")
-        attrs = f"dflash.drafter={Path(export).resolve()},dflash.target={target_spec}"
+        attrs = resource_attributes({"dflash.drafter": Path(export).resolve(), "dflash.target": target_spec})
         env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(x for x in (env.get("OTEL_RESOURCE_ATTRIBUTES", ""), attrs) if x)
     name = target_spec
     proc = runner.start("vllm.entrypoints.openai.api_server", server_args(target=target, export=export, k=k, port=port, dtype=dtype,
@@ -95,9 +181,8 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
         print(f"dflash serve: starting vLLM (target {target_spec}, drafter {export}, k={k}); log: {log_path}",
               file=sys.stderr)
         wait_ready(proc, url, log_path, ready_timeout_s)
-        body = json.dumps({"model": name, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 64})
         print(f"dflash serve: ready at {url}/v1 (OpenAI API; traces: {endpoint or 'off'})", flush=True)
-        print(f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'", flush=True)
+        print(curl_line(url, name), flush=True)
         proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
         print(f"dflash serve: the server {runner.exited(proc.returncode, log_path)}", file=sys.stderr)
         return 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..preflight.inputs import SMOLLM2, TINY_TARGETS, cache_dir
+from ..preflight.inputs import SMOLLM2, TINY_TARGETS, cache_dir, check_cache_entry
 
 
 def engine_target(spec: str, seed: int = 0) -> str:
@@ -23,9 +23,7 @@ def engine_target(spec: str, seed: int = 0) -> str:
         return str(T._smollm2_model_dir())
     if spec not in TINY_TARGETS:  # a local dir absolute (the engine runs in a cwd of its own), or a hub id
         return str(Path(spec).resolve()) if Path(spec).is_dir() else spec
-    import transformers
-
-    entry = cache_dir() / "engine-targets" / f"{spec}-seed{seed}-tf{transformers.__version__}"
+    entry = _entry(spec, seed)
 
     def write(tmp: Path) -> None:
         model, tok = T.load_target(spec, seed=seed)
@@ -33,3 +31,16 @@ def engine_target(spec: str, seed: int = 0) -> str:
         tok.save_pretrained(tmp)
 
     return str(T._atomic_dir(entry, write))
+
+
+def _entry(spec: str, seed: int) -> Path:
+    import importlib.metadata  # transformers' version without importing it (seconds)
+
+    return cache_dir() / "engine-targets" / f"{spec}-seed{seed}-tf{importlib.metadata.version('transformers')}"
+
+
+def check_engine_target(spec: str, seed: int = 0) -> None:
+    """The cache entry a tiny target would be written to is a dir or can be made (a file in
+    its place: one line, exit 2), checked before torch loads."""
+    if spec in TINY_TARGETS:
+        check_cache_entry(_entry(spec, seed), f"target {spec!r} (seed {seed}) for the engine")

@@ -22,6 +22,7 @@ Figures per method (docs/serving.md):
 """
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from . import runner
@@ -180,7 +181,8 @@ def after_training(spec, summary: dict) -> dict | None:
     except runner.EngineError as e:
         if cfg.eval.engine == "auto":
             print(f"dflash train: the engine's verdict (vLLM serving OUT/export beside ngram and no speculation) "
-                  f"needs its venv: run `make vllm`, then dflash eval --checkpoint {export['out']} --engine vllm "
+                  "needs its venv: run `make vllm`, then dflash eval --checkpoint "
+                  f"{shlex.quote(str(export['out']))} --engine vllm "
                   f"({e})", file=sys.stderr)
             return None
         raise

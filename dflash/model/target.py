@@ -27,7 +27,8 @@ import torch
 from ..data.dataset import template_ids
 from ..preflight.layer_ids import default_layer_ids  # noqa: F401  (torch-free: the CLI checks a resume with it)
 from ..preflight.inputs import (  # noqa: F401  (re-exported: the torch-free checks live in inputs)
-    SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_target_spec, gguf_path, smollm2_cache_entry)
+    SMOLLM2, TINY_NUM_LAYERS, TINY_TARGETS, TargetSpecError, cache_dir, check_cache_entry, check_target_spec, gguf_path,
+    smollm2_cache_entry)
 
 
 # ----------------------------------------------------------------------------- cache
@@ -37,6 +38,7 @@ def _atomic_dir(final: Path, write) -> Path:
     """Create ``final`` by writing into a temp dir and renaming it, so a kill never leaves half a cache."""
     if final.is_dir():
         return final
+    check_cache_entry(final, f"cache entry {final.name!r}")  # a file in its place: one line, not NotADirectoryError
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache is meant to be shared

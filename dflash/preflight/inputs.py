@@ -55,6 +55,43 @@ def cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_CACHE") or Path.home() / ".cache" / "dflash").expanduser()
 
 
+class CacheDirError(UserError):
+    """A cache dir (or an entry in it) that is a file, or under one: one line, exit 2."""
+
+
+def not_a_dir(path: Path) -> Path | None:
+    """None when ``path`` is a directory or can be made one; else the first of it and its
+    parents that exists and is not a directory (a writer would meet NotADirectoryError or
+    FileExistsError there)."""
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            return None if p.is_dir() else p
+    return None
+
+
+def check_cache_dir() -> Path:
+    """``cache_dir()``, a directory or a path one can be made at."""
+    path = cache_dir()
+    bad = not_a_dir(path)
+    if bad is not None:
+        name = (f"DFLASH_CACHE={os.environ['DFLASH_CACHE']!r}" if os.environ.get("DFLASH_CACHE") else
+                f"cache dir {str(path)!r}")
+        where = "" if bad == path else f" ({str(bad)!r} is a file)"
+        raise CacheDirError(f"{name}: not a directory{where}; expected a directory for dflash's caches "
+                            "(or a path where one can be made)")
+    return path
+
+
+def check_cache_entry(path: Path, what: str) -> None:
+    """A cache entry dflash writes as a directory: a file in its place (or above it, inside
+    the cache) is one line naming it. Never removed here: it is not known to be ours."""
+    check_cache_dir()  # DFLASH_CACHE itself a file: said as such
+    bad = not_a_dir(path)
+    if bad is not None:
+        raise CacheDirError(f"{what}: {str(bad)!r} is a file where dflash keeps a cache directory; remove it "
+                            "(dflash writes the entry again)")
+
+
 # ----------------------------------------------------------------------------- targets
 
 

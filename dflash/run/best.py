@@ -20,6 +20,7 @@ A resumed run starts from the best its earlier part kept (its trainer_state.json
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -98,5 +99,6 @@ class BestKeeper:
             return str(self.export_dir)
         except Exception as e:  # reported, not fatal: the best checkpoint itself is on disk
             print(f"dflash train: export of the best checkpoint failed: {type(e).__name__}: {e}; export it with: "
-                  f"dflash export --checkpoint {self.dir} --out {self.export_dir}", file=sys.stderr)
+                  f"dflash export --checkpoint {shlex.quote(str(self.dir))} --out {shlex.quote(str(self.export_dir))}",
+                  file=sys.stderr)
             return {"error": f"{type(e).__name__}: {e}"}

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import shlex
 import signal
 import sys
 import threading
@@ -252,4 +253,4 @@ def run_eval(spec: RunSpec, state: RunState, label: str, *, served: bool = False
 
 def eval_command(cfg: Config) -> str:
     """The command that runs the eval an interrupted run skipped."""
-    return f"dflash eval --checkpoint {Path(cfg.out) / 'checkpoint'}"
+    return f"dflash eval --checkpoint {shlex.quote(str(Path(cfg.out) / 'checkpoint'))}"
