@@ -210,6 +210,8 @@ class Walker:
         from dflash.run import acceptance_estimate as est
 
         self.torch, self.est = torch, est
+        torch.set_num_threads(int(THREADS))  # as the children (child_env)
+        os.environ["DFLASH_CACHE"] = CACHE
         self.cfg = cfg = load_config(str(ROOT / "configs/demo.yaml"))
         self.target, self.tok = T.load_target(cfg.model.target, dtype=torch.float32)
         L = T.num_layers(self.target)
