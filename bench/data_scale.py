@@ -149,19 +149,24 @@ def capture(work: Path, arm: str, n: int, max_samples: int = 0) -> dict:
 # --------------------------------------------------------------------------- train
 
 
+def cell_name(spec: str) -> str:
+    """A file-system name for a cell (no dots: the results sit beside the run dir as NAME.json)."""
+    return spec.replace(":", "_").replace("=", "-").replace(".", "p").replace("+", "-")
+
+
 def parse_cell(spec: str) -> dict:
     """ARM:NxE[:from=CELL][:seed=S]: arm, samples, epochs (steps = E * N / batch 4)."""
     parts = spec.split(":")
     arm, size = parts[0], parts[1]
     n, e = size.split("x")
-    cell = {"name": spec.replace(":", "_").replace("=", "-"), "arm": arm, "n": int(n), "epochs": float(e),
+    cell = {"name": cell_name(spec), "arm": arm, "n": int(n), "epochs": float(e),
             "seed": 0, "init": None}
     for p in parts[2:]:
         k, v = p.split("=", 1)
         if k == "seed":
             cell["seed"] = int(v)
         elif k == "from":
-            cell["init"] = v.replace(":", "_").replace("=", "-")
+            cell["init"] = cell_name(v)
     return cell
 
 
