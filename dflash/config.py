@@ -129,6 +129,8 @@ class EvalConfig:
     engine: str = "none"                 # with `train --eval`: the engine's verdict on OUT/export after the eval:
                                          # vllm (.venv-vllm, `make vllm`) | auto (vllm where set up, else a line
                                          # saying how) | none (docs/serving.md)
+    engine_prompts: int = 0              # eval.engine: the first N of the eval's prompts (0: all of them)
+    engine_batched: bool = True          # eval.engine: also time every prompt at once (false: concurrency 1 only)
 
 
 @dataclass
@@ -414,6 +416,7 @@ RANGES: dict[str, Range] = {
     "train.lk_eta": Range(0, 1000),
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
+    "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
     "eval.max_prompt_len": Range(1, MAX_TOKENS),
     "eval.temperature": Range(0, 100, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),

@@ -191,11 +191,13 @@ def after_training(spec, summary: dict) -> dict | None:
     k = after["block_size"] - 1
     logs = spec.out / "engine"
     logs.mkdir(exist_ok=True)
+    steps = after["per_prompt_steps"][:cfg.eval.engine_prompts or None]  # eval.engine_prompts: the first N
     try:
         v = engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=after["dtype"],
-                           steps=after["per_prompt_steps"], drafters=[{"label": export["out"], "export": export["out"],
-                                                                        "k": k, "steps": after["per_prompt_steps"]}],
-                           ngram_k=k, log_dir=logs, temperature=cfg.eval.temperature, seed=cfg.train.seed)
+                           steps=steps, drafters=[{"label": export["out"], "export": export["out"], "k": k,
+                                                   "steps": steps}],
+                           ngram_k=k, batched=cfg.eval.engine_batched, log_dir=logs,
+                           temperature=cfg.eval.temperature, seed=cfg.train.seed)
     except runner.EngineFailed as e:  # the run's own results stand: reported, not fatal
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)
         return {"error": str(e)}
