@@ -346,9 +346,79 @@ def table(work: Path, base: str | None) -> None:
                                 | {s: r["walk"][s]["tau"] for s in SETS} for r in cells]}))
 
 
+# --------------------------------------------------------------------------- calibrate
+
+
+def calibrate(work: Path, threads: list[int]) -> dict:
+    """Each unit's marginal cost, timed alone (stop anything else first): a reply regenerated,
+    a sample read (features + top-64), a training step of each arm; two runs per unit, a small
+    and a large one, so start-up and model loading cancel. Replies are regenerated into a
+    cache of their own (nothing cached), from pool conversations no cell uses."""
+    import shutil
+    import tempfile
+
+    global THREADS, CACHE
+    res = {}
+    pool = [json.loads(ln) for ln in (work / "pool.jsonl").read_text().splitlines()]
+    spare = work / "calib-pool.jsonl"  # the pool's last conversations: past every cell's first n
+    spare.write_text("".join(json.dumps(c) + "\n" for c in pool[-400:]))
+    for t in threads:
+        THREADS = str(t)
+        row = {}
+
+        def timed(kind, args, units_of):
+            walls = []
+            for small in (True, False):
+                tmp = Path(tempfile.mkdtemp(prefix="calib-"))
+                try:
+                    out = tmp / "out"
+                    r = run(dflash(*args(small, out)), work / "logs" / f"calib-{kind}-t{t}-{int(small)}.log")
+                    walls.append((units_of(small, out), r["wall_s"], r["cpu_s"]))
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            (u0, w0, c0), (u1, w1, c1) = walls
+            return {"units": u1 - u0, "s_per_unit": round((w1 - w0) / (u1 - u0), 4),
+                    "cpu_s_per_unit": round((c1 - c0) / (u1 - u0), 4)}
+
+        def samples(out):
+            return json.loads((out / "index.json").read_text())["samples"]
+
+        fresh = str(work / f"calib-cache-t{t}")  # regeneration from nothing: a cache of its own, emptied
+        shutil.rmtree(fresh, ignore_errors=True)
+        CACHE, keep = fresh, CACHE
+        try:
+            # the product's path: regeneration keeping the features (train.feature_cache), no step
+            row["regen_reply"] = timed("regen", lambda small, out: (
+                "train", *BASE, *ARM_SETS["regen"], "--set", f"data.path={spare}",
+                "--set", f"data.num_conversations={16 if small else 144}", "--set", "data.eval_fraction=0.0001",
+                "--set", "train.steps=0", "--no-telemetry", "--out", out),
+                lambda small, out: json.loads((out / "summary.json").read_text())["train_samples"])
+        finally:
+            CACHE = keep
+            shutil.rmtree(fresh, ignore_errors=True)
+        row["read_sample"] = timed("read", lambda small, out: (
+            "capture", *BASE, *ARM_SETS["read"], "--set", f"data.path={spare}", "--set", "data.num_conversations=400",
+            "--set", "data.eval_fraction=0.0001", "--set", f"data.max_samples={16 if small else 400}",
+            "--out", out), lambda small, out: samples(out))
+        for arm, cap in (("regen", "regen-1500"), ("read", "read-10000-m20000")):
+            feats = work / "feats" / cap
+            if not (feats / "index.json").is_file():
+                continue
+            row[f"train_step_{arm}"] = timed(f"train-{arm}", lambda small, out, feats=feats, arm=arm: (
+                "train", *BASE, *ARM_SETS[arm], "--features", feats, "--set", "data.max_samples=1500",
+                "--set", f"train.steps={20 if small else 220}", "--no-telemetry", "--set", "eval.baseline=none",
+                "--out", out), lambda small, out: 20 if small else 220)
+        res[f"threads_{t}"] = row
+        print(json.dumps({f"threads_{t}": row}), file=sys.stderr)
+    THREADS = os.environ.get("DATA_SCALE_THREADS", "1")
+    (work / "calibration.json").write_text(json.dumps(res, indent=1))
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("stage", choices=("prep", "capture", "train", "walk", "table"))
+    p.add_argument("stage", choices=("prep", "capture", "train", "walk", "table", "calibrate"))
+    p.add_argument("--threads", default="2,1", help="calibrate: threads per process to time")
     p.add_argument("--work", default=str(ROOT / "runs" / "data-scale"))
     p.add_argument("--arm", choices=tuple(ARM_SETS))
     p.add_argument("--n", type=int, help="capture: conversations of the pool to capture")
@@ -368,6 +438,8 @@ def main() -> None:
             print(json.dumps(train(work, spec, {"regen": a.regen_capture, "read": a.read_capture})))
     elif a.stage == "walk":
         walk_all(work)
+    elif a.stage == "calibrate":
+        print(json.dumps(calibrate(work, [int(t) for t in a.threads.split(",")])))
     else:
         table(work, a.base)
 
