@@ -46,6 +46,7 @@ def load_bench(name: str):
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there (string annotations)
     spec.loader.exec_module(module)
     return module
 
