@@ -38,8 +38,8 @@ batches (their first losses are printed side by side: equal to rounding):
     flex           train.attention=flex (flex_attention, compiled block mask; CUDA only: no flex
                    backward on the CPU)
     compile        train.compile (torch.compile of each drafter layer; CUDA only here)
-    fill           every lever, the batch doubled while it fits and the step stays under the
-                   budget: the batch that fills the device
+    fill           the fastest arm's levers, the batch doubled while it fits (peak under ~90% of
+                   the device) and time remains: the batch that fills the device
 
 Per arm: stage p50 device ms, TFLOP/s and MFU (against `--peak-tflops`, 989: the H200 SXM's
 dense bf16 peak) from the FLOP model below, peak memory, tokens/s and samples/s (whole step,
@@ -176,11 +176,16 @@ SHAPES = {
     "8b": (Geometry(4096, 36, 32, 8, 128, 12288, 151936, tied=False), [], 2),
     "tiny": (Geometry(64, 6, 4, 2, 16, 128, 49152),
              ["model.num_layers=2", "model.block_size=4", "train.num_anchors=8", "model.num_target_layers=3"], 2),
+    # tiny-qwen3's geometry with the recipe's block 16 and the full vocabulary: the CPU's view of
+    # the levers whose effect a CPU shows (the logits' memory, the target's skipped layers)
+    "cpu": (Geometry(256, 6, 4, 2, 64, 512, 49152),
+            ["model.num_layers=1", "model.block_size=16", "train.num_anchors=32", "model.num_target_layers=3"], 2),
     "demo": (Geometry(576, 30, 9, 3, 64, 1536, 49152),
              ["model.num_layers=2", "model.block_size=4", "train.num_anchors=16", "model.num_target_layers=3",
               "train.loss_vocab=4096", "train.loss_gamma=1.5", "train.loss_weights=dpace"], 4),
 }
-DEFAULT_MAX_LEN = {"1.5b": 2048, "8b": 2048, "tiny": 64, "demo": 160}
+BUDGET_WEIGHT = {"8b": 1.5}  # the 8B shape's share of the time budget, against 1 for the others
+DEFAULT_MAX_LEN = {"1.5b": 2048, "8b": 2048, "tiny": 64, "cpu": 256, "demo": 160}
 
 ARMS = {
     # name: (lever settings; each arm is the one before plus its lever)
@@ -194,13 +199,13 @@ ARMS = {
 CUDA_ONLY = ("flex", "compile")
 
 
-def arm_levers(names: list[str], cuda: bool = True) -> dict[str, dict]:
+def arm_levers(names: list[str], cuda: bool = True, chunk: int = 8192) -> dict[str, dict]:
     """Each arm's settings: the baseline's, plus every lever of the arms up to it (in ARMS order;
-    off CUDA without the CUDA-only ones)."""
+    off CUDA without the CUDA-only ones); `chunk`: the chunked head's rows."""
     out, cur = {}, dict(ARMS["baseline"])
     for name in ARMS:
         if cuda or name not in CUDA_ONLY:
-            cur = cur | ARMS[name]
+            cur = cur | ARMS[name] | ({"loss_chunk": chunk} if name == "chunked_loss" else {})
         if name in names:
             out[name] = dict(cur)
     return out
@@ -412,7 +417,7 @@ def summarize(g: Geometry, res: dict, *, batch: int, max_len: int, peak: float) 
 
 # -- main ----------------------------------------------------------------------------------------
 def bench_shape(torch, root: str, shape: str, arms: list[str], *, device, batch: int, max_len: int, steps: int,
-                warmup: int, rounds: int, peak: float, deadline: float, threads_note: str) -> dict:
+                warmup: int, rounds: int, peak: float, deadline: float, threads_note: str, chunk: int = 8192) -> dict:
     from dflash.model import target as T
 
     g, _, _ = SHAPES[shape]
@@ -422,7 +427,7 @@ def bench_shape(torch, root: str, shape: str, arms: list[str], *, device, batch:
     target, tok = T.load_target(tdir, device=str(device), dtype=dtype)
     out = {"shape": asdict(g), "batch": batch, "max_len": max_len, "dtype": str(dtype).removeprefix("torch."),
            "setup_s": round(time.monotonic() - t0, 1), "arms": {}}
-    levers = arm_levers(arms, cuda=device.type == "cuda")
+    levers = arm_levers(arms, cuda=device.type == "cuda", chunk=chunk)
     runs: dict[str, list] = {a: [] for a in levers}
     for rnd in range(rounds):  # rounds interleave the arms (a shared CPU drifts); the order flips each round
         order = list(levers) if rnd % 2 == 0 else list(levers)[::-1]
@@ -434,8 +439,11 @@ def bench_shape(torch, root: str, shape: str, arms: list[str], *, device, batch:
                 out["arms"][name] = {"skipped": "CUDA only (no flex backward on the CPU; compile: minutes to build)"}
                 continue
             try:
-                if name == "fill":
-                    res, b = fill(torch, target, tok, tdir, shape, levers[name], batch=batch, max_len=max_len,
+                lever_set = name
+                if name == "fill":  # the levers of the fastest arm so far (every lever, before any ran)
+                    done = {k: min(r["drafter_step"]["ms"] for r in v) for k, v in runs.items() if v and k != "fill"}
+                    lever_set = min(done, key=done.get) if done else "fill"
+                    res, b = fill(torch, target, tok, tdir, shape, levers[lever_set], batch=batch, max_len=max_len,
                                   steps=steps, warmup=warmup, device=device, deadline=deadline)
                 else:
                     res, b = run_arm(torch, target, tok, tdir, shape, levers[name], batch=batch, max_len=max_len,
@@ -444,26 +452,33 @@ def bench_shape(torch, root: str, shape: str, arms: list[str], *, device, batch:
                 torch.cuda.empty_cache()
                 out["arms"][name] = {"oom": str(e).splitlines()[0][:160], "batch": batch}
                 continue
-            runs[name].append(summarize(g, res, batch=b, max_len=max_len, peak=peak) | {"batch": b})
+            runs[name].append(summarize(g, res, batch=b, max_len=max_len, peak=peak)
+                              | {"batch": b, "levers": levers[lever_set] | {"of_arm": lever_set}})
     for name, rs in runs.items():
         if rs:
             out["arms"][name] = merge_rounds(rs)
-    base = out["arms"].get("baseline", {})
-    prev = base
-    for name in levers:  # each lever's effect: this arm's drafter step and target forward over the previous arm's
-        a = out["arms"].get(name, {})
-        if "drafter_step" in a and "drafter_step" in prev and name != "baseline":
-            a["vs_previous"] = {"drafter_step_ms": round(a["drafter_step"]["ms"] / prev["drafter_step"]["ms"], 3),
-                                "target_forward_ms": round(a["stages"]["target_forward"]["ms"]
-                                                           / prev["stages"]["target_forward"]["ms"], 3)}
-        if "drafter_step" in a:
-            prev = a
+    add_ratios(out, list(levers))
     out["wall_s"] = round(time.monotonic() - t0, 1)
     out["machine"] = threads_note
     del target
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def add_ratios(out: dict, order: list[str]) -> None:
+    """Each lever's effect: this arm's drafter step and target forward over the previous arm's."""
+    prev = out["arms"].get("baseline", {})
+    for name in order:  # each lever's effect: this arm's drafter step and target forward over the previous arm's
+        a = out["arms"].get(name, {})
+        if "drafter_step" in a and "drafter_step" in prev and name != "baseline":
+            a["vs_previous"] = {"drafter_step_ms": round(a["drafter_step"]["ms"] / prev["drafter_step"]["ms"], 3),
+                                "target_forward_ms": round(a["stages"]["target_forward"]["ms"]
+                                                           / prev["stages"]["target_forward"]["ms"], 3)}
+            if a.get("peak_rss_mb") and prev.get("peak_rss_mb"):
+                a["vs_previous"]["peak_rss_mb"] = round(a["peak_rss_mb"] - prev["peak_rss_mb"])
+        if "drafter_step" in a:
+            prev = a
 
 
 def _sig(x: float, digits: int = 4) -> float:
@@ -503,6 +518,120 @@ def fill(torch, target, tok, tdir, shape, levers, *, batch, max_len, steps, warm
     return best
 
 
+def isolated(args, shape: str, arms: list[str], root: str) -> dict:
+    """`--isolate` (CPU): every (round, arm) in a child process of its own, arms interleaved and
+    the order flipped each round, so each arm's peak resident memory (os.wait4) is its own: the
+    CPU has no allocator statistics, and a process's peak never comes down."""
+    import subprocess
+
+    out: dict = {"arms": {}, "isolated": True}
+    runs: dict[str, list] = {a: [] for a in arms}
+    for rnd in range(args.rounds):
+        for arm in (arms if rnd % 2 == 0 else arms[::-1]):
+            cmd = [sys.executable, os.path.abspath(__file__), "--shapes", shape, "--arms", arm, "--rounds", "1",
+                   "--steps", str(args.steps), "--warmup", str(args.warmup), "--device", "cpu",
+                   "--chunk", str(args.chunk), "--target-root", root]
+            for flag, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--threads", args.threads)):
+                if v:
+                    cmd += [flag, str(v)]
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            stdout = p.stdout.read()
+            _, status, usage = os.wait4(p.pid, 0)
+            p.returncode = os.waitstatus_to_exitcode(status)
+            res = json.loads(stdout.strip().splitlines()[-1])[shape]
+            a = res["arms"][arm]
+            if "stages" in a:
+                a["peak_rss_mb"] = round(usage.ru_maxrss / 1024)  # KiB on Linux
+                runs[arm].append(a)
+            out |= {k: res[k] for k in ("shape", "batch", "max_len", "dtype")}
+    for arm, rs in runs.items():
+        if rs:
+            merged = merge_rounds(rs)
+            merged["peak_rss_mb_per_round"] = [r["peak_rss_mb"] for r in rs]
+            merged["peak_rss_mb"] = statistics.median(merged["peak_rss_mb_per_round"])
+            out["arms"][arm] = merged
+    add_ratios(out, arms)
+    out["setup_s"] = 0
+    return out
+
+
+def paired(torch, shape: str, root: str, *, batch: int, max_len: int, pairs: int, chunk: int) -> dict:
+    """`--paired N` (for a shared CPU, where whole arms drift apart with the other jobs' load):
+    in one process, each lever against the step without it, alternating step by step (the
+    order flipping every pair), so both sides of a pair see the same load; the median and
+    quartiles of the per-pair time ratios. chunked_loss: the drafter's step (forward, backward,
+    optimizer), two TrainSteps from the same weights; stop_early: the target's capture forward."""
+    from dflash.model import features as Fm
+    from dflash.model import target as T
+    from dflash.model.build import build_drafter
+    from dflash.model.losses import feature_ids
+    from dflash.run.step import TrainStep
+
+    g, _, _ = SHAPES[shape]
+    tdir = make_target_dir(root, shape, g, "cpu")
+    target, tok = T.load_target(tdir)
+    dev = torch.device("cpu")
+    base = arm_levers(["baseline"], cuda=False)["baseline"]
+    steps = {}
+    for name, chunk_rows in (("full", -1), ("chunked", chunk)):
+        cfg = recipe_config(tdir, shape, batch, max_len, base | {"loss_chunk": chunk_rows})
+        layer_ids = T.default_layer_ids(T.num_layers(target), cfg.model.num_target_layers)
+        st = TrainStep(cfg.train, cfg.model.block_size, build_drafter(cfg, target, tok, layer_ids),
+                       target.get_input_embeddings(), target.get_output_embeddings(), dev)
+        if cfg.train.loss_vocab:
+            from dflash.data.sample import Sample
+            ids = torch.randint(0, len(tok), (20 * cfg.train.loss_vocab,), generator=torch.Generator().manual_seed(7))
+            st.use_loss_vocab([Sample(ids.tolist(), [1] * len(ids))])
+        steps[name] = st
+    fids = feature_ids(cfg.train, layer_ids, False)
+
+    def drafter_step(st, b, feats):
+        t0 = time.perf_counter()
+        loss, _ = st.forward(feats, b)
+        st.backward(loss)
+        st.optimizer_step(loss)
+        return time.perf_counter() - t0
+
+    def capture(stop, b):
+        Fm.STOP_EARLY = stop
+        t0 = time.perf_counter()
+        Fm.target_features(target, b, fids, dev)
+        return time.perf_counter() - t0
+
+    ratios: dict[str, list] = {"chunked_loss": [], "stop_early": []}
+    secs: dict[str, list] = {"full": [], "chunked": [], "all_layers": [], "stop_early": []}
+    for i in range(pairs + 1):  # pair 0 warms up
+        b = make_batch(i, batch, max_len, len(tok))
+        feats = Fm.target_features(target, b, fids, dev)
+        order = ("full", "chunked") if i % 2 == 0 else ("chunked", "full")
+        t = {k: drafter_step(steps[k], b, feats) for k in order}
+        order = (False, True) if i % 2 == 0 else (True, False)
+        c = {k: capture(k, b) for k in order}
+        if i:
+            ratios["chunked_loss"].append(t["chunked"] / t["full"])
+            ratios["stop_early"].append(c[True] / c[False])
+            secs["full"].append(t["full"]), secs["chunked"].append(t["chunked"])
+            secs["all_layers"].append(c[False]), secs["stop_early"].append(c[True])
+    Fm.STOP_EARLY = True
+
+    def q(xs):
+        xs = sorted(xs)
+        return {"median": round(statistics.median(xs), 3), "q1": round(xs[len(xs) // 4], 3),
+                "q3": round(xs[(3 * len(xs)) // 4], 3)}
+    return {"pairs": pairs, "batch": batch, "max_len": max_len, "chunk": chunk,
+            "ratio_chunked_over_full_drafter_step": q(ratios["chunked_loss"]),
+            "ratio_stop_early_over_all_layers_target_forward": q(ratios["stop_early"]),
+            "median_ms": {k: round(statistics.median(v) * 1e3, 1) for k, v in secs.items()},
+            "layers_run": f"{max(layer_ids) + 1} of {T.num_layers(target)}"}
+
+
+def _peak(a: dict) -> str:
+    """Peak memory: the device's allocator peak (GB), or an isolated CPU arm's resident peak (MB)."""
+    if a.get("peak_mem_gb") is not None:
+        return f"{a['peak_mem_gb']} GB"
+    return f"{a['peak_rss_mb']:.0f} MB" if a.get("peak_rss_mb") else "-"
+
+
 def table(results: dict) -> str:
     lines = []
     for shape, r in results.items():
@@ -511,7 +640,7 @@ def table(results: dict) -> str:
         lines.append(f"{shape}: batch {r['batch']} x {r['max_len']} tokens, {r['dtype']}, setup {r['setup_s']} s")
         lines.append(f"  {'arm':13s} {'batch':>5s} {'tgt ms':>8s} {'tgt MFU':>7s} {'fwd ms':>8s} {'bwd ms':>8s} "
                      f"{'opt ms':>7s} {'drafter MFU':>11s} {'smp/s dr':>8s} {'tok/s':>8s} {'queue':>5s} "
-                     f"{'peak GB':>7s} {'loss0':>8s}")
+                     f"{'peak':>8s} {'loss0':>8s}")
         for name, a in r["arms"].items():
             if "stages" not in a:
                 lines.append(f"  {name:13s} {json.dumps(a)}")
@@ -521,7 +650,7 @@ def table(results: dict) -> str:
                          f"{s['drafter_forward']['ms']:8.1f} {s['backward']['ms']:8.1f} {s['optimizer']['ms']:7.1f} "
                          f"{a['drafter_step']['mfu']:11.4f} {a['drafter_step']['samples_per_s']:8.2f} "
                          f"{a['whole_step']['tokens_per_s']:8d} {a['queue_share_one_gpu']:5.2f} "
-                         f"{str(a['peak_mem_gb']):>7s} {a['loss_first']:8.4f}")
+                         f"{_peak(a):>8s} {a['loss_first']:8.4f}")
     return "\n".join(lines)
 
 
@@ -540,6 +669,12 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=320.0, help="stop starting arms after this many seconds")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default="", help="also write the JSON here")
+    ap.add_argument("--chunk", type=int, default=8192, help="rows per chunk of the chunked_loss arm (and after)")
+    ap.add_argument("--isolate", action="store_true",
+                    help="CPU: each (round, arm) in its own process, for its own peak resident memory")
+    ap.add_argument("--target-root", default="", help="where the random target dirs are written (kept)")
+    ap.add_argument("--paired", type=int, default=0,
+                    help="CPU: N step-by-step alternating pairs per lever in one process (chunked_loss, stop_early)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="the same code on the CPU, tiny shape, every CPU arm, 1 timed step: checks the script")
     args = ap.parse_args(argv)
@@ -564,22 +699,34 @@ def main(argv=None) -> int:
     note = (torch.cuda.get_device_name(dev) if dev.type == "cuda"
             else f"cpu, {torch.get_num_threads()} torch threads, load {os.getloadavg()[0]:.1f}")
     results: dict = {"device": note, "torch": torch.__version__, "peak_tflops": args.peak_tflops}
-    with tempfile.TemporaryDirectory(prefix="recipe-step-") as root:
+    with tempfile.TemporaryDirectory(prefix="recipe-step-") as tmp:
+        root = args.target_root or tmp
         for i, shape in enumerate(shapes):
             batch = args.batch or SHAPES[shape][2]
             max_len = args.max_len or DEFAULT_MAX_LEN[shape]
-            left = len(shapes) - i  # each shape its share of what is left of the budget
+            # each shape its share of what is left of the budget (the 8B, the issue's comparison, the most)
+            weights = [BUDGET_WEIGHT.get(s, 1.0) for s in shapes[i:]]
             now = time.monotonic()
             try:
+                if args.paired:
+                    results[shape] = paired(torch, shape, root, batch=batch, max_len=max_len, pairs=args.paired,
+                                            chunk=args.chunk)
+                    continue
+                if args.isolate:
+                    make_target_dir(root, shape, SHAPES[shape][0], "cpu")
+                    results[shape] = isolated(args, shape, arms, root)
+                    continue
                 results[shape] = bench_shape(torch, root, shape, arms, device=dev, batch=batch, max_len=max_len,
                                              steps=args.steps, warmup=args.warmup, rounds=args.rounds,
-                                             peak=args.peak_tflops, deadline=now + (deadline - now) / left,
-                                             threads_note=note)
+                                             peak=args.peak_tflops,
+                                             deadline=now + (deadline - now) * weights[0] / sum(weights),
+                                             threads_note=note, chunk=args.chunk)
             except Exception as e:  # one shape's failure must not lose the other's figures
                 import traceback
                 results[shape] = {"error": repr(e)[:300], "traceback": traceback.format_exc()[-3000:]}
     results["total_s"] = round(time.monotonic() - t_start, 1)
     ran = [a for r in results.values() if isinstance(r, dict) for a in r.get("arms", {}).values() if "stages" in a]
+    ran += [r for r in results.values() if isinstance(r, dict) and "pairs" in r]
     results["ok"] = bool(ran) and all("error" not in r for r in results.values() if isinstance(r, dict))
     print(table(results))
     text = json.dumps(results, default=str)
