@@ -91,7 +91,10 @@ def capture(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
     deepest selected layer (above); capture_hidden itself where hooks cannot serve the ids."""
     if not STOP_EARLY or not can_capture(model, layer_ids):
         return target_mod.capture_hidden(model, input_ids, attention_mask, layer_ids)
-    _install(model)
+    try:
+        _install(model)
+    except ValueError:  # no list of decoder layers to hook (an unusual architecture): the plain forward
+        return target_mod.capture_hidden(model, input_ids, attention_mask, layer_ids)
     want = set(layer_ids)
     stop_at = FINAL if FINAL in want else max(want)
     _active.capture = {"want": want, "stop_at": stop_at, "got": {}}

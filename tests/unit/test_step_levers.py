@@ -56,3 +56,13 @@ def test_compiled_layers_give_the_eager_loss_and_gradients(tiny, monkeypatch):
     for n, g in res[False][1].items():
         assert (res[True][1][n] - g).norm() <= 1e-5 * g.norm() + 1e-12, n
     torch._dynamo.reset()
+
+
+def test_bad_lever_values_are_one_line_each():
+    from dflash.config import load_config
+    from dflash.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.attention='xformers': expected sdpa or flex"):
+        load_config(None, ["train.attention=xformers"])
+    with pytest.raises(ConfigError, match=r"train.loss_chunk=-2"):
+        load_config(None, ["train.loss_chunk=-2"])
