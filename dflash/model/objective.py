@@ -111,7 +111,7 @@ class DraftLoss:
     def chunked(self) -> bool:
         """Whether the head runs chunk by chunk (model/head_loss.py): asked for, and the drafter
         reads nothing of the full logits itself (no copy head, not DFlash2's selector)."""
-        return self.chunk > 0 and not self.drafter.copying and not hasattr(self.drafter, "selector_ce")
+        return self.chunk > 0 and not self.drafter.copying and self.drafter.cfg.arch == "dflash"
 
     def __call__(self, features: torch.Tensor, batch: Batch):
         """(loss, accuracy) of the batch. With train.loss=kl|lk the features end with the
