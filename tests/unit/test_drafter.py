@@ -161,6 +161,7 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     from dflash.data.batch import Batch
     from dflash.model import target as target_mod
     from dflash.model.feature_cache import FeatureCache
+    from dflash.model import features as features_mod
     from dflash.model.features import target_features
 
     target, tok = tiny
@@ -178,8 +179,8 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     a, b, c = list(range(5, 13)), list(range(40, 46)), list(range(70, 79))
     first = target_features(target, batch([a, b]), ids, "cpu", cache=cache)
     calls = []
-    real = target_mod.capture_hidden
-    monkeypatch.setattr(target_mod, "capture_hidden", lambda *x, **k: calls.append(1) or real(*x, **k))
+    real = features_mod.capture  # the target's forward (stopped after the deepest selected layer)
+    monkeypatch.setattr(features_mod, "capture", lambda *x, **k: calls.append(1) or real(*x, **k))
     again = target_features(target, batch([b, a], width=9), ids, "cpu", cache=cache)
     assert not calls and again.shape == (2, 9, first.shape[-1])
     torch.testing.assert_close(again[0, :6], first[1, :6])
