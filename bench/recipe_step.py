@@ -37,9 +37,10 @@ batches (their first losses are printed side by side: equal to rounding):
     stop_early     the target forward stops after the deepest fused layer (model/features.py)
     flex           train.attention=flex (flex_attention, compiled block mask; CUDA only: no flex
                    backward on the CPU)
-    compile        train.compile (torch.compile of each drafter layer; CUDA only here)
     fill           the fastest arm's levers, the batch doubled while it fits (peak under ~90% of
                    the device) and time remains: the batch that fills the device
+    compile        train.compile (torch.compile of each drafter layer; CUDA only here), last:
+                   its build is the slowest warm-up
 
 Per arm: stage p50 device ms, TFLOP/s and MFU (against `--peak-tflops`, 989: the H200 SXM's
 dense bf16 peak) from the FLOP model below, peak memory, tokens/s and samples/s (whole step,
@@ -188,13 +189,14 @@ BUDGET_WEIGHT = {"8b": 1.5}  # the 8B shape's share of the time budget, against 
 DEFAULT_MAX_LEN = {"1.5b": 2048, "8b": 2048, "tiny": 64, "cpu": 256, "demo": 160}
 
 ARMS = {
-    # name: (lever settings; each arm is the one before plus its lever)
+    # name: (lever settings; each arm is the one before plus its lever). compile last: its build
+    # is the slowest warm-up, and the first arm a short budget drops
     "baseline": dict(loss_chunk=-1, stop_early=False, attention="sdpa", compile=False),
     "chunked_loss": dict(loss_chunk=8192),
     "stop_early": dict(stop_early=True),
     "flex": dict(attention="flex"),
-    "compile": dict(compile=True),
     "fill": dict(),
+    "compile": dict(compile=True),
 }
 CUDA_ONLY = ("flex", "compile")
 
@@ -275,14 +277,14 @@ class StageClock:
 
 
 # -- one arm -------------------------------------------------------------------------------------
-def recipe_config(target_dir: str, shape: str, batch: int, max_len: int, levers: dict):
+def recipe_config(target_dir: str, shape: str, batch: int, max_len: int, levers: dict, device="cpu"):
     from dflash.config import load_config
 
     _, extra, _ = SHAPES[shape]
     over = [f"model.target={target_dir}", f"data.max_len={max_len}", f"train.batch_size={batch}",
             "train.steps=1000", "train.warmup_ratio=0.04", f"train.loss_chunk={levers['loss_chunk']}",
             f"train.attention={levers['attention']}", f"train.compile={str(levers['compile']).lower()}",
-            "pipeline.target_devices=cpu", "pipeline.drafter_devices=cpu", *extra]
+            f"pipeline.target_devices={device}", f"pipeline.drafter_devices={device}", *extra]
     return load_config(os.path.join(ROOT, "configs", "paper-b16.yaml"), over)
 
 
@@ -314,12 +316,13 @@ def run_arm(torch, target, tok, target_dir: str, shape: str, levers: dict, *, ba
     from dflash.model.objective import anchor_generator, sample_anchors
     from dflash.run.step import TrainStep
 
-    cfg = recipe_config(target_dir, shape, batch, max_len, levers)
+    cfg = recipe_config(target_dir, shape, batch, max_len, levers, str(device))
     L = T.num_layers(target)
     layer_ids = T.default_layer_ids(L, cfg.model.num_target_layers)
     fids = feature_ids(cfg.train, layer_ids, False)
     Fm.STOP_EARLY = levers["stop_early"]
-    drafter = build_drafter(cfg, target, tok, layer_ids).to(device)  # seeded by train.seed: same weights per arm
+    with torch.device(device):  # built where it trains (a 1B-parameter init on the host takes seconds per arm);
+        drafter = build_drafter(cfg, target, tok, layer_ids)  # seeded by train.seed: the same weights in every arm
     st = TrainStep(cfg.train, cfg.model.block_size, drafter, target.get_input_embeddings(),
                    target.get_output_embeddings(), device)
     if cfg.train.loss_vocab:  # the frequent set from a long random sample: loss_vocab ids, as a real corpus gives

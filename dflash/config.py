@@ -524,6 +524,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected {_one_of(WEIGHTINGS)}")
     if t.attention not in ATTENTIONS:
         raise ConfigError(f"train.attention={t.attention!r}: expected {_one_of(ATTENTIONS)}")
+    if t.attention == "flex" and not all(str(d).startswith("cuda") for d in p.drafter_devices):
+        raise ConfigError(f"train.attention=flex with pipeline.drafter_devices={p.drafter_devices}: flex needs a CUDA "
+                          "drafter device (torch has no flex_attention backward on the CPU); use sdpa")
     if d.regen_engine not in ("hf", "vllm"):
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):

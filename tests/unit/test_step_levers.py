@@ -30,7 +30,8 @@ def test_flex_block_mask_is_the_bool_mask(window):
 def test_flex_attention_gives_the_sdpa_loss(tiny, extra):
     res = {}
     for att in ("sdpa", "flex"):
-        st, b, feats = _step(tiny, "train.loss_weights=decay", f"train.attention={att}", *extra)
+        st, b, feats = _step(tiny, "train.loss_weights=decay", *extra)
+        st.drafter.attention = att  # what train.attention sets; the config refuses flex on a CPU drafter (no backward)
         with torch.no_grad():
             res[att] = st.forward(feats, b)
     torch.testing.assert_close(res["flex"][0], res["sdpa"][0], rtol=1e-5, atol=1e-6)
@@ -66,3 +67,7 @@ def test_bad_lever_values_are_one_line_each():
         load_config(None, ["train.attention=xformers"])
     with pytest.raises(ConfigError, match=r"train.loss_chunk=-2"):
         load_config(None, ["train.loss_chunk=-2"])
+    with pytest.raises(ConfigError, match=r"train.attention=flex with pipeline.drafter_devices=\['cpu'\]: flex needs"):
+        load_config(None, ["train.attention=flex"])
+    assert load_config(None, ["train.attention=flex", "pipeline.drafter_devices=cuda:0",
+                              "pipeline.target_devices=cuda:0"]).train.attention == "flex"
