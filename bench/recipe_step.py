@@ -33,7 +33,7 @@ batches (their first losses are printed side by side: equal to rounding):
 
     baseline       full-vocabulary logits (train.loss_chunk=-1), every target layer with
                    output_hidden_states (features.STOP_EARLY off), SDPA with a bool mask
-    chunked_loss   the head + loss 8192 rows at a time (model/head_loss.py)
+    chunked_loss   the head + loss 4096 rows at a time (model/head_loss.py; train.loss_chunk's CUDA default)
     stop_early     the target forward stops after the deepest fused layer (model/features.py)
     flex           train.attention=flex (flex_attention, compiled block mask; CUDA only: no flex
                    backward on the CPU)
@@ -192,7 +192,7 @@ ARMS = {
     # name: (lever settings; each arm is the one before plus its lever). compile last: its build
     # is the slowest warm-up, and the first arm a short budget drops
     "baseline": dict(loss_chunk=-1, stop_early=False, attention="sdpa", compile=False),
-    "chunked_loss": dict(loss_chunk=8192),
+    "chunked_loss": dict(loss_chunk=4096),
     "stop_early": dict(stop_early=True),
     "flex": dict(attention="flex"),
     "fill": dict(),
@@ -201,7 +201,7 @@ ARMS = {
 CUDA_ONLY = ("flex", "compile")
 
 
-def arm_levers(names: list[str], cuda: bool = True, chunk: int = 8192) -> dict[str, dict]:
+def arm_levers(names: list[str], cuda: bool = True, chunk: int = 4096) -> dict[str, dict]:
     """Each arm's settings: the baseline's, plus every lever of the arms up to it (in ARMS order;
     off CUDA without the CUDA-only ones); `chunk`: the chunked head's rows."""
     out, cur = {}, dict(ARMS["baseline"])
@@ -420,7 +420,7 @@ def summarize(g: Geometry, res: dict, *, batch: int, max_len: int, peak: float) 
 
 # -- main ----------------------------------------------------------------------------------------
 def bench_shape(torch, root: str, shape: str, arms: list[str], *, device, batch: int, max_len: int, steps: int,
-                warmup: int, rounds: int, peak: float, deadline: float, threads_note: str, chunk: int = 8192) -> dict:
+                warmup: int, rounds: int, peak: float, deadline: float, threads_note: str, chunk: int = 4096) -> dict:
     from dflash.model import target as T
 
     g, _, _ = SHAPES[shape]
@@ -672,7 +672,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=320.0, help="stop starting arms after this many seconds")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--out", default="", help="also write the JSON here")
-    ap.add_argument("--chunk", type=int, default=8192, help="rows per chunk of the chunked_loss arm (and after)")
+    ap.add_argument("--chunk", type=int, default=4096, help="rows per chunk of the chunked_loss arm (and after)")
     ap.add_argument("--isolate", action="store_true",
                     help="CPU: each (round, arm) in its own process, for its own peak resident memory")
     ap.add_argument("--target-root", default="", help="where the random target dirs are written (kept)")

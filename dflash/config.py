@@ -110,7 +110,7 @@ class TrainConfig:
     dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a
     lk_eta: float = 3.0                  # lk: lam = exp(-eta * acceptance) blends KL into 1 - acceptance
     loss_chunk: int = 0                  # the lm_head + loss over this many slot rows at a time, never the whole
-                                         # [rows x vocab] logits (model/head_loss.py); 0: auto (8192 on CUDA, off
+                                         # [rows x vocab] logits (model/head_loss.py); 0: auto (4096 on CUDA, off
                                          # on the CPU); -1: off. Not with a copy head or dflash2 (they read logits)
     attention: str = "sdpa"              # the drafter's block attention in training: sdpa (a bool mask) | flex
                                          # (flex_attention with a block mask, compiled on CUDA: skips empty tiles)

@@ -29,7 +29,9 @@ from .loss_vocab import RowsHead, batch_vocab, frequent_tokens
 from .losses import (decay_weights, is_papers, reduce_terms, selector_loss, slot_terms, sparse_targets,
                      target_slot_dist, weighted_block_loss)
 
-CUDA_LOSS_CHUNK = 8192  # `train.loss_chunk=0` (auto) on CUDA: rows of logits per chunk (8192 x 151,936 x 4 B = 5 GB)
+# `train.loss_chunk=0` (auto) on CUDA: rows per chunk. A chunk holds its logits ~4 times over (bf16, the fp32
+# copy, the log-softmax, the gradient): 4096 x 151,936 x ~16 B = ~10 GB, while 4096-row products keep the GPU busy
+CUDA_LOSS_CHUNK = 4096
 
 
 def anchor_generator(seed: int, batch_index: int) -> torch.Generator:
