@@ -234,6 +234,8 @@ def make_target_dir(root: str, name: str, g: Geometry, device: str) -> str:
     model.save_pretrained(path)
     tok.save_pretrained(path)
     del model
+    if device != "cpu":
+        torch.cuda.empty_cache()  # the 8B's 16 GB go back before load_target reads them in again
     return path
 
 
