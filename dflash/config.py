@@ -72,6 +72,7 @@ class DataConfig:
 # The loss names train.loss / train.loss_weights take (the losses: model/losses.py). Here, not
 # there: this module validates them without importing torch, and model/ builds on config.
 LOSSES = ("ce", "kl", "lk")
+ATTENTIONS = ("sdpa", "flex")    # train.attention: the drafter's block attention (model/drafter.py `attend`)
 WEIGHTINGS = ("decay", "dpace")
 
 
@@ -113,6 +114,12 @@ class TrainConfig:
     selector_loss_alpha: float = 1.0     # dflash2: weight of the selector's k-way CE in the loss
     dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a
     lk_eta: float = 3.0                  # lk: lam = exp(-eta * acceptance) blends KL into 1 - acceptance
+    loss_chunk: int = 0                  # the lm_head + loss over this many slot rows at a time, never the whole
+                                         # [rows x vocab] logits (model/head_loss.py); 0: auto (4096 on CUDA, off
+                                         # on the CPU); -1: off. Not with a copy head or dflash2 (they read logits)
+    attention: str = "sdpa"              # the drafter's block attention in training: sdpa (a bool mask) | flex
+                                         # (flex_attention with a block mask, compiled on CUDA: skips empty tiles)
+    compile: bool = False                # torch.compile each drafter layer (CUDA; the CPU runs them eagerly)
 
 
 @dataclass
@@ -414,6 +421,7 @@ RANGES: dict[str, Range] = {
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
     "train.lk_eta": Range(0, 1000),
+    "train.loss_chunk": Range(-1, 1 << 30, note="0: auto; -1: off"),
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
@@ -522,6 +530,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.loss={t.loss!r}: expected {_one_of(LOSSES)}")
     if t.loss_weights not in WEIGHTINGS:
         raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected {_one_of(WEIGHTINGS)}")
+    if t.attention not in ATTENTIONS:
+        raise ConfigError(f"train.attention={t.attention!r}: expected {_one_of(ATTENTIONS)}")
+    if t.attention == "flex" and not all(str(d).startswith("cuda") for d in p.drafter_devices):
+        raise ConfigError(f"train.attention=flex with pipeline.drafter_devices={p.drafter_devices}: flex needs a CUDA "
+                          "drafter device (torch has no flex_attention backward on the CPU); use sdpa")
     if d.regen_engine not in ("hf", "vllm"):
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):

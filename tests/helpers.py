@@ -46,6 +46,7 @@ def load_bench(name: str):
     import importlib.util
     spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there (string annotations)
     spec.loader.exec_module(module)
     return module
 
@@ -114,7 +115,9 @@ def check_one_pass_equals_per_block(d, embed, head, block_logits, *, hidden: int
     ids = torch.randint(0, vocab - 1, (1, S))
     anchors = torch.tensor([[3, 9, 17, 30, S - block]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
+    from dflash.model.objective import slot_labels
+    logits = d.train_forward(feats, ids, anchors, valid, embed, head, slot_labels(ids, anchors, block))
+    labels = slot_labels(ids, anchors, block)
     for j, p in enumerate(anchors[0].tolist()):
         ref = block_logits(feats, ids, p)
         assert torch.allclose(logits[0, j], ref[0], atol=atol), f"block at anchor {p} differs"

@@ -438,7 +438,13 @@ def _combined(per_set: dict) -> dict:
 def _lossless_word(res: dict) -> str:
     if res.get("lossless") is None:
         return "n/a (T>0)" if res.get("temperature") else "not checked"
-    return "yes" if res["lossless"] else f"NO ({res['lossless_divergent_prompts']} prompts)"
+    if res["lossless"]:
+        return "yes"
+    from ..decode.evaluate import only_ties
+
+    if only_ties(res):  # bf16: every divergence an exact tie of the reference's top two logits
+        return f"yes up to {len(res['lossless_divergences'])} {res['dtype']} ties"
+    return f"NO ({res['lossless_divergent_prompts']} prompts)"
 
 
 def _row(set_name: str, label: str, res: dict) -> tuple:

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DFlashDrafter, DrafterLayer, apply_rope, compute_precision
+from .drafter import DFlashDrafter, DrafterLayer, apply_rope, attend, compute_precision
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -106,7 +106,7 @@ class DFlash2Layer(DrafterLayer):
         k, v = self.kv(x, cos, sin)
         k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        attn = attend(q, k, v, mask, self.nh != self.nkv)
         attn = self.o_proj(attn.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
         h = h + self.attention_conv.finish(attn, coeff)
         x, coeff = self.mlp_conv.prepare(self.post_attention_layernorm(h))
@@ -183,12 +183,16 @@ class DFlash2Drafter(DFlashDrafter):
         return torch.tanh(logits / cap) * cap if cap > 0 else logits
 
     # -- training -------------------------------------------------------------------------
-    def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
-        logits, h, labels = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
+    def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head, labels=None):
+        """DFlashDrafter.train_forward's logits (output_multiplier and soft cap applied), and the
+        selector's per-slot CE on ``labels`` [B, A, Bk-1] kept in ``selector_ce`` for the loss."""
+        if lm_head is None or labels is None:
+            raise ValueError("DFlash2 trains from the full logits and the labels (its selector reads both)")
+        logits, h = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
         logits = self.unary(logits)
         with compute_precision(embed.weight):
             self.selector_ce = self._selector_ce(logits, h, labels, input_ids, anchors, lm_head)
-        return logits, labels
+        return logits
 
     forward = train_forward
 

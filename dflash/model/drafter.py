@@ -32,6 +32,7 @@ from .copy_head import CopyHead
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"
+COMPILE_BACKEND = "inductor"  # `train.compile`'s; the CPU twin test traces with "aot_eager" (no C++ build)
 
 
 @dataclass
@@ -153,6 +154,52 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def attend(q, k, v, mask, gqa: bool):
+    """Attention of the block queries over context + block keys: SDPA with a bool mask (or
+    None: all visible), or flex_attention with a BlockMask (`train.attention=flex`,
+    `flex_block_mask`), which skips the tiles the mask leaves empty."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+    return _flex()(q, k, v, block_mask=mask, enable_gqa=gqa)
+
+
+_FLEX = {}
+
+
+def _flex():
+    """flex_attention, compiled on CUDA (unfused and slow without it; the compile is cached
+    per process), eager elsewhere (the CPU twin: the same numbers, no speed asked of it)."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False) if torch.cuda.is_available() else flex_attention
+    return _FLEX["fn"]
+
+
+def flex_block_mask(anchors, anchor_valid, S: int, Bk: int, window: int | None = None):
+    """`DFlashDrafter.block_mask` as a flex_attention BlockMask: block j's queries see context
+    positions < p_j (none for an invalid anchor) and their own block; a sliding layer's window
+    W besides keeps |t - j| <= W - 1. Built without the dense [A*Bk, S + A*Bk] mask on CUDA
+    (compiled): only the tiles any query sees are computed."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    Bsz, A = anchors.shape
+    Q = A * Bk
+    limit = torch.where(anchor_valid, anchors, torch.zeros_like(anchors))  # context < limit
+    qpos = (anchors[..., None] + torch.arange(Bk, device=anchors.device)).reshape(Bsz, Q)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // Bk
+        in_ctx = kv_idx < S
+        ok = torch.where(in_ctx, kv_idx < limit[b, blk], (kv_idx - S) // Bk == blk)
+        if window:
+            dist = torch.where(in_ctx, qpos[b, q_idx] - kv_idx, (q_idx % Bk - (kv_idx - S) % Bk).abs())
+            ok = ok & (dist < window)
+        return ok
+
+    return create_block_mask(mask_mod, Bsz, None, Q, S + Q, device=anchors.device,
+                             _compile=anchors.device.type == "cuda")
+
+
 class DrafterLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig, window: int | None = None):
         super().__init__()
@@ -188,7 +235,7 @@ class DrafterLayer(nn.Module):
         k, v = self.kv(x, cos, sin)
         k = torch.cat([ctx_kv[0], k], dim=2)
         v = torch.cat([ctx_kv[1], v], dim=2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.nh != self.nkv)
+        attn = attend(q, k, v, mask, self.nh != self.nkv)
         h = h + self.o_proj(attn.transpose(1, 2).reshape(B, Q, self.nh * self.hd))
         x = self.post_attention_layernorm(h)
         return h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -208,6 +255,7 @@ class DFlashDrafter(nn.Module):
         # module, so the rest starts from the same weights with or without it
         self.copy = CopyHead(cfg.block_size - 1, cfg.hidden_size) if cfg.copy_head else None
         self.use_copy = True  # False: the same drafter without its copy proposals (an ablation)
+        self.attention = "sdpa"  # training's block attention: sdpa | flex (`train.attention`; set by the loss)
         if cfg.draft_vocab_size:  # frozen: the target's lm_head rows of draft_ids (set_draft_vocab)
             self.register_buffer("draft_head", torch.zeros(cfg.draft_vocab_size, cfg.hidden_size))
             self.register_buffer("draft_ids", torch.arange(cfg.draft_vocab_size))
@@ -229,6 +277,12 @@ class DFlashDrafter(nn.Module):
     def _init(m):
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
+
+    def compile_layers(self, backend: str | None = None) -> None:
+        """`train.compile`: each decoder layer through torch.compile, in place (Module.compile:
+        the state dict's names are unchanged, so checkpoints and exports never see it)."""
+        for layer in self.layers:
+            layer.compile(backend=backend or COMPILE_BACKEND)
 
     # -- building blocks shared by training and inference ------------------------------
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -282,39 +336,53 @@ class DFlashDrafter(nn.Module):
         return kv_out, masks
 
     # -- training: many blocks per sequence in one pass ---------------------------------
-    def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head):
+    def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head, labels=None):
         """features [B, S, n*H]; input_ids [B, S]; anchors [B, A] (positions p, p <= S-B);
-        anchor_valid [B, A] bool. Returns logits [B, A, Bk-1, V] for slots 1..Bk-1 and the
-        label ids [B, A, Bk-1] (token p+k for slot k); with a copy head, its proposals are
-        mixed in (the logits are then log-probabilities)."""
-        logits, h, labels = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
-        return self.add_copies(logits, h, input_ids, anchors, lm_head), labels
+        anchor_valid [B, A] bool. Returns logits [B, A, Bk-1, V] for slots 1..Bk-1 (slot k
+        drafts token p+k); with a copy head, its proposals are mixed in (the logits are then
+        log-probabilities). ``lm_head`` None: the slots' final hidden states [B, A, Bk-1, H]
+        instead, for a loss that applies the head itself, chunk by chunk (model/head_loss.py;
+        never with a copy head). ``labels`` [B, A, Bk-1]: unused here (DFlash2's selector
+        reads them); the loss builds them (model/objective.py `slot_labels`)."""
+        if lm_head is None:
+            if self.copying:
+                raise ValueError("a copy head mixes its proposals into the logits: pass the lm_head")
+            return self.slot_hidden(features, input_ids, anchors, anchor_valid, embed)
+        logits, h = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
+        return self.add_copies(logits, h, input_ids, anchors, lm_head)
 
     def slot_outputs(self, features, input_ids, anchors, anchor_valid, embed, lm_head, ctx_kv=None):
         """train_forward without the copy head: (the drafter's own logits, the slots' final
-        hidden [B, A, Bk-1, H], labels). The acceptance estimate scores both from one pass.
+        hidden [B, A, Bk-1, H]). The acceptance estimate scores both from one pass.
         ``ctx_kv``: the context's keys/values (`context_from_features` of ``features`` at
         positions 0..S-1), when the caller computed them once for several calls."""
+        h = self.slot_hidden(features, input_ids, anchors, anchor_valid, embed, ctx_kv)
+        Bsz, A, K, H = h.shape
+        with compute_precision(embed.weight):
+            # flatten to rows first: on the strided 4-D slice, matmul falls back to a bmm
+            # against the 49k-row weight expanded per batch (CPU: ~2 s of a 3 s step)
+            logits = lm_head(h.reshape(-1, H)).view(Bsz, A, K, -1)
+        return logits, h
+
+    def slot_hidden(self, features, input_ids, anchors, anchor_valid, embed, ctx_kv=None):
+        """The scored slots' final-normed hidden states [B, A, Bk-1, H], in the compute dtype."""
         Bsz, S = input_ids.shape
         A, Bk = anchors.shape[1], self.cfg.block_size
         dev = input_ids.device
-        offs = torch.arange(Bk, device=dev)
-        pos = anchors[..., None] + offs  # [B, A, Bk]
+        pos = anchors[..., None] + torch.arange(Bk, device=dev)  # [B, A, Bk]
         block_ids = torch.full_like(pos, self.cfg.mask_token_id)
         block_ids[..., 0] = torch.gather(input_ids, 1, anchors)
-        labels = torch.gather(input_ids, 1, pos.clamp(max=S - 1).view(Bsz, -1)).view(Bsz, A, Bk)
-        mask = self.layer_masks(lambda window: self.block_mask(anchors, anchor_valid, S, Bk, window))
+        if self.attention == "flex":
+            mask = self.layer_masks(lambda window: flex_block_mask(anchors, anchor_valid, S, Bk, window))
+        else:
+            mask = self.layer_masks(lambda window: self.block_mask(anchors, anchor_valid, S, Bk, window))
 
         with compute_precision(embed.weight):
             if ctx_kv is None:
                 ctx = self.fuse(features.to(embed.weight.dtype))
                 ctx_kv = self.context_kv(ctx, torch.arange(S, device=dev).expand(Bsz, S))
             h = self.blocks_hidden(embed(block_ids.view(Bsz, -1)), pos.view(Bsz, -1), ctx_kv, mask)
-            h = h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
-            # flatten to rows first: on the strided 4-D slice, matmul falls back to a bmm
-            # against the 49k-row weight expanded per batch (CPU: ~2 s of a 3 s step)
-            logits = lm_head(h.reshape(-1, h.shape[-1])).view(Bsz, A, Bk - 1, -1)
-            return logits, h, labels[:, :, 1:]
+            return h.view(Bsz, A, Bk, -1)[:, :, 1:]  # slot 0 is the given anchor: never scored
 
     def add_copies(self, logits, hidden, input_ids, anchors, lm_head):
         """Logits [B, A, Bk-1, V] with the copy head's proposals mixed in (model/copy_head.py),
@@ -401,23 +469,3 @@ class DraftVocabHead(nn.Module):
         full = sub.new_full((*sub.shape[:-1], self.vocab_size), float("-inf"))
         return full.scatter_(-1, self.ids.expand(*sub.shape[:-1], -1), sub)
 
-
-def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, block_size: int, generator=None):
-    """Per sequence, up to num_anchors positions p with loss_mask[p] and loss_mask[p+1] set
-    and p <= S - block_size. Returns (anchors [B, A] long, valid [B, A] bool).
-    Random scores + topk keep it on-device (no host sync, works for any batch)."""
-    Bsz, S = loss_mask.shape
-    dev = loss_mask.device
-    ok = torch.zeros_like(loss_mask, dtype=torch.bool)
-    last = S - block_size
-    if last >= 0:
-        ok[:, : last + 1] = (loss_mask[:, : last + 1] > 0) & (loss_mask[:, 1 : last + 2] > 0)
-    scores = torch.rand(loss_mask.shape, generator=generator, device="cpu").to(dev)
-    scores = torch.where(ok, scores, torch.full_like(scores, -1.0))
-    A = min(num_anchors, S)
-    top, idx = scores.topk(A, dim=1)
-    valid = top >= 0
-    anchors = torch.where(valid, idx, torch.zeros_like(idx))
-    # sorted anchors make traces/debugging readable; validity travels with them
-    order = torch.argsort(torch.where(valid, anchors, torch.full_like(anchors, S + 1)), dim=1)
-    return torch.gather(anchors, 1, order), torch.gather(valid, 1, order)

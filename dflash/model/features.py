@@ -5,6 +5,9 @@ Nothing here reads a device tensor on the host: lengths are host ints carried by
 """
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from torch import nn
 
@@ -28,10 +31,86 @@ def target_features(target, batch: Batch, layer_ids, device, cache=None) -> torc
             return hit
     ids = batch.input_ids.to(device, non_blocking=True)
     am = batch.attention_mask.to(device, non_blocking=True)
-    feats = target_mod.capture_hidden(target, ids, am, layer_ids)
+    feats = capture(target, ids, am, layer_ids)
     if cache is not None:
         cache.keep(batch, feats)
     return feats
+
+
+# -- the capture forward: the selected layers only, stopping after the deepest -------------
+# `target.capture_hidden` runs every layer with output_hidden_states and keeps all L + 1
+# hidden states; the drafter reads n of them, the deepest at most L - 3 by default (a 36-layer
+# target: layers 1, 17, 33). Here forward hooks keep the selected layers' outputs and the one
+# on the deepest ends the forward (an exception the caller catches): the layers after it, the
+# final norm and the other L + 1 - n hidden states are never computed or held. The outputs are
+# the same tensors `hidden_states[i + 1]` holds, so the features are equal bit for bit
+# (tests/unit/test_target.py). With `FINAL` among the ids (KL/LK: the final norm's output) the
+# deepest is the last, and the forward runs to the end. Layer L - 1 (whose hidden_states entry
+# has the final norm applied) keeps the plain forward.
+#
+# Target workers on one device share one model, so the hooks are installed once per model and
+# never removed (adding hooks while another thread's forward walks them would race); each
+# reads this thread's capture, if any, and does nothing otherwise.
+STOP_EARLY = True  # False: capture_hidden's full forward (bench/recipe_step.py measures both)
+
+_active = threading.local()
+_installed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_install_lock = threading.Lock()
+
+
+class _Enough(Exception):
+    """Raised by the deepest selected layer's hook: the rest of the forward is not needed."""
+
+
+def _install(model) -> None:
+    with _install_lock:
+        if model in _installed:
+            return
+        layers = decoder_layers(model)
+        for i, layer in enumerate(layers):
+            layer.register_forward_hook(_hook(i))
+        norm = final_norm(model)
+        if norm is not None:
+            norm.register_forward_hook(_hook(FINAL))
+        _installed[model] = True
+
+
+def _hook(layer_id: int):
+    def hook(_mod, _inp, out):
+        cap = getattr(_active, "capture", None)
+        if cap is None or layer_id not in cap["want"]:
+            return
+        cap["got"][layer_id] = (out[0] if isinstance(out, tuple) else out).detach()
+        if layer_id == cap["stop_at"]:
+            raise _Enough
+    return hook
+
+
+def capture(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
+    """`target.capture_hidden`'s features ``[B, S, n*H]`` from a forward that stops after the
+    deepest selected layer (above); capture_hidden itself where hooks cannot serve the ids."""
+    if not STOP_EARLY or not can_capture(model, layer_ids):
+        return target_mod.capture_hidden(model, input_ids, attention_mask, layer_ids)
+    try:
+        _install(model)
+    except ValueError:  # no list of decoder layers to hook (an unusual architecture): the plain forward
+        return target_mod.capture_hidden(model, input_ids, attention_mask, layer_ids)
+    want = set(layer_ids)
+    stop_at = FINAL if FINAL in want else max(want)
+    _active.capture = {"want": want, "stop_at": stop_at, "got": {}}
+    backbone = model.base_model  # skips the lm_head entirely when the model has a backbone
+    kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    if backbone is model:
+        kwargs["logits_to_keep"] = 1
+    try:
+        with torch.no_grad():
+            backbone(**kwargs)
+    except _Enough:
+        pass
+    finally:
+        got = _active.capture["got"]
+        _active.capture = None
+    return torch.cat([got[i] for i in layer_ids], dim=-1)
 
 
 def pack(features: torch.Tensor, lengths: list[int]) -> torch.Tensor:

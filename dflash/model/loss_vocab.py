@@ -42,10 +42,13 @@ class RowsHead(nn.Module):
         super().__init__()
         self.lm_head, self.ids = lm_head, ids
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def weight_and_bias(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The subset's rows of the head's weight (and bias): what the chunked loss reads (head_loss.py)."""
         bias = getattr(self.lm_head, "bias", None)
-        w = self.lm_head.weight.index_select(0, self.ids)
-        return F.linear(h, w, None if bias is None else bias.index_select(0, self.ids))
+        return self.lm_head.weight.index_select(0, self.ids), None if bias is None else bias.index_select(0, self.ids)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, *self.weight_and_bias())
 
     def to_subset(self, labels: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary label ids -> positions in the subset (every label is in it)."""

@@ -65,7 +65,7 @@ from ..config import LOSSES, WEIGHTINGS, needs_target_distribution
 __all__ = ["LOSSES", "WEIGHTINGS", "needs_target_distribution", "decay_weights", "slot_weights",
            "accuracy", "weighted_block_loss", "SlotTargets", "target_slot_dist", "sparse_targets",
            "kl_per_slot", "lk_per_slot", "dpace_weights", "block_loss", "training_loss", "selector_loss",
-           "feature_ids"]
+           "feature_ids", "SlotTerms", "per_slot", "slot_terms", "reduce_terms", "is_papers"]
 
 
 # -- the weights -----------------------------------------------------------------------------
@@ -212,19 +212,24 @@ def lk_per_slot(logits: torch.Tensor, tgt: SlotTargets, eta: float) -> torch.Ten
 
 
 # -- every other (loss, weighting) pair --------------------------------------------------------
-def block_loss(logits, labels, anchor_valid, label_mask, decay, *, loss: str = "ce", weighting: str = "decay",
-               targets: SlotTargets | None = None, dpace_alpha: float = 0.5, lk_eta: float = 3.0):
-    """The loss for every (loss, weighting) pair but the paper's (`weighted_block_loss`).
+@dataclass
+class SlotTerms:
+    """What the weighting and the normalisation read of each scored slot [B, A, K]: the
+    per-slot loss ``per`` (with its gradient), the drafter's log-probability of the label
+    ``label_logq`` (detached; D-PACE's weights read it, None when nothing does) and ``hit``
+    (argmax = label, for the accuracy). From the full logits (`slot_terms`) or the head
+    chunk by chunk (model/head_loss.py): the same numbers either way."""
+    per: torch.Tensor
+    label_logq: torch.Tensor | None
+    hit: torch.Tensor
 
-    logits [B, A, K, V']; labels / label_mask [B, A, K]; decay [K]: the fixed decay weights,
-    used for weighting="decay" and always for the reported accuracy (so accuracies compare
-    across losses). Returns (loss, acc) device scalars, no host sync."""
-    if loss not in LOSSES or weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown loss {loss!r} / weighting {weighting!r}: expected {LOSSES} / {WEIGHTINGS}")
-    mask = label_mask * anchor_valid[..., None]
-    w_decay = decay.to(logits.device)[None, None, :] * mask
+
+def per_slot(logits: torch.Tensor, labels: torch.Tensor, *, loss: str, need_label_logq: bool,
+             targets: SlotTargets | None, lk_eta: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(per-slot loss [...], the label's log-probability [...] when needed, else None) from
+    logits [..., V'] and labels [...]: the one definition both heads use."""
     label_logq = None
-    if loss == "ce" or weighting == "dpace":
+    if loss == "ce" or need_label_logq:
         lsm = F.log_softmax(logits.float(), dim=-1)
         label_logq = torch.gather(lsm, -1, labels[..., None]).squeeze(-1)
     if loss == "ce":
@@ -233,15 +238,54 @@ def block_loss(logits, labels, anchor_valid, label_mask, decay, *, loss: str = "
         per = kl_per_slot(logits, targets)
     else:
         per = lk_per_slot(logits, targets, lk_eta)
-    w = dpace_weights(label_logq, mask, dpace_alpha) if weighting == "dpace" else w_decay
-    value = (w * per).sum() / w.sum().clamp_min(1e-6)
-    return value, accuracy(logits, labels, w_decay)
+    return per, label_logq
+
+
+def slot_terms(logits, labels, *, loss: str = "ce", weighting: str = "decay", targets: SlotTargets | None = None,
+               lk_eta: float = 3.0) -> SlotTerms:
+    """SlotTerms from the full logits [B, A, K, V']."""
+    per, label_logq = per_slot(logits, labels, loss=loss, need_label_logq=weighting == "dpace", targets=targets,
+                               lk_eta=lk_eta)
+    return SlotTerms(per, None if label_logq is None else label_logq.detach(), logits.argmax(-1) == labels)
+
+
+def reduce_terms(terms: SlotTerms, anchor_valid, label_mask, decay, *, weighting: str = "decay",
+                 dpace_alpha: float = 0.5):
+    """sum(w * l) / sum(w) and the decay-weighted accuracy from SlotTerms: (loss, acc)."""
+    mask = label_mask * anchor_valid[..., None]
+    w_decay = decay.to(terms.per.device)[None, None, :] * mask
+    w = dpace_weights(terms.label_logq, mask, dpace_alpha) if weighting == "dpace" else w_decay
+    value = (w * terms.per).sum() / w.sum().clamp_min(1e-6)
+    acc = (terms.hit.float() * w_decay).sum() / w_decay.sum().clamp_min(1e-6)
+    return value, acc
+
+
+def block_loss(logits, labels, anchor_valid, label_mask, decay, *, loss: str = "ce", weighting: str = "decay",
+               targets: SlotTargets | None = None, dpace_alpha: float = 0.5, lk_eta: float = 3.0):
+    """The loss for every (loss, weighting) pair but the paper's (`weighted_block_loss`).
+
+    logits [B, A, K, V']; labels / label_mask [B, A, K]; decay [K]: the fixed decay weights,
+    used for weighting="decay" and always for the reported accuracy (so accuracies compare
+    across losses). Returns (loss, acc) device scalars, no host sync."""
+    check_names(loss, weighting)
+    terms = slot_terms(logits, labels, loss=loss, weighting=weighting, targets=targets, lk_eta=lk_eta)
+    return reduce_terms(terms, anchor_valid, label_mask, decay, weighting=weighting, dpace_alpha=dpace_alpha)
+
+
+def check_names(loss: str, weighting: str) -> None:
+    if loss not in LOSSES or weighting not in WEIGHTINGS:
+        raise ValueError(f"unknown loss {loss!r} / weighting {weighting!r}: expected {LOSSES} / {WEIGHTINGS}")
+
+
+def is_papers(train) -> bool:
+    """CE with the fixed decay: the paper's loss, computed by `weighted_block_loss` as it always was."""
+    return train.loss == "ce" and train.loss_weights == "decay"
 
 
 def training_loss(logits, labels, anchor_valid, label_mask, decay, train, targets: SlotTargets | None = None):
     """The loss the `train` section asks for: (loss, acc) device scalars. CE with the decay is
     the paper's (`weighted_block_loss`, as it always was); the rest go through `block_loss`."""
-    if train.loss == "ce" and train.loss_weights == "decay":
+    if is_papers(train):
         return weighted_block_loss(logits, labels, anchor_valid, label_mask, decay)
     return block_loss(logits, labels, anchor_valid, label_mask, decay, loss=train.loss,
                       weighting=train.loss_weights, targets=targets, dpace_alpha=train.dpace_alpha,

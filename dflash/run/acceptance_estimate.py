@@ -61,6 +61,7 @@ from ..data.dataset import collate
 from ..data.sample import Sample
 from ..decode.evaluate import per_position, per_step_tau
 from ..model.features import target_features
+from ..model.objective import slot_labels
 from .readback import DeferredScalars
 from .step import TrainStep
 
@@ -219,8 +220,9 @@ class AcceptanceEstimate:
             for a0, a1 in spans:
                 anchors, valid, ok = (t[r0:r1, a0:a1] for t in (self.anchors, self.valid, self.label_ok))
                 # drafts are read through the served head (a draft vocabulary's rows, if any), as decoding reads them
-                logits, hidden, labels = model.slot_outputs(feats, ids, anchors, valid, st.embed,
-                                                            model.serving_head(st.lm_head), ctx_kv=kv)
+                logits, hidden = model.slot_outputs(feats, ids, anchors, valid, st.embed,
+                                                    model.serving_head(st.lm_head), ctx_kv=kv)
+                labels = slot_labels(ids, anchors, self.block_size)
                 if hasattr(model, "chain_drafts"):  # DFlash2: the selector's chain, as decoding drafts it
                     drafts = model.chain_drafts(logits, hidden, torch.gather(ids, 1, anchors))
                     acc.append(((drafts == labels) & ok).int().cumprod(-1).sum(-1))

@@ -98,7 +98,7 @@ def _near_ties(model, st, est) -> int:
     b, d = est.batch, st.drafter
     with torch.no_grad():
         logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-        own, hidden, _ = d.slot_outputs(est.features, est.ids, est.anchors, est.valid, st.embed, st.lm_head)
+        own, hidden = d.slot_outputs(est.features, est.ids, est.anchors, est.valid, st.embed, st.lm_head)
         mixed = d.add_copies(own, hidden, est.ids, est.anchors, st.lm_head)
 
     def gap(x):

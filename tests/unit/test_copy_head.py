@@ -127,8 +127,8 @@ def test_decoding_drafts_what_training_scores():
     feats = torch.randn(1, S, 2 * H, dtype=torch.float64)
     anchors = torch.tensor([[2, 8, 13, 19, S - BK]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, _ = d.train_forward(feats, ids, anchors, valid, embed, head)
-    own, hidden, _ = d.slot_outputs(feats, ids, anchors, valid, embed, head)
+    logits = d.train_forward(feats, ids, anchors, valid, embed, head)
+    own, hidden = d.slot_outputs(feats, ids, anchors, valid, embed, head)
     assert not torch.allclose(logits, own.log_softmax(-1))
     assert torch.equal(d.add_copies(own, hidden, ids, anchors, head), logits)
     for j, p in enumerate(anchors[0].tolist()):

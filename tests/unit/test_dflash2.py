@@ -11,6 +11,7 @@ from dflash.checkpoint import export_format as fmt
 from dflash.model.architectures import make_drafter
 from dflash.model.dflash2 import DFlash2Drafter, walk
 from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.objective import slot_labels
 from helpers import check_one_pass_equals_per_block
 
 H, V, BK = 64, 101, 6
@@ -164,7 +165,8 @@ def test_selector_loss_trains_the_selector_and_injects_the_missing_gold():
     ids = torch.randint(0, V - 1, (2, S))
     anchors = torch.tensor([[2, 11], [5, 20]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, head)
+    labels = slot_labels(ids, anchors, d.cfg.block_size)
+    logits = d.train_forward(feats, ids, anchors, valid, embed, head, labels)
     ce = d.selector_ce
     assert ce.shape == labels.shape and torch.isfinite(ce).all() and (ce > 0).all()
     ce.sum().backward()
@@ -242,7 +244,7 @@ def test_chain_drafts_of_many_blocks_are_the_per_block_drafts():
     ids = torch.randint(0, V - 1, (1, S))
     anchors = torch.tensor([[4, 13, 25]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
-    logits, h, _ = d.slot_outputs(feats, ids, anchors, valid, embed, head)
+    logits, h = d.slot_outputs(feats, ids, anchors, valid, embed, head)
     chains = d.chain_drafts(logits, h, torch.gather(ids, 1, anchors))
     for j, p in enumerate(anchors[0].tolist()):
         kv = d.context_kv(d.fuse(feats[:, :p]), torch.arange(p)[None])
@@ -259,9 +261,10 @@ def test_selector_loss_through_a_loss_vocabulary_head():
     ids = torch.randint(0, 40, (1, S))
     anchors, valid = torch.tensor([[3, 14]]), torch.ones(1, 2, dtype=torch.bool)
     rows = RowsHead(head, torch.arange(0, 60))  # the batch's tokens (< 40) and more
-    logits, labels = d.train_forward(feats, ids, anchors, valid, embed, rows)
+    labels = slot_labels(ids, anchors, d.cfg.block_size)
+    logits = d.train_forward(feats, ids, anchors, valid, embed, rows, labels)
     sub = d.selector_ce
     assert logits.shape[-1] == 60 and torch.isfinite(sub).all()
-    d.train_forward(feats, ids, anchors, valid, embed, head)
+    d.train_forward(feats, ids, anchors, valid, embed, head, labels)
     # the k-way CE differs only through which candidates the subset's top-k holds: same where equal
     assert sub.shape == d.selector_ce.shape

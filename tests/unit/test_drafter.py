@@ -2,7 +2,8 @@
 import torch
 from torch import nn
 
-from dflash.model.drafter import DFlashDrafter, DrafterConfig, sample_anchors
+from dflash.model.drafter import DFlashDrafter, DrafterConfig
+from dflash.model.objective import sample_anchors
 from dflash.model.losses import decay_weights, weighted_block_loss
 from helpers import check_one_pass_equals_per_block
 
@@ -54,16 +55,16 @@ def test_future_context_and_other_blocks_do_not_leak():
     feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
     ids = torch.randint(0, V - 1, (1, S))
     anchors, valid = torch.tensor([[4, 12]]), torch.tensor([[True, True]])
-    base, _ = d.train_forward(feats, ids, anchors, valid, embed, head)
+    base = d.train_forward(feats, ids, anchors, valid, embed, head)
     f2, i2 = feats.clone(), ids.clone()
     f2[:, 12:] += 5.0          # context at/after anchor 12 is invisible to block 1
     i2[0, 4] = (i2[0, 4] + 1) % (V - 1)  # block 0's anchor token changes: block 1 must not care
-    out, _ = d.train_forward(f2, i2, anchors, valid, embed, head)
+    out = d.train_forward(f2, i2, anchors, valid, embed, head)
     assert torch.allclose(out[0, 1], base[0, 1], atol=1e-9)
     assert not torch.allclose(out[0, 0], base[0, 0])
     # a change in the block's own context does matter (so the test can fail)
     f3 = feats.clone(); f3[:, 11] += 5.0
-    out3, _ = d.train_forward(f3, ids, anchors, valid, embed, head)
+    out3 = d.train_forward(f3, ids, anchors, valid, embed, head)
     assert not torch.allclose(out3[0, 1], base[0, 1])
 
 
@@ -105,9 +106,9 @@ def test_nonfinite_step_is_skipped_on_device():
 
     d, embed, head = make(layers=1)
     d = d.float()
-    cfg = SimpleNamespace(train=SimpleNamespace(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0,
-                                                grad_clip=1.0, seed=0, loss_gamma=0.0, loss="ce",
-                                                    loss_weights="decay"),
+    from dflash.config import TrainConfig
+    cfg = SimpleNamespace(train=TrainConfig(lr=1e-2, weight_decay=0.1, steps=10, warmup_ratio=0.0, grad_clip=1.0,
+                                            seed=0, loss_gamma=0.0, loss="ce", loss_weights="decay"),
                           model=SimpleNamespace(block_size=BK))
     st = TrainStep(cfg.train, cfg.model.block_size, d, embed.float(), head.float(), "cpu")
     before = {k: v.clone() for k, v in d.state_dict().items()}
@@ -160,6 +161,7 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     from dflash.data.batch import Batch
     from dflash.model import target as target_mod
     from dflash.model.feature_cache import FeatureCache
+    from dflash.model import features as features_mod
     from dflash.model.features import target_features
 
     target, tok = tiny
@@ -177,8 +179,8 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
     a, b, c = list(range(5, 13)), list(range(40, 46)), list(range(70, 79))
     first = target_features(target, batch([a, b]), ids, "cpu", cache=cache)
     calls = []
-    real = target_mod.capture_hidden
-    monkeypatch.setattr(target_mod, "capture_hidden", lambda *x, **k: calls.append(1) or real(*x, **k))
+    real = features_mod.capture  # the target's forward (stopped after the deepest selected layer)
+    monkeypatch.setattr(features_mod, "capture", lambda *x, **k: calls.append(1) or real(*x, **k))
     again = target_features(target, batch([b, a], width=9), ids, "cpu", cache=cache)
     assert not calls and again.shape == (2, 9, first.shape[-1])
     torch.testing.assert_close(again[0, :6], first[1, :6])

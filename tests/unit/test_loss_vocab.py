@@ -44,7 +44,7 @@ def test_frequent_tokens_and_batch_vocab():
 def test_whole_vocab_subset_gives_the_full_loss(tiny):
     step, samples, b, feats = _step(0, tiny)
     full, _ = step.forward(feats, b)
-    step.loss_vocab = torch.arange(step.lm_head.weight.shape[0])
+    step.loss.loss_vocab = torch.arange(step.lm_head.weight.shape[0])
     sub, _ = step.forward(feats, b)
     torch.testing.assert_close(sub, full)
 
@@ -52,19 +52,20 @@ def test_whole_vocab_subset_gives_the_full_loss(tiny):
 def test_subset_loss_is_the_restricted_softmax_and_trains(tiny):
     step, samples, b, feats = _step(16, tiny)
     step.use_loss_vocab(samples)
-    assert len(step.loss_vocab) == 16
-    vocab = batch_vocab(step.loss_vocab, b.input_ids)
+    assert len(step.loss.loss_vocab) == 16
+    vocab = batch_vocab(step.loss.loss_vocab, b.input_ids)
     assert set(b.input_ids.flatten().tolist()) <= set(vocab.tolist())
     loss, _ = step.forward(feats, b)
     # the same restricted softmax, by hand from the full logits
     g = torch.Generator().manual_seed(step.train.seed * 1_000_003 + b.index)
-    from dflash.model.drafter import sample_anchors
+    from dflash.model.objective import sample_anchors, slot_labels
     from dflash.model.losses import weighted_block_loss
     anchors, valid = sample_anchors(b.loss_mask, 4, 4, generator=g)
-    logits, labels = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
+    labels = slot_labels(b.input_ids, anchors, 4)
+    logits = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
     pos = anchors[..., None] + torch.arange(1, 4)
     lm = torch.gather(b.loss_mask, 1, pos.clamp(max=b.padded_len - 1).view(4, -1)).view_as(pos).float()
-    want, _ = weighted_block_loss(logits[..., vocab], torch.searchsorted(vocab, labels.contiguous()), valid, lm, step.weights)
+    want, _ = weighted_block_loss(logits[..., vocab], torch.searchsorted(vocab, labels.contiguous()), valid, lm, step.loss.weights)
     torch.testing.assert_close(loss, want)
     assert loss < F.cross_entropy(logits.flatten(0, 2), labels.flatten()) + 1e-3  # fewer competitors
     first = loss.item()

@@ -185,7 +185,7 @@ def test_slot_targets_are_the_targets_next_token_distribution(tiny):
     feats = T.capture_hidden(model, b.input_ids, b.attention_mask, [1, T.FINAL])
     H = model.config.hidden_size
     anchors = torch.tensor([[6, 10], [8, 15]])
-    tgt = tr.slot_targets(feats[..., H:], b, anchors, tr.lm_head)
+    tgt = tr.loss.slot_targets(feats[..., H:], b, anchors, tr.lm_head)
     with torch.no_grad():
         ref = torch.log_softmax(model(input_ids=b.input_ids).logits, -1)
     # slot k of the block at p is token p+k, predicted at position p+k-1
@@ -195,7 +195,7 @@ def test_slot_targets_are_the_targets_next_token_distribution(tiny):
                 assert torch.allclose(tgt.logp[i, a, k - 1], ref[i, anchors[i, a] + k - 1], atol=1e-5)
     # top-k: the k largest of the same rows
     tr.train.kl_topk = 5
-    top = tr.slot_targets(feats[..., H:], b, anchors, tr.lm_head)
+    top = tr.loss.slot_targets(feats[..., H:], b, anchors, tr.lm_head)
     assert torch.allclose(top.logp[0, 0, 0], ref[0, 6].topk(5).values, atol=1e-5)
     # a full forward with kl: the loss is finite and trains (a gradient reaches the drafter)
     loss, _ = tr.forward(feats, b)

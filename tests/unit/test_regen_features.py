@@ -23,9 +23,12 @@ def test_training_batches_come_from_regeneration_features(tmp_path, monkeypatch,
     cache = FeatureCache(ids)
     assert cache.preload(prep.features, cfg.data.max_len) == len(prep.features)
 
+    from dflash.model import features as features_mod
+
     real = target_mod.capture_hidden
     forwards = []
-    monkeypatch.setattr(target_mod, "capture_hidden", lambda *a, **k: forwards.append(1) or real(*a, **k))
+    spy = features_mod.capture  # what target_features runs for a forward
+    monkeypatch.setattr(features_mod, "capture", lambda *a, **k: forwards.append(1) or spy(*a, **k))
     stream = data_mod.batches(prep.samples, batch_size=2, seed=0, pad_id=tok.pad_token_id)
     for _ in range(len(prep.samples) // 2):
         b = next(stream)

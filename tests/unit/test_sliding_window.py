@@ -41,7 +41,7 @@ def test_training_mask_equals_decoding_with_windows(layer_types, window, block):
     feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
     ids = torch.randint(0, V - 1, (1, S))
     anchors = torch.tensor([[3, 17, 30, 44, S - block]])
-    logits, _ = d.train_forward(feats, ids, anchors, torch.ones_like(anchors, dtype=torch.bool), embed, head)
+    logits = d.train_forward(feats, ids, anchors, torch.ones_like(anchors, dtype=torch.bool), embed, head)
     for j, p in enumerate(anchors[0].tolist()):
         ref = decode_logits(d, embed, head, feats, ids, p)
         assert torch.allclose(logits[0, j], ref[0], atol=1e-6), f"block at anchor {p} differs"

@@ -120,3 +120,54 @@ def test_smollm2_loads_and_answers():
     out = model.generate(**enc, max_new_tokens=20, do_sample=False)
     answer = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer, answer
+
+
+@pytest.mark.parametrize("spec", T.TINY_TARGETS)
+def test_capture_stops_after_the_deepest_layer_with_the_same_features(spec, tok):
+    """features.capture (the training path) equals capture_hidden bit for bit, the final norm's
+    output included (KL's FINAL), and no layer after the deepest selected one runs."""
+    from dflash.model import features as Fm
+
+    model, _ = T.load_target(spec, seed=0)
+    ids, am = _batch(tok)
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, i, o, k=k: ran.append(k))
+             for k, layer in enumerate(Fm.decoder_layers(model))]
+    try:
+        for layer_ids in ([1, 3, 2], [1, 1, 2], [0, T.FINAL]):
+            ran.clear()
+            got = Fm.capture(model, ids, am, layer_ids)
+            deepest = T.num_layers(model) - 1 if T.FINAL in layer_ids else max(layer_ids)
+            assert ran == list(range(deepest + 1)), (layer_ids, ran)
+            assert torch.equal(got, T.capture_hidden(model, ids, am, layer_ids)), layer_ids
+        # a layer whose hidden_states entry is the final norm's output: the plain forward
+        last = [T.num_layers(model) - 1]
+        assert torch.equal(Fm.capture(model, ids, am, last), T.capture_hidden(model, ids, am, last))
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_capture_is_per_thread_on_a_shared_model(tiny, tok):
+    """Target workers on one device share the model: each thread's capture keeps its own layers."""
+    import threading
+
+    from dflash.model import features as Fm
+
+    model, _ = tiny
+    ids, am = _batch(tok)
+    want = {ids_: T.capture_hidden(model, ids, am, list(ids_)) for ids_ in ((1, 2), (3,))}
+    errors, barrier = [], threading.Barrier(2)
+
+    def work(layer_ids):
+        barrier.wait()
+        for _ in range(5):
+            if not torch.equal(Fm.capture(model, ids, am, list(layer_ids)), want[layer_ids]):
+                errors.append(layer_ids)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in want]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors

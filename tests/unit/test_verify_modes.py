@@ -257,3 +257,21 @@ def test_one_forward_finds_where_an_output_leaves_the_greedy_decode(spec, hybrid
     eos = {ref[5]}
     if ref[5] not in ref[:5]:
         assert greedy_divergence(model, prompt, ref[:8], max_new_tokens=20, eos_ids=eos)[0] == 6
+
+
+def test_bf16_ties_are_named_and_fp32_stays_strict():
+    """A bf16 divergence at an exact tie (margin 0) reads 'lossless up to N bf16 ties'; any
+    margin > 0, or fp32, keeps the strict 'lossless=False'."""
+    from dflash.commands.eval import _lossless_word
+    from dflash.decode import evaluate as E
+
+    tie = {"prompt": 3, "turn": 0, "position": 41, "margin": 0.0}
+    res = {"lossless": False, "prompts": 8, "lossless_divergent_prompts": 1, "lossless_divergences": [tie],
+           "dtype": "bfloat16"}
+    assert E.describe_lossless(res) == "lossless up to 1 bfloat16 tie (margin 0): prompt 3 at token 41 (margin 0)"
+    assert _lossless_word(res) == "yes up to 1 bfloat16 ties"
+    assert E.only_ties(res)
+    near = res | {"lossless_divergences": [tie | {"margin": 0.0312}]}
+    assert E.describe_lossless(near).startswith("lossless=False: 1/8 prompts diverged")
+    fp32 = res | {"dtype": "float32"}
+    assert E.describe_lossless(fp32).startswith("lossless=False") and _lossless_word(fp32) == "NO (1 prompts)"
