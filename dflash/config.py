@@ -136,6 +136,10 @@ class EvalConfig:
     engine: str = "none"                 # with `train --eval`: the engine's verdict on OUT/export after the eval:
                                          # vllm (.venv-vllm, `make vllm`) | auto (vllm where set up, else a line
                                          # saying how) | none (docs/serving.md)
+    decode: bool = True                  # false (with train.estimate_every): `train --eval` scores the served
+                                         # drafter by the walk over the held-out prompts (equal to decoding, in
+                                         # seconds; prompt lookup from the same outputs) and leaves decoding and
+                                         # the lossless check to the engine's verdict (the demo's time budget)
     engine_prompts: int = 0              # eval.engine: the first N of the eval's prompts (0: all of them)
     engine_batched: bool = True          # eval.engine: also time every prompt at once (false: concurrency 1 only)
 
@@ -539,6 +543,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
+    e = cfg.eval
+    if not e.decode:
+        if not cfg.train.estimate_every:
+            raise ConfigError("eval.decode=false walks the held-out prompts the estimate walks: set "
+                              "train.estimate_every (e.g. to train.steps)")
+        if cfg.train.estimate_samples < e.prompts:
+            raise ConfigError(f"eval.decode=false with eval.prompts={e.prompts}: the walk covers "
+                              f"train.estimate_samples={cfg.train.estimate_samples} prompts; raise it to {e.prompts}")
+        if e.temperature:
+            raise ConfigError(f"eval.decode=false with eval.temperature={e.temperature}: the walk is greedy; "
+                              "decode to sample (eval.decode=true)")
     if d.long_samples not in ("cut", "split"):
         raise ConfigError(f"data.long_samples={d.long_samples!r}: expected cut or split")
     if d.features:

@@ -47,6 +47,8 @@ def describe_lossless(res: dict) -> str:
     """One phrase for the console: 'lossless=True', 'lossless up to N bf16 ties (margin 0)' or
     where the outputs diverged."""
     if res.get("lossless") is None:
+        if res.get("lossless_note"):
+            return f"lossless=not checked: {res['lossless_note']}"
         if res.get("temperature"):
             return "lossless=not checked per prompt at T>0 (a distribution property; see tests)"
         return "lossless=not checked"

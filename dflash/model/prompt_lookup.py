@@ -53,6 +53,27 @@ def propose(ids: list[int], length: int, max_n: int = MAX_NGRAM) -> list[int]:
     return ids[best_j + 1:min(best_j + 1 + length, p + 1)]
 
 
+def accepted_on_output(prompt: list[int], out: list[int], *, max_new_tokens: int, block_size: int,
+                       eos: set) -> list[int]:
+    """accepted + 1 per verify step of prompt lookup decoding ``prompt`` greedily, from the
+    target's greedy output ``out`` alone (continued a block past ``max_new_tokens``, as the last
+    step may accept that far): a proposal is accepted up to its first token ``out`` does not
+    have. The steps `speculative_generate` takes with PromptLookup: the first token comes from
+    the prompt's forward, the last step counts whole, an end-of-sequence token ends it."""
+    got, c = [], 1
+    while c < max_new_tokens and c <= len(out) and out[c - 1] not in eos:
+        proposal = propose(prompt + out[:c], block_size - 1)
+        m = 0
+        while m < len(proposal) and c + m < len(out) and proposal[m] == out[c + m]:
+            m += 1
+        got.append(m + 1)
+        kept = out[c:c + m + 1]
+        c += m + 1
+        if any(t in eos for t in kept):
+            break
+    return got
+
+
 @dataclass
 class PromptLookup:
     """The baseline as a drafter the speculative loops accept (decode/spec_decode.py,

@@ -262,6 +262,61 @@ class AcceptanceEstimate:
                 self.keeper.result(s, no_copy if no_copy is not None else tau)
         return done
 
+    @torch.no_grad()
+    def as_eval(self, model, *, eos: set, max_new_tokens: int, prompts: int, baseline: str, dtype: str) -> dict:
+        """`dflash eval`'s figures for ``model`` on the first ``prompts`` rows, walked instead of
+        decoded (`eval.decode: false`): each row's verify steps in order (accepted + 1 at every
+        anchor the walk visits) and its output (the target's greedy tokens a decode would
+        commit), so the result has eval's keys, `per_prompt_steps` included (what the engine's
+        verdict replays); prompt lookup from the same outputs (its acceptance follows from them
+        at T = 0). Equal to decoding up to the target's near-ties (tests/unit/test_acceptance_estimate.py);
+        nothing is decoded, so losslessness is left to a decoder: the engine's verdict checks
+        the served outputs against the target's own."""
+        import time
+        from types import SimpleNamespace
+
+        from ..decode.evaluate import _Tally
+        from ..model.prompt_lookup import METHOD, RULE, accepted_on_output
+
+        t0 = time.perf_counter()
+        was_training = model.training
+        model.eval()
+        try:
+            acc, _ = self._accepted(model)
+        finally:
+            model.train(was_training)
+        steps = walk(acc, self.limit).cpu()
+        acc = acc.cpu()
+        B = self.block_size
+        tallies = {"drafter": _Tally(B)} | ({"baseline": _Tally(B)} if baseline == "prompt_lookup" else {})
+        n = min(prompts, len(self.rows.start))
+        for r in range(n):
+            a, b = self.rows.start[r], self.rows.stop[r]
+            row = self.batch.input_ids[r, :self.batch.lengths[r]].tolist()
+            prompt, gen = row[:a], row[a:]
+            out = gen[:b - a + 1]  # the decode's tokens: max_new_tokens, or up to its end-of-turn token
+            mine = [int(acc[r, i]) + 1 for i in range(len(steps[r])) if steps[r, i]]
+            ways = {"drafter": mine}
+            if "baseline" in tallies:
+                ways["baseline"] = accepted_on_output(prompt, gen, max_new_tokens=max_new_tokens, block_size=B, eos=eos)
+            for name, lengths in ways.items():
+                res = SimpleNamespace(tokens=out, acceptance=lengths, tau=sum(lengths) / max(1, len(lengths)))
+                tallies[name].add([{"id": f"held-out-{r}", "turn": 0, "res": res, "s": 0.0,
+                                    "prompt_ids": prompt if name == "drafter" else None}])
+        note = ("walked, not decoded (eval.decode: false): equal to decoding up to near-ties; the engine's "
+                "verdict checks losslessness")
+        res = tallies["drafter"].figures() | {
+            "block_size": B, "prompts": n, "prompt_set": "held-out", "prompt_source": {"kind": "held_out"},
+            "lossless": None, "lossless_note": note, "lossless_divergent_prompts": 0, "lossless_divergences": [],
+            "dtype": dtype, "max_new_tokens": max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+            "per_prompt_steps": tallies["drafter"].steps, "stop_token_ids": sorted(eos), "interrupted": False,
+            "prompts_cut": 0, "method": "walked", "wall_s": round(time.perf_counter() - t0, 2)}
+        res["tokens_per_s"] = None  # nothing decoded
+        if "baseline" in tallies:
+            res["baseline"] = {"method": METHOD, "rule": RULE} | tallies["baseline"].figures() | {
+                "lossless": None, "per_prompt_steps": tallies["baseline"].steps, "tokens_per_s": None}
+        return res
+
     def latest(self):
         return self.history[-1] if self.history else None
 

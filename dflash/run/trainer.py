@@ -224,11 +224,17 @@ def run_eval(spec: RunSpec, state: RunState, label: str, *, served: bool = False
         drafter = served_drafter(drafter, target.device)
     elif next(drafter.parameters()).device != target.device:  # eval beside the target; training copy stays
         drafter = copy.deepcopy(drafter).to(target.device)
-    res = evaluate(target, drafter, spec.tokenizer, spec.eval_convs, stop=state.stop,
-                   prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=spec.cfg.train.seed,
-                   baseline=e.baseline if served else "none",
-                   check_lossless=not (checked and checked.get("lossless") is not None))
+    if served and not e.decode and state.estimate is not None:  # the walk: the same figures, in seconds
+        from ..decode.evaluate import stop_token_ids
+        res = state.estimate.as_eval(drafter, eos=stop_token_ids(target, spec.tokenizer),
+                                     max_new_tokens=e.max_new_tokens, prompts=e.prompts, baseline=e.baseline,
+                                     dtype=str(target.dtype).removeprefix("torch."))
+    else:
+        res = evaluate(target, drafter, spec.tokenizer, spec.eval_convs, stop=state.stop,
+                       prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
+                       temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=spec.cfg.train.seed,
+                       baseline=e.baseline if served else "none",
+                       check_lossless=not (checked and checked.get("lossless") is not None))
     if checked and checked.get("lossless") is not None:  # equal outputs: lossless exactly when those were
         same = [a["output_ids"] == b["output_ids"] for a, b in zip(res["per_prompt_steps"], checked["per_prompt_steps"])]
         res["lossless"] = checked["lossless"] and all(same)

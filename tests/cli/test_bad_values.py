@@ -84,3 +84,15 @@ def test_a_run_with_bad_telemetry_values_ends_with_a_summary_and_an_honest_healt
     for name in ("DFLASH_PROMETHEUS_LINGER_S", "OTEL_EXPORTER_OTLP_TIMEOUT"):
         assert sum(f"{name}=" in ln and "ignored" in ln for ln in p.stderr.splitlines()) == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "eval.decode=false"], "eval.decode=false walks the held-out prompts the estimate walks"),
+    (["--set", "eval.decode=false", "--set", "train.estimate_every=5", "--set", "eval.prompts=9"],
+     "eval.decode=false with eval.prompts=9: the walk covers train.estimate_samples=4 prompts"),
+    (["--set", "eval.decode=false", "--set", "train.estimate_every=5", "--set", "eval.prompts=2",
+      "--set", "eval.temperature=0.7"], "eval.decode=false with eval.temperature=0.7: the walk is greedy"),
+])
+def test_a_walked_eval_needs_the_estimates_prompts(tmp_path, args, needle):
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines

@@ -110,3 +110,20 @@ def test_with_a_copy_head_the_headline_is_still_the_served_drafter(tmp_path):
     assert after["served"] and after["copy_head"] is False and "baseline" in after
     assert copy["copy_head"] is True and "baseline" not in copy and copy["lossless"] is after["lossless"] is True
     assert "served drafter" in p.stderr and "prompt lookup" in p.stderr and "tau, copy head" in p.stderr
+
+
+def test_eval_decode_false_walks_the_held_out_prompts_as_the_estimate_does(tmp_path):
+    """eval.decode=false (the demo): the served drafter's figure after training is the walk over
+    the held-out prompts, with eval's per-prompt steps (what the engine's verdict replays) and
+    prompt lookup from the same outputs; its tau is the estimate's at the last step."""
+    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,
+                   "--set", "eval.decode=false", "--set", "eval.before=false", "--set", "train.estimate_every=4",
+                   "--set", "train.estimate_samples=3", "--eval", env={"OMP_NUM_THREADS": "1"})
+    s = json.loads((tmp_path / "summary.json").read_text())
+    after = s["eval_after"]
+    assert after["method"] == "walked" and after["lossless"] is None and after["prompts"] == 3
+    assert [len(x["acceptance_lengths"]) > 0 for x in after["per_prompt_steps"]] == [True] * 3
+    assert all(x["prompt_ids"] and x["output_ids"] for x in after["per_prompt_steps"])
+    assert after["baseline"]["method"] == "prompt_lookup" and after["baseline"]["tokens_per_s"] is None
+    assert after["tau_per_step"] == s["acceptance_estimate"]["last"]["tau"]
+    assert "walked, not decoded" in p.stderr

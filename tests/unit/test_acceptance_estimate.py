@@ -143,3 +143,34 @@ def test_the_walk_equals_decoding_the_same_prompts(setup, monkeypatch):
     s = est.summary()
     assert s["last"]["tau"] == round(tau, 4) and s["last"]["tau_no_copy"] == round(no_copy, 4)
     assert s["last"]["per_position_acceptance"] == per_pos and s["held_out_sequences"] == len(convs)
+
+
+def test_the_walked_eval_has_the_decoded_evals_steps_outputs_and_lookup(setup):
+    """eval.decode=false: as_eval gives, per prompt, the verify steps, the output and prompt
+    lookup's steps that evaluate() decodes (up to near-ties), with eval's keys."""
+    from dflash.decode.evaluate import stop_token_ids
+
+    model, tok, convs, st, rows = setup
+    st.drafter.use_copy = False  # as served: the drafter's own drafts
+    try:
+        est = _estimate(st, model, rows)
+        ties = _near_ties(model, st, est)
+        walked = est.as_eval(st.drafter, eos=stop_token_ids(model, tok), max_new_tokens=N, prompts=len(convs),
+                             baseline="prompt_lookup", dtype="float32")
+        decoded = evaluate(model, st.drafter, tok, convs, prompts=len(convs), max_new_tokens=N,
+                           max_prompt_len=PROMPT, progress=False, check_lossless=False, baseline="prompt_lookup")
+    finally:
+        st.drafter.use_copy = True
+    assert walked["method"] == "walked" and walked["lossless"] is None and walked["prompts"] == len(convs)
+    assert set(decoded) - set(walked) <= {"prompt_set", "prompt_source", "lossless_mismatches", "lossless_ties",
+                                          "lossless_up_to_ties"}, set(decoded) - set(walked)
+    for w, d in zip(walked["per_prompt_steps"], decoded["per_prompt_steps"]):
+        assert w["prompt_ids"] == d["prompt_ids"]
+        if not ties:
+            assert w["output_ids"] == d["output_ids"] and w["acceptance_lengths"] == d["acceptance_lengths"]
+    lookup_w = [s["acceptance_lengths"] for s in walked["baseline"]["per_prompt_steps"]]
+    lookup_d = [s["acceptance_lengths"] for s in decoded["baseline"]["per_prompt_steps"]]
+    if not ties:
+        assert lookup_w == lookup_d and walked["tau_per_step"] == decoded["tau_per_step"]
+        assert walked["baseline"]["tau_per_step"] == decoded["baseline"]["tau_per_step"]
+    assert any(a > 1 for s in lookup_d for a in s)  # lookup accepts something here: a test of it
