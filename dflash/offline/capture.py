@@ -67,13 +67,17 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     shard = SOLO
     if world > 1 and should_regenerate(cfg):  # the ranks split the regeneration and gather the replies
         shard = Shard(rank, world, None, dst=None)
-    samples = prepare(cfg, target, tok, device=device, shard=shard).samples
+    # regenerated replies with train.feature_cache: regeneration keeps the layers' outputs it
+    # computes anyway (model/features.py), so those samples need no second target pass here
+    topk = kl_topk(cfg)
+    reuse = world == 1 and engine == "hf" and not topk and should_regenerate(cfg) and cfg.data.regen_engine == "hf"
+    prep = prepare(cfg, target, tok, device=device, shard=shard, layer_ids=layer_ids if reuse else None)
+    samples, regen_feats = prep.samples, prep.features or {}
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
     key = {"target": cfg.model.target, "target_seed": cfg.model.target_seed,
            "arch": arch_hash(target.config)[:16],
            "layer_ids": list(layer_ids), "dtype": str(dtype).removeprefix("torch."), "data": fingerprint}
-    topk = kl_topk(cfg)
     if topk:  # only then: an earlier capture's id is unchanged
         key["kl_topk"] = topk
     if engine != "hf":  # only then, as above
@@ -96,7 +100,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     first = 1 + max((s["number"] for s in kept if s["rank"] == rank), default=-1)
     writer = ShardWriter(out, rank, shard_bytes, capture=cid, first=first)
     t1 = time.perf_counter()
-    outside = None
+    outside, reused = None, 0
     if engine == "vllm" and mine:
         from ..engine import pipeline
         outside = pipeline.hidden_states(cfg.model.target, cfg.model.target_seed, [samples[i].input_ids for i in mine],
@@ -107,6 +111,12 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
         if outside is not None:
             for k, i in enumerate(idx):
                 writer.add(i, samples[i], outside[b + k].to(dtype))
+            continue
+        kept_rows = [regen_feats.get(tuple(samples[i].input_ids)) for i in idx]
+        if all(f is not None and len(f) == len(samples[i]) for f, i in zip(kept_rows, idx)):
+            for f, i in zip(kept_rows, idx):  # what regeneration computed (within 2e-4 of a forward's)
+                writer.add(i, samples[i], f.to(dtype))
+            reused += len(idx)
             continue
         if topk:  # the last hidden state too, for the target's top-k next-token log-probs
             feats = target_features(target, batch, list(layer_ids) + [target_mod.FINAL], device)
@@ -121,8 +131,10 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     shards = writer.finish()
     took = time.perf_counter() - t1
     tokens = sum(s["tokens"] for s in shards)
+    reuse_note = f"; {reused} with the features regeneration kept (no forward)" if reused else ""
     print(f"rank {rank}: captured {sum(s['samples'] for s in shards)} samples, {tokens} tokens in "
-          f"{len(shards)} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):.0f} tokens/s)", file=sys.stderr)
+          f"{len(shards)} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):.0f} tokens/s){reuse_note}",
+          file=sys.stderr)
     every = _gather((shards, mine), world)
     if rank != 0:
         return {}
@@ -144,7 +156,8 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
              "data": {k: getattr(cfg.data, k) for k in ("path", "num_conversations", "max_len", "regenerate",
                                                         "regen_max_new_tokens", "regen_max_prompt_len")}
                      | {"train_seed": cfg.train.seed, "min_loss_tokens": 2 * cfg.model.block_size},
-             "seconds": {"load_and_prepare": round(t1 - t0, 1), "capture": round(took, 1)}}
+             "seconds": {"load_and_prepare": round(t1 - t0, 1), "capture": round(took, 1)},
+             "from_regeneration": reused}  # samples whose features regeneration kept (rank 0's count)
     target.config.save_pretrained(out / TARGET_DIR)
     tmp = out / f".{INDEX}.tmp{os.getpid()}"
     tmp.write_text(json.dumps(index, indent=1) + "\n")

@@ -314,3 +314,31 @@ def test_a_features_dir_whose_target_config_asks_for_its_own_code_runs_nothing(t
     lines = [ln for ln in p.stderr.splitlines() if "error" in ln]
     assert p.returncode == 2 and len(lines) == 1 and "auto_map" in lines[0] and "never runs" in lines[0], p.stderr
     assert not mark.exists()
+
+
+def test_a_capture_of_regenerated_replies_keeps_regenerations_features(tmp_path, feats):
+    """train.feature_cache: the features regeneration computed go to the shards, no second
+    forward; they equal a forward's within 2e-4, but for each reply's last token (never fed
+    back while generating: a zero row, which no block reads)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "kept"
+    p = run_dflash("capture", "--target", "tiny-qwen3", "--out", out, *TINY, "--set", "train.feature_cache=true",
+                   env={"DFLASH_CACHE": str(tmp_path / "cache")})
+    a, b = (json.loads((d / "index.json").read_text()) for d in (feats, out))
+    assert b["from_regeneration"] == b["samples"] == a["samples"] and a["from_regeneration"] == 0
+    assert b["key"]["data"] == a["key"]["data"]
+    assert "with the features regeneration kept" in p.stderr
+
+    def by_sample(d):
+        rows = {}
+        for f in sorted(d.glob("shard-*.safetensors")):
+            t = load_file(f)
+            off = t["offsets"].tolist()
+            for j, pos in enumerate(t["sample"].tolist()):
+                rows[pos] = t["features"][off[j]:off[j + 1]]
+        return rows
+    fa, fb = by_sample(feats), by_sample(out)
+    assert sorted(fa) == sorted(fb)
+    for k in fa:
+        assert torch.allclose(fa[k][:-1], fb[k][:-1], atol=2e-4), k
