@@ -400,7 +400,7 @@ def calibrate(work: Path, threads: list[int]) -> dict:
             "capture", *BASE, *ARM_SETS["read"], "--set", f"data.path={spare}", "--set", "data.num_conversations=400",
             "--set", "data.eval_fraction=0.0001", "--set", f"data.max_samples={16 if small else 400}",
             "--out", out), lambda small, out: samples(out))
-        for arm, cap in (("regen", "regen-1500"), ("read", "read-10000-m20000")):
+        for arm, cap in (("regen", "regen-1500"), ("read", "read-5000-m5000")):
             feats = work / "feats" / cap
             if not (feats / "index.json").is_file():
                 continue
@@ -425,7 +425,7 @@ def main() -> None:
     p.add_argument("--cells", default="", help="train: ARM:NxE[:from=CELL][:seed=S], comma-separated")
     p.add_argument("--max-samples", type=int, default=0, help="capture: the first N samples only")
     p.add_argument("--regen-capture", default="regen-5000", help="train: the regen arms' capture (under feats/)")
-    p.add_argument("--read-capture", default="read-10000-m20000", help="train: the read arms' capture")
+    p.add_argument("--read-capture", default="read-5000-m5000", help="train: the read arms' capture")
     p.add_argument("--base", help="table: the cell the others are paired against")
     a = p.parse_args()
     work = Path(a.work)
