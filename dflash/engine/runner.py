@@ -45,14 +45,22 @@ class EngineFailed(RuntimeError):
     """The engine started but gave no result: one line naming its log (exit 1)."""
 
 
+CANNOT_RUN = "cannot-run-here"  # deploy/vllm_env.py's mark in a venv whose vLLM dies with SIGILL on this CPU
+
+
 def engine_python() -> Path:
-    """The python of the engine's venv: `$DFLASH_VLLM_PYTHON`, else the checkout's `.venv-vllm`."""
+    """The python of the engine's venv: `$DFLASH_VLLM_PYTHON`, else the checkout's `.venv-vllm`.
+    A venv that `make vllm` found cannot load on this CPU (CANNOT_RUN): its line, as no engine."""
     override = os.environ.get("DFLASH_VLLM_PYTHON", "").strip()
     py = Path(override).expanduser() if override else ROOT / ".venv-vllm" / "bin" / "python"
     if not py.is_file():
         where = f"DFLASH_VLLM_PYTHON={override}" if override else str(py)
         raise EngineError(f"no vLLM environment ({where} not found): run `make vllm` (a venv of its own: "
                           "vLLM pins an older transformers), or set DFLASH_VLLM_PYTHON to one")
+    blocked = py.parent.parent / CANNOT_RUN
+    if blocked.is_file():
+        raise EngineError(blocked.read_text().strip() + " (deploy/vllm_env.py; a GPU machine's `make vllm` installs "
+                          "PyPI's vllm instead)")
     return py
 
 
