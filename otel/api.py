@@ -48,6 +48,8 @@ class TelemetryAPI(Protocol):
 
     def profile_table(self) -> str: ...
 
+    def end_profile(self, timeout_s=2.0) -> None: ...
+
     def flush(self, timeout_s=2.0) -> bool: ...
 
     def shutdown(self, timeout_s=2.0) -> None: ...
@@ -149,6 +151,9 @@ class DisabledTelemetry:
 
     def profile_table(self) -> str:
         return "telemetry disabled"
+
+    def end_profile(self, timeout_s=2.0) -> None:
+        pass
 
     def flush(self, timeout_s=2.0) -> bool:
         return True

@@ -89,6 +89,8 @@ class Trainer:
         self.run_steps()
         readback.finish(state)
         wall = time.perf_counter() - t0
+        if eval_before_after:  # the profile is the training's: printed now, its shares of this wall, not the evals'
+            state.tel.end_profile()
         save(spec, state)
         wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
         summary.update(summarize(spec, state, wall, step0, tokens0))

@@ -67,6 +67,7 @@ class Telemetry:
         self._instruments = Instruments()
         self._t0 = time.monotonic()
         self._t_end = None
+        self._profile_printed = False
         self._closed = False
 
         gpu_devices = None
@@ -243,6 +244,19 @@ class Telemetry:
         return format_table(self.summary(), f"{self.service_name} telemetry profile ({self.mode} mode)",
                             self.config.wait_attributes)
 
+    def end_profile(self, timeout_s=2.0) -> None:
+        """The measured work is over and other work follows (an eval, an engine's verdict):
+        drain what is buffered, stop the profile's wall clock here and print its table now
+        (console), so its shares are of this work's wall time. shutdown() then exports the
+        rest without printing the table a second time. Once; bounded like flush()."""
+        if self._closed or self._t_end is not None:
+            return
+        self.flush(timeout_s)
+        self._t_end = time.monotonic()
+        if self.console:
+            print(self.profile_table(), file=sys.stderr, flush=True)
+            self._profile_printed = True
+
     # ------------------------------------------------------------------ lifecycle
     def flush(self, timeout_s=2.0) -> bool:
         """Drain and export what is buffered now, within the bound."""
@@ -265,9 +279,10 @@ class Telemetry:
         except Exception as e:
             print(f"otel: final drain failed: {e!r}", file=sys.stderr)
         self._registry.close()  # later records are counted as dropped, never kept
-        self._t_end = time.monotonic()
+        if self._t_end is None:  # else end_profile() stopped the profile's clock
+            self._t_end = time.monotonic()
         self._transport.shutdown(timeout_s, time.time())
-        if self.console:
+        if self.console and not self._profile_printed:
             print(self.profile_table(), file=sys.stderr, flush=True)
         try:
             atexit.unregister(self.shutdown)

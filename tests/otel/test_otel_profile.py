@@ -69,3 +69,22 @@ def test_the_typed_config_crosses_the_pipe():
     first, second = list(read_frames(stream))
     assert first["config"] == cfg and first["config"].stage_metric == "s.stage.duration"
     assert second == {"seq": 1, "spans": []}
+
+
+def test_end_profile_prints_the_table_once_with_the_measured_works_wall(make_tel, tmp_path, capsys):
+    """Training, then an eval: the table prints when training ends, its shares of the training's
+    wall; shutdown after the eval exports the rest and does not print it again."""
+    tel = make_tel(mode="thread", file_dir=str(tmp_path), console=True)
+    for _ in range(3):
+        with tel.stage("backward"):
+            time.sleep(0.01)
+    tel.end_profile()
+    first = capsys.readouterr().err
+    assert first.count("telemetry profile") == 1 and "backward" in first
+    wall = tel.summary()["wall_s"]
+    time.sleep(0.3)                      # the eval: not the profile's wall
+    tel.end_profile()                    # once
+    tel.shutdown()
+    assert "telemetry profile" not in capsys.readouterr().err
+    assert tel.summary()["wall_s"] == wall
+    assert tel.summary()["stages"]["backward"]["count"] == 3
