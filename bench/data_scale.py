@@ -308,6 +308,11 @@ def table(work: Path, base: str | None) -> None:
     for m in (work / "feats").glob("*.json"):
         c = json.loads(m.read_text())
         caps[str(work / "feats" / c.get("name", f"{c['arm']}-{c['n']}"))] = c
+    calib = work / "calibration.json"
+    unit = None
+    if calib.is_file():  # the quiet machine's costs, at the product's 2 threads (else: the curve's own, contended)
+        c = json.loads(calib.read_text())
+        unit = c.get("threads_2") or next(iter(c.values()))
     cells = []
     for res_file in cell_results(work):
         r = json.loads(res_file.read_text())
@@ -315,17 +320,27 @@ def table(work: Path, base: str | None) -> None:
         if not w.is_file():
             continue
         r["walk"] = json.loads(w.read_text())
-        def data_cost(cell):  # the capture's CPU seconds per sample, times the cell's samples
+        def data_cost(cell):  # core-seconds of the cell's samples
+            if unit is not None:  # calibrated: a reply regenerated (features kept) or a window read
+                per = unit["regen_reply" if cell["arm"] != "read" else "read_sample"]
+                return per["s_per_unit"] * 2 * cell["n"]
             cap = caps.get(cell["features"])
             return cap["cpu_s"] / cap["samples"] * cell["n"] if cap else float("nan")
-        r["data_cpu_s"], r["train_cpu_s"] = data_cost(r), r["cpu_s"]
+
+        def train_cost(cell):
+            if unit is not None and f"train_step_{cell['arm'].split('+')[-1]}" in unit:
+                return unit[f"train_step_{cell['arm'].split('+')[-1]}"]["s_per_unit"] * 2 * cell["steps"]
+            return cell["cpu_s"]
+        r["data_cpu_s"], r["train_cpu_s"] = data_cost(r), train_cost(r)
         if r["init"]:  # read+regen: the read cell it started from is part of its cost
             src = json.loads((work / "runs" / f"{r['init']}.json").read_text())
             r["data_cpu_s"] += data_cost(src)
-            r["train_cpu_s"] += src["cpu_s"]
+            r["train_cpu_s"] += train_cost(src)
         r["minutes"] = (r["data_cpu_s"] + r["train_cpu_s"]) / 2 / 60  # 2 cores
         cells.append(r)
     cells.sort(key=lambda r: (r["arm"], r["n"], r["epochs"], r["seed"]))
+    print("minutes: " + ("wall on 2 cores, from the units calibrate timed alone (calibration.json, 2 threads)"
+                         if unit is not None else "the children's CPU seconds / 2 (1 thread each, a shared machine)"))
     ref = next((r for r in cells if r["name"] == base), None)
     print("| cell | samples | epochs | steps | data min | train min | minutes (2 cores) | "
           "tau ShareGPT-16 | tau MT-Bench-80 |" + (f" vs {base} (ShareGPT / MT-Bench) |" if ref else ""))
@@ -398,12 +413,14 @@ def calibrate(work: Path, threads: list[int]) -> dict:
             shutil.rmtree(fresh, ignore_errors=True)
         row["read_sample"] = timed("read", lambda small, out: (
             "capture", *BASE, *ARM_SETS["read"], "--set", f"data.path={spare}", "--set", "data.num_conversations=400",
-            "--set", "data.eval_fraction=0.0001", "--set", f"data.max_samples={16 if small else 400}",
+            "--set", "data.eval_fraction=0.0001", "--set", f"data.max_samples={16 if small else 160}",
             "--out", out), lambda small, out: samples(out))
-        for arm, cap in (("regen", "regen-1500"), ("read", "read-5000-m5000")):
-            feats = work / "feats" / cap
-            if not (feats / "index.json").is_file():
+        for arm in ("regen", "read"):  # the arm's largest capture
+            caps = sorted((p for p in (work / "feats").glob(f"{arm}-*") if (p / "index.json").is_file()),
+                          key=lambda p: json.loads((p / "index.json").read_text())["samples"])
+            if not caps:
                 continue
+            feats = caps[-1]
             row[f"train_step_{arm}"] = timed(f"train-{arm}", lambda small, out, feats=feats, arm=arm: (
                 "train", *BASE, *ARM_SETS[arm], "--features", feats, "--set", "data.max_samples=1500",
                 "--set", f"train.steps={20 if small else 220}", "--no-telemetry", "--set", "eval.baseline=none",

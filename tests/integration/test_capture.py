@@ -342,3 +342,33 @@ def test_a_capture_of_regenerated_replies_keeps_regenerations_features(tmp_path,
     assert sorted(fa) == sorted(fb)
     for k in fa:
         assert torch.allclose(fa[k][:-1], fb[k][:-1], atol=2e-4), k
+
+
+def test_a_read_text_kl_capture_keeps_the_targets_own_distribution(tmp_path):
+    """data.regenerate=off + train.loss=kl: the text is someone else's (ShareGPT's replies, not
+    regenerated) and the stored targets are the target's own next-token distribution on it: at
+    every position, its k most likely tokens and their log-probs, as its forward gives them."""
+    from safetensors.torch import load_file
+
+    from dflash.model.target import load_target
+
+    out = tmp_path / "read"
+    run_dflash("capture", "--target", "tiny-qwen3", "--out", out, *TINY, "--set", "data.regenerate=off",
+               "--set", "train.loss=kl", "--set", "train.kl_topk=8")
+    index = json.loads((out / "index.json").read_text())
+    assert index["kl_topk"] == 8 and index["data"]["regenerate"] == "off"
+    target, _ = load_target("tiny-qwen3")
+    checked = 0
+    for f in sorted(out.glob("shard-*.safetensors")):
+        t = load_file(f)
+        off = t["offsets"].tolist()
+        for j in range(min(3, len(off) - 1)):
+            ids = t["input_ids"][off[j]:off[j + 1]].long()
+            with torch.no_grad():
+                logp = torch.log_softmax(target(ids[None]).logits[0].float(), dim=-1)
+            got_ids, got_logp = t["kl_ids"][off[j]:off[j + 1]].long(), t["kl_logp"][off[j]:off[j + 1]].float()
+            want = logp.topk(8, dim=-1)
+            assert torch.allclose(got_logp, want.values, atol=2e-2)                # fp16 storage
+            assert torch.allclose(logp.gather(-1, got_ids), want.values, atol=2e-2)  # same tokens, up to ties
+            checked += 1
+    assert checked >= 3
