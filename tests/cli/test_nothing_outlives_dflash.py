@@ -223,3 +223,23 @@ def test_eval_engine_killed_by_sigkill_takes_its_engine_tree_along(tmp_path, env
         assert _scratch(env) == [], "a later start sweeps the export's copy and the engine's dir the SIGKILL left"
     finally:
         d.cleanup()
+
+
+@pytest.mark.slow  # loads the tiny target and prepares its data before its engine starts
+def test_capture_engine_killed_by_sigkill_takes_its_engine_tree_along(tmp_path, env):
+    """`capture --engine vllm`: the engine's tree and the dir its hidden states go to (on a
+    real target, the whole feature set) go with a SIGKILLed dflash."""
+    d = Dflash(tmp_path, env, "capture", "--target", "tiny-qwen3", "--engine", "vllm", "--out", tmp_path / "feats",
+               "--set", "data.num_conversations=24", "--set", "data.max_len=128", "--set", "data.regenerate=off",
+               "--set", "model.block_size=4")
+    try:
+        d.wait_for("data:", timeout_s=300)  # prepared: the engine's job starts next
+        d.record_tree(2, engine=True)
+        assert any(n.startswith("hidden") for n in os.listdir(Path(env["TMPDIR"]) / f"dflash-{os.getuid()}")), \
+            "the engine's scratch dir is where the sweep looks"
+        d.p.kill()
+        d.p.wait()
+        d.assert_tree_gone()
+        assert _scratch(env) == [], "a later start sweeps the hidden states' dir the SIGKILL left"
+    finally:
+        d.cleanup()
