@@ -543,17 +543,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
-    e = cfg.eval
-    if not e.decode:
-        if not cfg.train.estimate_every:
-            raise ConfigError("eval.decode=false walks the held-out prompts the estimate walks: set "
-                              "train.estimate_every (e.g. to train.steps)")
-        if cfg.train.estimate_samples < e.prompts:
-            raise ConfigError(f"eval.decode=false with eval.prompts={e.prompts}: the walk covers "
-                              f"train.estimate_samples={cfg.train.estimate_samples} prompts; raise it to {e.prompts}")
-        if e.temperature:
-            raise ConfigError(f"eval.decode=false with eval.temperature={e.temperature}: the walk is greedy; "
-                              "decode to sample (eval.decode=true)")
     if d.long_samples not in ("cut", "split"):
         raise ConfigError(f"data.long_samples={d.long_samples!r}: expected cut or split")
     if d.features:
@@ -666,3 +655,21 @@ def dumps(cfg: Config) -> str:
 
 def dump(cfg: Config, path: str | os.PathLike) -> None:
     Path(path).write_text(dumps(cfg))
+
+
+def check_walked_eval(cfg: Config) -> None:
+    """`train --eval` with eval.decode=false scores the drafter by the estimate's walk: it needs
+    the estimate on the eval's prompts, greedy. Checked only where that eval runs (a run
+    without --eval, or a bench that turns the estimate off, leaves eval.* unused)."""
+    e = cfg.eval
+    if e.decode:
+        return
+    if not cfg.train.estimate_every:
+        raise ConfigError("eval.decode=false walks the held-out prompts the estimate walks: set "
+                          "train.estimate_every (e.g. to train.steps)")
+    if cfg.train.estimate_samples < e.prompts:
+        raise ConfigError(f"eval.decode=false with eval.prompts={e.prompts}: the walk covers "
+                          f"train.estimate_samples={cfg.train.estimate_samples} prompts; raise it to {e.prompts}")
+    if e.temperature:
+        raise ConfigError(f"eval.decode=false with eval.temperature={e.temperature}: the walk is greedy; "
+                          "decode to sample (eval.decode=true)")

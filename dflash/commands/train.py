@@ -71,6 +71,9 @@ def run(a) -> int:
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
     if cfg.pipeline.layout:
         _check_layout_launch(cfg, a.eval)
+    if a.eval:
+        from ..config import check_walked_eval
+        check_walked_eval(cfg)
     if a.eval and cfg.eval.engine == "vllm":  # asked for by name: no engine venv is bad input, said now
         from ..engine.runner import engine_python
         engine_python()

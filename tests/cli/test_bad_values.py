@@ -26,7 +26,7 @@ from helpers import NO_OTEL_ENV, ROOT, TINY, cli_before_torch, free_port, run_df
     (["--set", "data.max_samples=-1"], "data.max_samples=-1: expected an integer >= 0"),
 ])
 def test_bad_train_values_are_one_line_before_torch(tmp_path, args, needle):
-    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)
+    out, lines = cli_before_torch("train", "--eval", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run").exists()
 
@@ -94,5 +94,5 @@ def test_a_run_with_bad_telemetry_values_ends_with_a_summary_and_an_honest_healt
       "--set", "eval.temperature=0.7"], "eval.decode=false with eval.temperature=0.7: the walk is greedy"),
 ])
 def test_a_walked_eval_needs_the_estimates_prompts(tmp_path, args, needle):
-    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)
+    out, lines = cli_before_torch("train", "--eval", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
