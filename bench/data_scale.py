@@ -374,9 +374,10 @@ def calibrate(work: Path, threads: list[int]) -> dict:
 
     global THREADS, CACHE
     res = {}
-    pool = [json.loads(ln) for ln in (work / "pool.jsonl").read_text().splitlines()]
+    with open(work / "pool.jsonl", encoding="utf-8") as f:  # lines end at \n only (the text holds U+2028)
+        pool = [json.loads(ln) for ln in f if ln.strip()]
     spare = work / "calib-pool.jsonl"  # the pool's last conversations: past every cell's first n
-    spare.write_text("".join(json.dumps(c) + "\n" for c in pool[-400:]))
+    spare.write_text("".join(json.dumps(c) + "\n" for c in pool[-400:]))  # ASCII escapes: one record a line
     for t in threads:
         THREADS = str(t)
         row = {}
