@@ -161,8 +161,15 @@ def parse_cell(spec: str) -> dict:
     n, e = size.split("x")
     cell = {"name": cell_name(spec), "arm": arm, "n": int(n), "epochs": float(e),
             "seed": 0, "init": None}
-    for p in parts[2:]:
-        k, v = p.split("=", 1)
+    opts: list[list[str]] = []
+    for p in parts[2:]:  # from=ARM:NxE holds a colon of its own
+        if "=" in p:
+            opts.append(p.split("=", 1))
+        elif opts:
+            opts[-1][1] += ":" + p
+        else:
+            sys.exit(f"bench/data_scale.py: cell {spec!r}: expected ARM:NxE[:from=CELL][:seed=S]")
+    for k, v in opts:
         if k == "seed":
             cell["seed"] = int(v)
         elif k == "from":
