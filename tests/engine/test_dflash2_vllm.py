@@ -93,7 +93,9 @@ def test_vllm_dflash2_modules_compute_our_drafts(tmp_path, engine_venv):
     assert res["unused_weights"] == [], "exported weights vLLM's DFlash2 modules do not read"
     assert res["attn_in_err"] < 1e-5 and res["hidden_err"] < 1e-5, res
     assert res["candidates_equal"], res
-    assert res["unary_err"] < 1e-5 and res["scores_err"] < 1e-5, res
+    # the path scores are sums over the block (|scores| up to ~100): float32's rounding, relative to their size
+    scale = max(1.0, float(scores.abs().max()))
+    assert res["unary_err"] < 1e-5 and res["scores_err"] < 1e-6 * scale * 10, (res, scale)
     assert res["drafts"] == res["ours"], res
     # not vacuous: the chain is not each slot's unary argmax, and it is not one token repeated
     assert drafts.tolist() != cand[..., 0].tolist() and len(set(drafts.flatten().tolist())) > 2
