@@ -34,18 +34,9 @@ def lookup(ids: list[int], length: int, *, earliest: bool = False, max_n: int = 
 
 def steps(prompt: list[int], out: list[int], max_new: int, block: int, eos: set, earliest: bool = False) -> list:
     """accepted + 1 per verify step, from the greedy output `out` (decoded past max_new)."""
-    got, c = [], 1  # out[0] comes from the prompt's own forward
-    while c < max_new and out[c - 1] not in eos:
-        proposal = lookup(prompt + out[:c], block - 1, earliest=earliest)
-        m = 0
-        while m < len(proposal) and c + m < len(out) and proposal[m] == out[c + m]:
-            m += 1
-        got.append(m + 1)
-        kept = out[c:c + m + 1]
-        c += m + 1
-        if any(t in eos for t in kept):
-            break
-    return got
+    from dflash.model.prompt_lookup import accepted_on_output
+    return accepted_on_output(prompt, out, max_new_tokens=max_new, block_size=block, eos=eos,
+                              proposer=lambda ids, k: lookup(ids, k, earliest=earliest))
 
 
 def main() -> int:

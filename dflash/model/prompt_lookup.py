@@ -54,15 +54,17 @@ def propose(ids: list[int], length: int, max_n: int = MAX_NGRAM) -> list[int]:
 
 
 def accepted_on_output(prompt: list[int], out: list[int], *, max_new_tokens: int, block_size: int,
-                       eos: set) -> list[int]:
+                       eos: set, proposer=None) -> list[int]:
     """accepted + 1 per verify step of prompt lookup decoding ``prompt`` greedily, from the
     target's greedy output ``out`` alone (continued a block past ``max_new_tokens``, as the last
     step may accept that far): a proposal is accepted up to its first token ``out`` does not
     have. The steps `speculative_generate` takes with PromptLookup: the first token comes from
-    the prompt's forward, the last step counts whole, an end-of-sequence token ends it."""
+    the prompt's forward, the last step counts whole, an end-of-sequence token ends it.
+    ``proposer(ids, k)``: another lookup rule (bench/lookup_from_outputs.py: vLLM's tie-break)."""
+    proposer = proposer or propose
     got, c = [], 1
     while c < max_new_tokens and c <= len(out) and out[c - 1] not in eos:
-        proposal = propose(prompt + out[:c], block_size - 1)
+        proposal = proposer(prompt + out[:c], block_size - 1)
         m = 0
         while m < len(proposal) and c + m < len(out) and proposal[m] == out[c + m]:
             m += 1

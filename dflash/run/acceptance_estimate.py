@@ -187,16 +187,19 @@ class AcceptanceEstimate:
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
 
-    @torch.no_grad()
-    def __call__(self, step: int) -> None:
-        """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
-        model = self.train_step.drafter
+    def _accepted_in_eval_mode(self, model):
+        """_accepted with dropout and the like off, the model's mode put back after."""
         was_training = model.training
         model.eval()
         try:
-            acc, own = self._accepted(model)
+            return self._accepted(model)
         finally:
             model.train(was_training)
+
+    @torch.no_grad()
+    def __call__(self, step: int) -> None:
+        """Drafter thread, after an optimizer step: queue one estimate, collect finished ones."""
+        acc, own = self._accepted_in_eval_mode(self.train_step.drafter)
         vals = self._walked(acc, "")
         if own is not None:  # a copy head's drafter: the same walk without its proposals
             vals |= self._walked(own, "own_")
@@ -279,12 +282,7 @@ class AcceptanceEstimate:
         from ..model.prompt_lookup import METHOD, RULE, accepted_on_output
 
         t0 = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        try:
-            acc, _ = self._accepted(model)
-        finally:
-            model.train(was_training)
+        acc, _ = self._accepted_in_eval_mode(model)
         steps = walk(acc, self.limit).cpu()
         acc = acc.cpu()
         B = self.block_size
