@@ -60,6 +60,10 @@ class DataConfig:
     regen_max_new_tokens: int = 96
     regen_max_prompt_len: int = 128
     regen_batch_size: int = 0            # prompts per generate() call, sorted by length; 0: auto (64 on CUDA, 16 on CPU)
+    regen_workers: int = 0               # batches generated at once by threads of one process, the compute threads
+                                         # shared out among them; 0: auto (on a CPU one per compute thread, up to 8:
+                                         # a decode step is hundreds of small parallel regions that 2 threads split
+                                         # poorly, bench/target_tokens.py; 1 elsewhere)
     regen_engine: str = "hf"             # hf (the loaded target's generate) | vllm (vLLM's offline API in .venv-vllm,
                                          # one engine start per rank: engine/pipeline.py); same prompts, greedy, cache
     eval_fraction: float = 0.05
@@ -398,6 +402,7 @@ RANGES: dict[str, Range] = {
     "data.regen_max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "data.regen_max_prompt_len": Range(1, MAX_TOKENS),
     "data.regen_batch_size": Range(0, 4096, note="0: auto"),
+    "data.regen_workers": Range(0, 256, note="0: auto"),
     "data.eval_fraction": Range(0, 1, lo_open=True, hi_open=True),
     "train.steps": Range(0, MAX_STEPS),
     "train.batch_size": Range(1, 65536),

@@ -171,11 +171,14 @@ def can_capture(model, layer_ids) -> bool:
 class LayerCapture:
     """Context manager: forward hooks on the selected layers; ``calls[c]`` is the features
     of forward call ``c``, ``[B, T, n*H]`` on the model's device (the prefill first, then one
-    per decoding step). Nothing is copied to the host here: the caller moves what it keeps."""
+    per decoding step). Nothing is copied to the host here: the caller moves what it keeps.
+    Only the forwards of the thread that made it are kept: threads that generate at once on
+    one model (regeneration's workers) each hold a capture of their own."""
 
     def __init__(self, model, layer_ids):
         if not can_capture(model, layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)}: capture needs layers below the last one")
+        self._thread = threading.get_ident()
         self.layers = decoder_layers(model)
         self._model = model
         self.layer_ids = list(layer_ids)
@@ -185,6 +188,8 @@ class LayerCapture:
 
     def _hook(self, k: int):
         def hook(_mod, _inp, out):
+            if threading.get_ident() != self._thread:  # another thread's forward on the same model
+                return
             h = out[0] if isinstance(out, tuple) else out   # a tuple in older transformers
             self._pending[k] = h.detach()
             if len(self._pending) == len(self.layer_ids):  # the deepest selected layer has run

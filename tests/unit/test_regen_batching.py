@@ -2,6 +2,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dflash.prep import prepare as prep
 from dflash.prep import regenerate as regen_mod
@@ -23,6 +24,20 @@ def test_regen_batch_size_reaches_regenerate(tmp_path, monkeypatch, setting, dev
     target = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"))
     prep._regen_cached(cfg, target, None, [[{"role": "user", "content": "hi"}]], device)
     assert seen["batch_size"] == expected
+    # data.regen_workers auto: one per compute thread on a CPU (up to 8), one on CUDA
+    assert seen["workers"] == (min(8, torch.get_num_threads()) if device == "cpu" else 1)
+
+
+def test_regen_workers_reach_regenerate(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE", str(tmp_path))
+    seen = {}
+    monkeypatch.setattr(prep, "regenerate", lambda model, tok, convs, **kw: seen.update(kw) or convs)
+    cfg = load_config(None, ["data.regen_workers=3"])
+    target = SimpleNamespace(config=SimpleNamespace(to_json_string=lambda: "{}"))
+    prep._regen_cached(cfg, target, None, [[{"role": "user", "content": "hi"}]], "cpu")
+    assert seen["workers"] == 3
+    with pytest.raises(ConfigError, match="data.regen_workers=-1"):
+        load_config(None, ["data.regen_workers=-1"])
 
 
 def test_regenerate_batches_are_sorted_by_length(monkeypatch, tiny):
