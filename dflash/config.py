@@ -146,6 +146,8 @@ class EvalConfig:
                                          # the lossless check to the engine's verdict (the demo's time budget)
     engine_prompts: int = 0              # eval.engine: the first N of the eval's prompts (0: all of them)
     engine_batched: bool = True          # eval.engine: also time every prompt at once (false: concurrency 1 only)
+    engine_eager: bool = False           # eval.engine: vLLM without torch.compile (enforce_eager): on a CPU each
+                                         # engine starts ~100 s sooner, and decodes slower; every method alike
 
 
 @dataclass

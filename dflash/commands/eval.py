@@ -65,6 +65,9 @@ def add_parser(sub) -> None:
                         "several: each drafter served at each, side by side")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
+    e.add_argument("--engine-eager", action="store_true",
+                   help="with --engine: vLLM without torch.compile (enforce_eager: each engine starts minutes "
+                        "sooner on a CPU and decodes slower, every method alike)")
 
 
 def _check_args(a) -> None:
@@ -96,7 +99,8 @@ def _check_args(a) -> None:
         check_dataset_path(a.prompts_from)
     a.engine_ks = []
     for flag, given in (("--engine-k", getattr(a, "engine_k", None) is not None),
-                        ("--engine-no-batched", getattr(a, "engine_no_batched", False))):
+                        ("--engine-no-batched", getattr(a, "engine_no_batched", False)),
+                        ("--engine-eager", getattr(a, "engine_eager", False))):
         if given and not getattr(a, "engine", None):  # not ignored in silence
             raise ConfigError(f"{flag} without --engine vllm: it sets how the engine serves; add --engine vllm "
                               f"or drop {flag}")
@@ -406,7 +410,7 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
     try:
         return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
                               steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],
-                              batched=not a.engine_no_batched, stop=stop, temperature=cfg.eval.temperature,
+                              batched=not a.engine_no_batched, eager=a.engine_eager, stop=stop, temperature=cfg.eval.temperature,
                               seed=a.seed if a.seed is not None else cfg.train.seed)
     finally:
         remove_scratch(tmp)

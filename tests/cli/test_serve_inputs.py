@@ -94,7 +94,8 @@ def test_max_model_len_above_the_targets_positions_is_refused_before_vllm(tmp_pa
 
 def test_eval_engine_flags_without_engine_are_refused(tmp_path, export):
     for args, needle in ((["--engine-k", "3"], "--engine-k without --engine vllm"),
-                         (["--engine-no-batched"], "--engine-no-batched without --engine vllm")):
+                         (["--engine-no-batched"], "--engine-no-batched without --engine vllm"),
+                         (["--engine-eager"], "--engine-eager without --engine vllm")):
         out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", *args)
         assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], (out, err)
 

@@ -14,7 +14,7 @@ def test_a_local_target_dir_goes_to_the_engine_absolute(tmp_path, monkeypatch):
 
 
 def test_the_verdict_after_training_takes_the_first_engine_prompts(tmp_path, monkeypatch):
-    """eval.engine_prompts / eval.engine_batched reach the engine's job: the first N of the
+    """eval.engine_prompts / eval.engine_batched / eval.engine_eager reach the engine's job: the first N of the
     eval's prompts (ours on the same N), concurrency 1 only when batched is off."""
     from types import SimpleNamespace
 
@@ -26,11 +26,11 @@ def test_the_verdict_after_training_takes_the_first_engine_prompts(tmp_path, mon
     monkeypatch.setattr(verdict, "engine_verdict", lambda **kw: seen.update(kw) or {"methods": {}})
     monkeypatch.setattr(verdict, "table", lambda v: "")
     cfg = load_config(None, ["eval.engine=vllm", "eval.engine_prompts=2", "eval.engine_batched=false",
-                             "model.target=tiny-qwen3"])
+                             "eval.engine_eager=true", "model.target=tiny-qwen3"])
     steps = [{"prompt_ids": [i], "output_ids": [1, 2], "acceptance_lengths": [1, 2]} for i in range(5)]
     summary = {"eval_after": {"per_prompt_steps": steps, "block_size": 4, "dtype": "float32"},
                "export": {"out": str(tmp_path / "export")}}
     monkeypatch.setattr("dflash.engine.targets.engine_target", lambda spec, seed=0: "target-dir")
     verdict.after_training(SimpleNamespace(cfg=cfg, out=tmp_path), summary)
     assert seen["steps"] == steps[:2] and seen["drafters"][0]["steps"] == steps[:2]
-    assert seen["batched"] is False
+    assert seen["batched"] is False and seen["eager"] is True
