@@ -371,23 +371,56 @@ def table(work: Path, base: str | None) -> None:
 # --------------------------------------------------------------------------- calibrate
 
 
-def calibrate(work: Path, threads: list[int]) -> dict:
-    """Each unit's marginal cost, timed alone (stop anything else first): a reply regenerated,
-    a sample read (features + top-64), a training step of each arm; two runs per unit, a small
-    and a large one, so start-up and model loading cancel. Replies are regenerated into a
-    cache of their own (nothing cached), from pool conversations no cell uses."""
+def regen_unit(work: Path, spare: Path, t: int) -> dict:
+    """A reply regenerated (features kept), on regeneration's own clock: its "regenerated N
+    (cached 0) of K replies in S s" line (the replies alone, no load), from an empty cache of
+    its own, on ~4 batches of the demo's regen_batch_size (an even number: with 2 workers none
+    waits alone at the end). (Differencing a small and a large
+    run, as the other units do, undercounted it 2.2x: the two runs shared one cache, and a
+    16-row batch costs far more than a quarter of a 64-row one.)"""
     import shutil
     import tempfile
 
-    global THREADS, CACHE
-    res = {}
+    global CACHE
+    fresh = str(work / f"calib-cache-t{t}")
+    shutil.rmtree(fresh, ignore_errors=True)
+    CACHE, keep = fresh, CACHE
+    tmp = Path(tempfile.mkdtemp(prefix="calib-"))
+    try:
+        log = work / "logs" / f"calib-regen-t{t}.log"
+        r = run(dflash("train", *BASE, *ARM_SETS["regen"], "--set", f"data.path={spare}",
+                       "--set", "data.num_conversations=264", "--set", "data.eval_fraction=0.0001",
+                       "--set", "train.steps=0", "--no-telemetry", "--out", tmp / "out"), log)
+        line = next(ln for ln in log.read_text().splitlines() if ln.startswith("regenerated "))
+        made, secs = int(line.split()[1]), float(line.split(" in ")[1].split()[0])
+        return {"units": made, "s_per_unit": round(secs / made, 4),
+                "cpu_s_per_unit": round(r["cpu_s"] * secs / r["wall_s"] / made, 4), "line": line}
+    finally:
+        CACHE = keep
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def calibrate(work: Path, threads: list[int], units: set[str]) -> dict:
+    """Each unit's marginal cost, timed alone (stop anything else first): a reply regenerated
+    (regeneration's own clock), a sample read (features + top-64) and a training step of each
+    arm (two runs each, a small and a large one, so start-up and model loading cancel).
+    Replies are regenerated into a cache of their own (nothing cached), from pool
+    conversations no cell uses. ``units`` (regen, read, train): the others keep what
+    calibration.json holds."""
+    import shutil
+    import tempfile
+
+    global THREADS
+    old = work / "calibration.json"
+    res = json.loads(old.read_text()) if old.is_file() else {}
     with open(work / "pool.jsonl", encoding="utf-8") as f:  # lines end at \n only (the text holds U+2028)
         pool = [json.loads(ln) for ln in f if ln.strip()]
     spare = work / "calib-pool.jsonl"  # the pool's last conversations: past every cell's first n
     spare.write_text("".join(json.dumps(c) + "\n" for c in pool[-400:]))  # ASCII escapes: one record a line
     for t in threads:
         THREADS = str(t)
-        row = {}
+        row = res.get(f"threads_{t}", {})
 
         def timed(kind, args, units_of):
             walls = []
@@ -406,24 +439,14 @@ def calibrate(work: Path, threads: list[int]) -> dict:
         def samples(out):
             return json.loads((out / "index.json").read_text())["samples"]
 
-        fresh = str(work / f"calib-cache-t{t}")  # regeneration from nothing: a cache of its own, emptied
-        shutil.rmtree(fresh, ignore_errors=True)
-        CACHE, keep = fresh, CACHE
-        try:
-            # the product's path: regeneration keeping the features (train.feature_cache), no step
-            row["regen_reply"] = timed("regen", lambda small, out: (
-                "train", *BASE, *ARM_SETS["regen"], "--set", f"data.path={spare}",
-                "--set", f"data.num_conversations={16 if small else 144}", "--set", "data.eval_fraction=0.0001",
-                "--set", "train.steps=0", "--no-telemetry", "--out", out),
-                lambda small, out: json.loads((out / "summary.json").read_text())["train_samples"])
-        finally:
-            CACHE = keep
-            shutil.rmtree(fresh, ignore_errors=True)
-        row["read_sample"] = timed("read", lambda small, out: (
-            "capture", *BASE, *ARM_SETS["read"], "--set", f"data.path={spare}", "--set", "data.num_conversations=400",
-            "--set", "data.eval_fraction=0.0001", "--set", f"data.max_samples={16 if small else 160}",
-            "--out", out), lambda small, out: samples(out))
-        for arm in ("regen", "read"):  # the arm's largest capture
+        if "regen" in units:
+            row["regen_reply"] = regen_unit(work, spare, t)
+        if "read" in units:
+            row["read_sample"] = timed("read", lambda small, out: (
+                "capture", *BASE, *ARM_SETS["read"], "--set", f"data.path={spare}", "--set",
+                "data.num_conversations=400", "--set", "data.eval_fraction=0.0001", "--set",
+                f"data.max_samples={16 if small else 160}", "--out", out), lambda small, out: samples(out))
+        for arm in ("regen", "read") if "train" in units else ():  # the arm's largest capture
             caps = sorted((p for p in (work / "feats").glob(f"{arm}-*") if (p / "index.json").is_file()),
                           key=lambda p: json.loads((p / "index.json").read_text())["samples"])
             if not caps:
@@ -444,6 +467,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("prep", "capture", "train", "walk", "table", "calibrate"))
     p.add_argument("--threads", default="2,1", help="calibrate: threads per process to time")
+    p.add_argument("--units", default="regen,read,train", help="calibrate: the units to time (the rest kept)")
     p.add_argument("--work", default=str(ROOT / "runs" / "data-scale"))
     p.add_argument("--arm", choices=tuple(ARM_SETS))
     p.add_argument("--n", type=int, help="capture: conversations of the pool to capture")
@@ -464,7 +488,7 @@ def main() -> None:
     elif a.stage == "walk":
         walk_all(work)
     elif a.stage == "calibrate":
-        print(json.dumps(calibrate(work, [int(t) for t in a.threads.split(",")])))
+        print(json.dumps(calibrate(work, [int(t) for t in a.threads.split(",")], set(a.units.split(",")))))
     else:
         table(work, a.base)
 
