@@ -3,6 +3,7 @@ bench/regen_ranks.py: the tiny-qwen3 target regenerates a few ShareGPT conversat
 through the shard cache in $DFLASH_CACHE, and writes what it got to OUT (JSON).
 
     python tests/regen_child.py OUT [--hold-after K] [--convs N] [--new T] [--batch B] [--threads 1] [--take K]
+                                    [--workers W]
 
 Under torchrun every rank takes a shard (gloo) and writes OUT.rank{R}.json; each rank
 gets its own cache (``$DFLASH_CACHE/rank{R}``) when DFLASH_CACHE_PER_RANK=1, as on nodes
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--take", type=int, default=0, help="only the first K training conversations")
+    ap.add_argument("--workers", type=int, default=1, help="data.regen_workers (1: batches one at a time, so "
+                    "--hold-after's K batches are on disk when the next one holds)")
     a = ap.parse_args()
 
     import torch
@@ -49,7 +52,8 @@ def main() -> None:
 
     cfg = load_config(None, ["model.target=tiny-qwen3", f"data.num_conversations={a.convs}",
                              f"data.regen_max_new_tokens={a.new}", "data.regen_max_prompt_len=48",
-                             f"data.regen_batch_size={a.batch}", "data.regenerate=on"])
+                             f"data.regen_batch_size={a.batch}", "data.regenerate=on",
+                             f"data.regen_workers={a.workers}"])
     target, tok = target_mod.load_target("tiny-qwen3", seed=cfg.model.target_seed)
     convs = prep_mod.split(cfg)[0]
     convs = convs[:a.take] if a.take else convs
