@@ -84,8 +84,11 @@ class Dflash:
     def __init__(self, tmp_path: Path, env: dict, *args, argv=None):
         self.out, self.err = tmp_path / "out.txt", tmp_path / "err.txt"
         argv = argv or [sys.executable, "-m", "dflash"]
+        # SIGHUP at its default, as from a terminal: a test run under nohup hands it down ignored,
+        # and dflash rightly leaves an ignored SIGHUP ignored (errors.stop_signals)
         self.p = subprocess.Popen([*argv, *map(str, args)], cwd=ROOT, env=env, stdout=open(self.out, "w"),
-                                  stderr=open(self.err, "w"))
+                                  stderr=open(self.err, "w"),
+                                  preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
         self.tree: list[psutil.Process] = []
 
     def text(self) -> str:
