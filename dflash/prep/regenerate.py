@@ -191,11 +191,11 @@ def _generate_left_padded(model, prompts, pad: int, eos: set[int], max_new_token
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     am = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     capture = LayerCapture(model, layer_ids) if layer_ids else contextlib.nullcontext()
+    # a worker's batch (regenerate's workers) ends when the caller stops
+    extra = {"stopping_criteria": _stopping(stop)} if stop is not None else {}
     with torch.no_grad(), capture:
         # use_cache: a checkpoint may ship `use_cache: false`, and then every step would re-run
         # the whole sequence (what the capture below reads as one new token per step)
-        # a worker's batch (regenerate's workers) ends when the caller stops
-        extra = {"stopping_criteria": _stopping(stop)} if stop is not None else {}
         seqs = model.generate(input_ids=ids, attention_mask=am, max_new_tokens=max_new_tokens, do_sample=False,
                               pad_token_id=pad, eos_token_id=sorted(eos) or None, use_cache=True, **extra)
     gens = []
