@@ -319,13 +319,17 @@ def sweep_scratch() -> list[str]:
             continue  # alive (or a pid reused since: swept once that one is gone too)
         except ProcessLookupError:
             pass
-        except PermissionError:
+        except (PermissionError, OverflowError):  # another user's, or a number no pid can be: not ours
             continue
         try:
-            fd = os.open(path + ".owner", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO by that name would block the open until a writer came
+            fd = os.open(path + ".owner", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             continue
         try:
+            st = os.fstat(fd)  # of what was opened, not of what the name held a moment before
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+                continue  # a FIFO, a directory, a device, someone else's file: none of ours
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             continue  # still held: by a child the owner forked, say

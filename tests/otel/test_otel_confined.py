@@ -210,3 +210,48 @@ def test_a_scratch_root_someone_else_holds_is_not_trusted(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TMPDIR=str(tmp_path)),
                          capture_output=True, text=True, check=True).stdout.split()
     assert out[0].startswith(str(tmp_path / "dflash-x-")) and out[1] == "[]" and os.listdir(other) == []
+
+
+def test_odd_entries_in_the_scratch_root_are_skipped_without_a_traceback_or_a_hang(tmp_path, monkeypatch):
+    """Issue 54: what is not ours in TMP/dflash-UID (a pid past any C long, a FIFO or a
+    directory named *.owner) is left alone; today's sweep raised OverflowError, blocked on the
+    FIFO's open, or raised IsADirectoryError, and every command that makes a scratch dir with it."""
+    import tempfile
+    import threading
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / f"dflash-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    dead = 4194305  # above PID_MAX_LIMIT (2**22): never a live process
+    (root / "x-99999999999999999999999-abc").mkdir()
+    (root / "x-99999999999999999999999-abc.owner").write_text("")
+    (root / f"fifo-{dead}-abc").mkdir()
+    os.mkfifo(root / f"fifo-{dead}-abc.owner")
+    (root / f"dir-{dead}-abc").mkdir()
+    (root / f"dir-{dead}-abc.owner").mkdir()
+    (root / f"gone-{dead}-abc").mkdir()  # one of ours whose owner is gone: still swept
+    (root / f"gone-{dead}-abc.owner").write_text("")
+    done = {}
+
+    def make():
+        try:
+            done["path"] = confined.scratch_dir("mine")
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            done["error"] = e
+
+    t = threading.Thread(target=make, daemon=True)
+    t.start()
+    t.join(60)
+    if t.is_alive():  # blocked on the FIFO: let it go, then fail
+        os.close(os.open(root / f"fifo-{dead}-abc.owner", os.O_WRONLY | os.O_NONBLOCK))
+        t.join(10)
+        pytest.fail("scratch_dir hung on a FIFO named *.owner")
+    assert "error" not in done, repr(done.get("error"))
+    try:
+        left = sorted(os.listdir(root))
+        mine = os.path.basename(done["path"])
+        assert left == sorted([f"dir-{dead}-abc", f"dir-{dead}-abc.owner", f"fifo-{dead}-abc",
+                               f"fifo-{dead}-abc.owner", mine, mine + ".owner", "x-99999999999999999999999-abc",
+                               "x-99999999999999999999999-abc.owner"]), left
+    finally:
+        confined.remove_scratch(done["path"])
