@@ -260,7 +260,7 @@ def run(a) -> int:
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
     if getattr(a, "engine", None):
-        _check_engine(dirs, cfg)
+        _check_engine(dirs, cfg, a.engine_ks)
     if a.trackers:  # a drafter dir handed over never chooses where figures go (docs/failures.md)
         from ..trackers import check_eval_destination
         check_eval_destination(tracker_run_dir(dirs), a.trackers, repr(str(dirs[0].path)))
@@ -369,16 +369,20 @@ def run(a) -> int:
     return 0
 
 
-def _check_engine(dirs, cfg) -> None:
+def _check_engine(dirs, cfg, ks=()) -> None:
     """What `--engine vllm` will need, checked before torch loads and before any engine runs
     (the none and ngram engines take minutes before a drafter's own): every drafter is one
-    the engine can serve, and the engine's copy of a tiny target can be cached."""
+    the engine can serve, at every --engine-k (``ks``) within its block, and the engine's copy
+    of a tiny target can be cached."""
     from ..checkpoint import drafter_dirs
-    from ..engine.runner import unservable
+    from ..engine.runner import k_error, unservable
     from ..engine.targets import check_engine_target
 
     for d in dirs:
-        err = unservable(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}")
+        fields = drafter_dirs.fields(d)
+        err = unservable(fields, f"--checkpoint {str(d.path)!r}")
+        if not err and ks:
+            err = k_error(ks, fields, "--engine-k", f"--checkpoint {str(d.path)!r}")
         if err:
             raise ConfigError(err)
     check_engine_target(cfg.model.target, cfg.model.target_seed)

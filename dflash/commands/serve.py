@@ -52,7 +52,7 @@ def run(a) -> int:
     check_cache_dir()
     check_engine_target(a.target, a.target_seed)
     runner.engine_python()
-    have, positions = check_drafter(a.export, a.target)
+    have, positions = check_drafter(a.export, a.target, a.k)
     a.max_model_len = check_max_model_len(a.max_model_len, positions)
     a.phase = "serve"
     try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
@@ -68,9 +68,9 @@ def run(a) -> int:
         return 1
 
 
-def check_drafter(export: str, target: str) -> tuple[dict, int | None]:
+def check_drafter(export: str, target: str, k: int | None = None) -> tuple[dict, int | None]:
     """The export's DrafterConfig fields, checked against the target's config and against what
-    the engine can serve; its weights are read once, in bounded memory, for what vLLM would only
+    the engine can serve (``k``: within its block); its weights are read once, in bounded memory, for what vLLM would only
     trip over once serving (NaN or Inf values, a d2t past the target's vocabulary:
     drafter_dirs.inspect), never loaded; and the target's positions (None: unknown)."""
     import shlex
@@ -78,7 +78,7 @@ def check_drafter(export: str, target: str) -> tuple[dict, int | None]:
     from ..checkpoint import drafter_dirs
     from ..checkpoint import export_format as fmt
     from ..checkpoint.export import target_config
-    from ..engine.runner import unservable
+    from ..engine.runner import k_error, unservable
     from ..errors import ConfigError
 
     d = drafter_dirs.inspect(export, flag="export")  # serve has no --checkpoint: its messages say "export"
@@ -87,6 +87,8 @@ def check_drafter(export: str, target: str) -> tuple[dict, int | None]:
                           f"dflash export --checkpoint {shlex.quote(export)} --out EXPORT_DIR")
     have = drafter_dirs.fields(d)
     err = unservable(have, export)  # from its config alone: before the target's config is read
+    if not err and k is not None:
+        err = k_error([k], have, "--k", export)
     if err:
         raise ConfigError(err)
     tc = target_config(target).get_text_config()

@@ -85,6 +85,21 @@ def unservable(fields: dict, where: str) -> str | None:
             f"Triton, i.e. a GPU): serve it with vLLM on a GPU (dflash eval without --engine decodes it here)")
 
 
+def k_error(ks, fields: dict, flag: str, where: str) -> str | None:
+    """Why draft lengths ``ks`` do not fit a drafter with these DrafterConfig fields, or None.
+    A DFlash block is the anchor and block_size - 1 masks: no more can be drafted a step. vLLM
+    would take a larger k all the same (and pad the block), and our decoder cannot draft past
+    its block, so the verdict would set one k against another: refused, never decoded at k
+    (docs/commands.md)."""
+    block = fields.get("block_size")
+    if not isinstance(block, int) or block < 2:
+        return None  # the format's own checks name a bad block size
+    if all(1 <= k <= block - 1 for k in ks):
+        return None
+    return (f"{flag}={','.join(map(str, ks))}: {where} has block_size {block}, so it drafts at most {block - 1} "
+            f"tokens a verify step; expected integers in 1..{block - 1}")
+
+
 def engine_env(*, offline: bool) -> dict:
     """The child's environment: ours, plus the CPU engine's settings where they are unset."""
     env = dict(os.environ)

@@ -100,6 +100,20 @@ def test_eval_engine_flags_without_engine_are_refused(tmp_path, export):
         assert out == {"rc": 2, "torch": False} and len(err) == 1 and needle in err[0], (out, err)
 
 
+@pytest.mark.parametrize("command", ["serve", "eval"])
+def test_k_above_the_exports_block_size_minus_one_is_refused_before_any_engine(tmp_path, export, command):
+    """Issue 54: the export's block is 4, so at most 3 tokens are drafted a step. vLLM took
+    k = 8 and the verdict compared it with our decoder at 7; now one line, exit 2, before
+    torch loads and before any engine starts (docs/commands.md: refused, never decoded at k)."""
+    env, record = _standin(tmp_path)
+    args = (["serve", export, "--target", "tiny-qwen3", "--port", free_port(), "--k", "4"] if command == "serve"
+            else ["eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine", "vllm", "--engine-k", "2,4"])
+    out, err = cli_before_torch(*args, env=env, heavy=True)
+    flag = "--k=4" if command == "serve" else "--engine-k=2,4"
+    assert out == {"rc": 2, "heavy": []} and len(err) == 1, (out, err)
+    assert flag in err[0] and "block_size 4" in err[0] and "1..3" in err[0] and not record.exists(), err
+
+
 # ------------------------------------------------------------------ drafters the engine cannot serve
 
 
