@@ -66,6 +66,11 @@ _LAYER_MAP = {
     "input_layernorm.weight": "input_layernorm.weight",
     "post_attention_layernorm.weight": "post_attention_layernorm.weight",
 }
+# Norms are not copied weight for weight: the drafter's RMSNorm multiplies by its weight
+# (x·w, as Llama and Qwen3 do), but Qwen3.5, Qwen3-Next and Gemma store w near 0 and multiply
+# by (1 + w). Copying w there gave a drafter whose every norm was ~0: uniform logits, a loss
+# stuck at ln V and no word said. What is copied is the scale the target's norm applies,
+# read off the module by running it (norm_scale), so any family's convention carries over.
 
 
 def _decoder(target):
@@ -77,6 +82,34 @@ def _copy(dst: torch.Tensor, src, copied: list, name: str) -> None:
     if src is not None and src.shape == dst.shape:
         dst.copy_(src.to(dst.dtype))
         copied.append(name)
+
+
+@torch.no_grad()
+def norm_scale(norm) -> torch.Tensor | None:
+    """The per-channel factor an RMSNorm module applies after normalising: its weight for
+    x·w norms, 1 + weight for Qwen3.5 / Qwen3-Next / Gemma's x·(1 + w). Measured by running a
+    float32 copy of the module on a row of ones (whose RMS is 1, so the output is the factor
+    over sqrt(1 + eps)). None where the module is no plain RMSNorm over its weight (a gated
+    norm wants a second input; another shape): nothing is copied then."""
+    import copy
+
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1:
+        return None
+    eps = next((float(v) for k in ("eps", "variance_epsilon")
+                if isinstance(v := getattr(norm, k, None), (int, float))), 0.0)
+    probe = copy.deepcopy(norm).float()
+    try:
+        out = probe(torch.ones(1, w.shape[0]))
+    except Exception:  # noqa: BLE001 -- a norm that is not x -> scale(x) * f(w): not copied
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != (1, w.shape[0]):
+        return None
+    return (out[0] * (1.0 + eps) ** 0.5).to(w.dtype)
+
+
+def _copy_norm(dst: torch.Tensor, norm, copied: list, name: str) -> None:
+    _copy(dst, norm_scale(norm) if norm is not None else None, copied, name)
 
 
 def init_layers(target, target_layer_ids, n: int) -> list[int]:
@@ -98,20 +131,39 @@ def init_modules(target, target_layer_ids, n: int) -> list[torch.nn.Module]:
     return [layers[i] for i in init_layers(target, target_layer_ids, n)] + ([norm] if norm is not None else [])
 
 
+def _submodule(root, dotted: str):
+    for part in dotted.split("."):
+        root = getattr(root, part, None)
+        if root is None:
+            return None
+    return root
+
+
 @torch.no_grad()
 def init_from_target(drafter, target) -> list[str]:
-    """Copy what fits; returns the names of the drafter tensors that were copied."""
+    """Copy what fits; returns the names of the drafter tensors that were copied. A drafter
+    with more layers than the target has attention layers to copy keeps the rest random, and
+    says so once (stderr)."""
     dec = _decoder(target)
     layers = list(getattr(dec, "layers", []))
     chosen = init_layers(target, drafter.cfg.target_layer_ids, len(drafter.layers))
+    if len(chosen) < len(drafter.layers):
+        import sys
+        print(f"dflash: model.drafter_init=target: the target has {len(chosen)} attention layer(s) to copy; "
+              f"drafter layers {len(chosen)}..{len(drafter.layers) - 1} of {len(drafter.layers)} stay random",
+              file=sys.stderr)
     copied: list[str] = []
     for i, t_idx in enumerate(chosen):
         src = dict(layers[t_idx].named_parameters())
         for name, p in drafter.layers[i].named_parameters():
-            _copy(p, src.get(_LAYER_MAP.get(name, "")), copied, f"layers.{i}.{name}")
+            mapped = _LAYER_MAP.get(name, "")
+            if name.endswith("norm.weight"):
+                _copy_norm(p, _submodule(layers[t_idx], mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
+            else:
+                _copy(p, src.get(mapped), copied, f"layers.{i}.{name}")
     if chosen:
-        norm = getattr(layers[chosen[0]], "input_layernorm", None)
-        _copy(drafter.hidden_norm.weight, getattr(norm, "weight", None), copied, "hidden_norm.weight")
+        _copy_norm(drafter.hidden_norm.weight, getattr(layers[chosen[0]], "input_layernorm", None), copied,
+                   "hidden_norm.weight")
     H = drafter.cfg.hidden_size
     k = len(drafter.cfg.target_layer_ids)
     order = sorted(range(k), key=lambda j: drafter.cfg.target_layer_ids[j])
@@ -119,6 +171,5 @@ def init_from_target(drafter, target) -> list[str]:
     fc[:, order[-1] * H:(order[-1] + 1) * H] = torch.eye(H, dtype=fc.dtype)
     drafter.fc.weight.copy_(fc)
     copied.append("fc.weight")
-    norm = getattr(dec, "norm", None)
-    _copy(drafter.norm.weight, getattr(norm, "weight", None), copied, "norm.weight")
+    _copy_norm(drafter.norm.weight, getattr(dec, "norm", None), copied, "norm.weight")
     return copied

@@ -1,0 +1,111 @@
+"""`model.drafter_init=target` on every family we copy from: the drafter's norms (x·w) take the
+scale the target's norms apply, whatever their convention. Qwen3.5 (and Qwen3-Next, Gemma)
+store w near 0 and multiply by (1 + w); a weight-for-weight copy gave a drafter whose norms
+were all ~0: uniform logits and a loss stuck at ln V (10.803 -> 10.802 on tiny-qwen3.5)."""
+import math
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="module")
+def qwen35():
+    """tiny-qwen3.5 with its norms moved off their zero init, so that a copy of w and the
+    scale 1 + w differ everywhere."""
+    from dflash.model.target import load_target
+
+    model, tok = load_target("tiny-qwen3.5", seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and p.dim() == 1:
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    return model, tok
+
+
+def _build(model, tok, layers=1):
+    from dflash.config import load_config
+    from dflash.model import target as target_mod
+    from dflash.model.build import build_drafter
+
+    cfg = load_config(None, ["model.target=tiny-qwen3.5", "model.drafter_init=target", "model.block_size=8",
+                             f"model.num_layers={layers}", "train.num_anchors=8", "train.lr=3e-3",
+                             "train.warmup_ratio=0", "train.steps=30", "train.weight_decay=0"])
+    ids = target_mod.default_layer_ids(target_mod.num_layers(model), 2)
+    return cfg, ids, build_drafter(cfg, model, tok, ids)
+
+
+def test_norm_scale_reads_each_convention():
+    from torch import nn
+
+    from dflash.model.build import norm_scale
+    from dflash.model.drafter import RMSNorm
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    w = torch.linspace(-0.5, 0.5, 8)
+    for norm, scale in ((RMSNorm(8, 1e-6), w), (LlamaRMSNorm(8, eps=1e-5), w), (Qwen3_5RMSNorm(8, eps=1e-6), 1 + w),
+                        (Qwen3NextRMSNorm(8, eps=1e-6), 1 + w), (Gemma3RMSNorm(8, eps=1e-6), 1 + w)):
+        with torch.no_grad():
+            norm.weight.copy_(w)
+        torch.testing.assert_close(norm_scale(norm), scale, msg=type(norm).__name__)
+    assert norm_scale(nn.Linear(8, 8)) is None  # no 1-D weight: nothing to copy
+
+
+def test_qwen35_drafter_init_copies_norm_scales_and_continues_the_target(qwen35):
+    model, tok = qwen35
+    _, ids, drafter = _build(model, tok)
+    dec = model.model
+    nxt = next(i for i in range(max(ids) + 1, len(dec.layers)) if hasattr(dec.layers[i], "self_attn"))
+    layer = dec.layers[nxt]
+    torch.testing.assert_close(drafter.norm.weight, 1 + dec.norm.weight)
+    torch.testing.assert_close(drafter.layers[0].input_layernorm.weight, 1 + layer.input_layernorm.weight)
+    torch.testing.assert_close(drafter.layers[0].k_norm.weight, 1 + layer.self_attn.k_norm.weight)
+    assert (drafter.norm.weight.abs() > 0.5).all(), "no drafter norm may be ~0"
+    # the context the drafter's first layer reads is what the target's next attention layer reads
+    input_ids = torch.randint(20, 1000, (1, 12))
+    with torch.no_grad():
+        hs = model(input_ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in ids], dim=-1)
+        torch.testing.assert_close(drafter.fuse(feats), layer.input_layernorm(hs[max(ids) + 1]))
+
+
+def test_qwen35_drafter_init_target_learns(qwen35):
+    """The logits are not uniform at the start, and the loss falls on a fixed batch."""
+    from dflash.data.batch import Batch
+    from dflash.run.step import TrainStep
+
+    model, tok = qwen35
+    cfg, ids, drafter = _build(model, tok)
+    st = TrainStep(cfg.train, cfg.model.block_size, drafter, model.get_input_embeddings(),
+                   model.get_output_embeddings(), "cpu")
+    g = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(20, 1000, (2, 48), generator=g)
+    lm = torch.ones_like(input_ids)
+    lm[:, :8] = 0
+    b = Batch(index=0, input_ids=input_ids, attention_mask=torch.ones_like(input_ids), loss_mask=lm,
+              lengths=[48, 48])
+    with torch.no_grad():
+        hs = model(input_ids, output_hidden_states=True).hidden_states
+        feats = torch.cat([hs[i + 1] for i in ids], dim=-1)
+    losses = []
+    for _ in range(30):
+        loss, _ = st.forward(feats, b)
+        st.backward(loss)
+        st.optimizer_step(loss)
+        losses.append(float(loss.detach()))
+    ln_v = math.log(model.get_output_embeddings().weight.shape[0])
+    assert abs(losses[0] - ln_v) > 0.02, f"uniform logits at the start: {losses[0]:.4f} = ln V {ln_v:.4f}"
+    assert losses[-1] < losses[0] - 1.0, f"the loss did not fall: {losses[0]:.3f} -> {losses[-1]:.3f}"
+
+
+def test_more_drafter_layers_than_the_target_has_attention_layers_is_said(qwen35, capsys):
+    model, tok = qwen35
+    from dflash.model.build import init_layers
+
+    n_attn = len(init_layers(model, [1], 99))
+    _build(model, tok, layers=n_attn + 1)
+    err = capsys.readouterr().err
+    assert f"drafter layers {n_attn}..{n_attn} of {n_attn + 1} stay random" in err
