@@ -46,8 +46,11 @@ def run(a) -> int:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
     if a.resume and a.overwrite:
         raise ConfigError("--resume with --overwrite: choose one (continue the capture in FEATS, or replace it)")
+    # a capture trains no drafter: its devices follow the target's, or the config's rule for
+    # training (no CPU drafter beside a CUDA target) refused every --target-devices cuda
     cfg = load_config(a.config, a.set, **{"out": a.out, "model.target": a.target, "train.seed": a.seed,
-                                          "pipeline.target_devices": a.target_devices})
+                                          "pipeline.target_devices": a.target_devices,
+                                          "pipeline.drafter_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
     if needs_target_distribution(cfg.train.loss) and not cfg.train.kl_topk:
@@ -64,6 +67,8 @@ def run(a) -> int:
     if a.engine == "vllm":
         check_vllm_capture(cfg)
     check_torchrun_env()
+    from ..preflight.devices import check_devices
+    check_devices({"pipeline.target_devices": cfg.pipeline.target_devices})  # a capture trains no drafter
     check_target(cfg)
     load_data(cfg)
     if a.resume:

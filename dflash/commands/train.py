@@ -77,8 +77,11 @@ def run(a) -> int:
     if a.eval and cfg.eval.engine == "vllm":  # asked for by name: no engine venv is bad input, said now
         from ..engine.runner import engine_python
         engine_python()
+    from ..preflight.devices import check_devices
     from ..preflight.launch_checks import check_target, check_torchrun_env
     check_torchrun_env()
+    check_devices({"pipeline.target_devices": cfg.pipeline.target_devices,
+                   "pipeline.drafter_devices": cfg.pipeline.drafter_devices}, attention=cfg.train.attention)
     check_target(cfg)
     if not cfg.data.features:  # training from a capture: the samples are in it
         load_data(cfg)

@@ -31,6 +31,25 @@ def test_bad_train_values_are_one_line_before_torch(tmp_path, args, needle):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("command,args,needle", [
+    ("train", ["--target-devices", "cuda:0", "--drafter-devices", "cuda:0"],
+     "pipeline.target_devices=['cuda:0']: this host has no CUDA device"),
+    ("train", ["--drafter-devices", "cuda", "--set", "train.attention=flex"],
+     "pipeline.drafter_devices=['cuda']: this host has no CUDA device"),
+    ("train", ["--drafter-devices", "cuda:x"], "pipeline.drafter_devices=['cuda:x']: expected cpu, cuda or cuda:N"),
+    ("capture", ["--target-devices", "cuda"], "pipeline.target_devices=['cuda']: this host has no CUDA device"),
+])
+def test_a_cuda_device_on_a_host_without_one_is_one_line_before_the_target_loads(tmp_path, command, args, needle):
+    """Issue 54: a 40-line traceback once the target had loaded. CUDA_VISIBLE_DEVICES="" makes
+    any host one without a CUDA device torch can use, as a CPU-only host is."""
+    out, lines = cli_before_torch(command, "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, *args,
+                                  env={"CUDA_VISIBLE_DEVICES": ""}, heavy=True)
+    assert out["rc"] == 2 and "transformers" not in out["heavy"] and len(lines) == 1 and needle in lines[0], (out, lines)
+    if "flex" in args[-1]:
+        assert "train.attention=flex" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.fixture
 def fifo(tmp_path):
     p = tmp_path / "prompts.jsonl"
