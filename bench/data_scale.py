@@ -154,13 +154,37 @@ def cell_name(spec: str) -> str:
     return spec.replace(":", "_").replace("=", "-").replace(".", "p").replace("+", "-")
 
 
+ARMS = ("regen", "read", "read+regen")
+BATCH = 4  # configs/demo.yaml's train.batch_size: a cell's steps are E * N / BATCH
+
+
+class BadArgument(ValueError):
+    """One line for the user (exit 2), raised before any stage starts."""
+
+
+def cell_steps(n: int, epochs: float) -> int:
+    return round(epochs * n / BATCH)
+
+
 def parse_cell(spec: str) -> dict:
-    """ARM:NxE[:from=CELL][:seed=S]: arm, samples, epochs (steps = E * N / batch 4)."""
+    """ARM:NxE[:from=CELL][:seed=S]: arm, samples, epochs (steps = E * N / batch 4). A spec
+    that is not one (an unknown arm or option, N or E not numbers, no training step at all)
+    raises BadArgument naming it."""
+    form = "expected ARM:NxE[:from=CELL][:seed=S] (ARM regen, read or read+regen; N samples >= 1, E epochs > 0)"
     parts = spec.split(":")
-    arm, size = parts[0], parts[1]
-    n, e = size.split("x")
-    cell = {"name": cell_name(spec), "arm": arm, "n": int(n), "epochs": float(e),
-            "seed": 0, "init": None}
+    if len(parts) < 2 or parts[0] not in ARMS or parts[1].count("x") != 1:
+        raise BadArgument(f"cell {spec!r}: {form}")
+    arm, (n, e) = parts[0], parts[1].split("x")
+    try:
+        n, e = int(n), float(e)
+    except ValueError:
+        raise BadArgument(f"cell {spec!r}: {form}") from None
+    if n < 1 or not (math.isfinite(e) and e > 0):
+        raise BadArgument(f"cell {spec!r}: {form}")
+    if cell_steps(n, e) < 1:  # never a silent 1-step run in its place
+        raise BadArgument(f"cell {spec!r}: {e:g} epochs of {n} samples is {e * n / BATCH:g} steps of batch "
+                          f"{BATCH}; expected at least 1")
+    cell = {"name": cell_name(spec), "arm": arm, "n": n, "epochs": e, "seed": 0, "init": None}
     opts: list[list[str]] = []
     for p in parts[2:]:  # from=ARM:NxE holds a colon of its own
         if "=" in p:
@@ -168,12 +192,20 @@ def parse_cell(spec: str) -> dict:
         elif opts:
             opts[-1][1] += ":" + p
         else:
-            sys.exit(f"bench/data_scale.py: cell {spec!r}: expected ARM:NxE[:from=CELL][:seed=S]")
+            raise BadArgument(f"cell {spec!r}: {form}")
     for k, v in opts:
         if k == "seed":
+            if not v.isdigit():
+                raise BadArgument(f"cell {spec!r}: seed={v!r}: expected an integer >= 0")
             cell["seed"] = int(v)
         elif k == "from":
+            try:
+                parse_cell(v)
+            except BadArgument:
+                raise BadArgument(f"cell {spec!r}: from={v!r}: {form}") from None
             cell["init"] = cell_name(v)
+        else:
+            raise BadArgument(f"cell {spec!r}: unknown option {k!r}; {form}")
     return cell
 
 
@@ -187,7 +219,7 @@ def train(work: Path, spec: str, captures: dict) -> dict:
     res_file = run_dir.with_suffix(".json")
     if res_file.is_file():
         return json.loads(res_file.read_text())
-    steps = max(1, round(c["epochs"] * c["n"] / 4))
+    steps = cell_steps(c["n"], c["epochs"])  # >= 1: parse_cell refuses less
     extra = list(ARM_SETS[data_arm])
     if c["init"]:
         init = work / "runs" / c["init"] / "checkpoint"
@@ -463,6 +495,59 @@ def calibrate(work: Path, threads: list[int], units: set[str]) -> dict:
     return res
 
 
+UNITS = ("regen", "read", "train")
+
+
+def check_args(a) -> None:
+    """Every argument of the stage asked for, and that --work holds what the earlier stages
+    left, before the stage starts: BadArgument (one line) otherwise."""
+    work = Path(a.work)
+    if a.stage == "capture":
+        if a.arm is None:
+            raise BadArgument(f"capture: --arm is required (one of {', '.join(ARM_SETS)})")
+        if a.n is None or a.n < 1:
+            raise BadArgument("capture: --n is required: conversations of the pool to capture, an integer >= 1"
+                              if a.n is None else f"--n={a.n}: expected an integer >= 1")
+        if a.max_samples < 0:
+            raise BadArgument(f"--max-samples={a.max_samples}: expected an integer >= 0 (0: every sample)")
+    elif a.stage == "train":
+        specs = [s for s in a.cells.split(",") if s]
+        if not specs:
+            raise BadArgument("train: --cells is required: ARM:NxE[:from=CELL][:seed=S], comma-separated")
+        for spec in specs:
+            parse_cell(spec)
+    elif a.stage == "calibrate":
+        try:
+            a.thread_counts = [int(t) for t in a.threads.split(",")]
+        except ValueError:
+            a.thread_counts = []
+        if not a.thread_counts or min(a.thread_counts) < 1:
+            raise BadArgument(f"--threads={a.threads!r}: expected integers >= 1, comma-separated")
+        units = a.units.split(",")
+        if not units or any(u not in UNITS for u in units):
+            raise BadArgument(f"--units={a.units!r}: expected some of {', '.join(UNITS)}, comma-separated")
+    # --work: a directory, with what the stage reads (prep makes it)
+    if work.exists() and not work.is_dir():
+        raise BadArgument(f"--work={a.work!r}: not a directory (expected the bench's work dir; prep makes it)")
+    if a.stage == "prep":
+        return
+    if a.stage == "table":
+        walked = {r.stem for r in cell_results(work) if r.with_suffix(".walk.json").is_file()}
+        if not walked:
+            raise BadArgument(f"--work={a.work!r}: no walked cell under {work / 'runs'}: run train, then walk, first")
+        if a.base is not None:
+            a.base = cell_name(a.base)  # a spec (regen:300x8) or its name (regen_300x8)
+            if a.base not in walked:
+                raise BadArgument(f"--base={a.base!r}: not a walked cell under {work / 'runs'} (expected one of "
+                                  f"{', '.join(sorted(walked))})")
+        return
+    if a.stage == "walk" and (work / "runs").is_dir():
+        return
+    if a.stage == "walk" or not (work / "pool.jsonl").is_file():
+        raise BadArgument(f"--work={a.work!r}: no {'runs' if a.stage == 'walk' else 'pool.jsonl'} there: run "
+                          f"{'train' if a.stage == 'walk' else 'prep'} first")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("stage", choices=("prep", "capture", "train", "walk", "table", "calibrate"))
@@ -477,6 +562,11 @@ def main() -> None:
     p.add_argument("--read-capture", default="read-5000-m5000", help="train: the read arms' capture")
     p.add_argument("--base", help="table: the cell the others are paired against")
     a = p.parse_args()
+    try:
+        check_args(a)
+    except BadArgument as e:
+        print(f"bench/data_scale.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
     work = Path(a.work)
     if a.stage == "prep":
         prep(work)
@@ -488,7 +578,7 @@ def main() -> None:
     elif a.stage == "walk":
         walk_all(work)
     elif a.stage == "calibrate":
-        print(json.dumps(calibrate(work, [int(t) for t in a.threads.split(",")], set(a.units.split(",")))))
+        print(json.dumps(calibrate(work, a.thread_counts, set(a.units.split(",")))))
     else:
         table(work, a.base)
 

@@ -659,6 +659,33 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(args) -> str | None:
+    """The one line for the first bad argument, or None: checked before torch loads, so that
+    nothing ends in a traceback written into the JSON after the target loaded, and a --out
+    that cannot be written fails now, not after the whole run with its figures."""
+    import re
+
+    for flag, v, least in (("--threads", args.threads, 0), ("--paired", args.paired, 0),
+                           ("--warmup", args.warmup, 0), ("--batch", args.batch, 0), ("--max-len", args.max_len, 0),
+                           ("--chunk", args.chunk, 1)):
+        if v < least:
+            return f"{flag}={v}: expected an integer >= {least}"
+    for flag, v in (("--peak-tflops", args.peak_tflops), ("--budget-s", args.budget_s)):
+        if not (math.isfinite(v) and v > 0):
+            return f"{flag}={v}: expected a finite number > 0"
+    if args.device and not re.fullmatch(r"cpu|cuda(:[0-9]+)?", args.device):
+        return f"--device={args.device!r}: expected cpu, cuda or cuda:N"
+    if args.out:
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            return f"--out={args.out!r}: a directory; expected a file to write the JSON to"
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            return f"--out={args.out!r}: its directory {parent} does not exist or cannot be written"
+    if args.target_root and os.path.exists(args.target_root) and not os.path.isdir(args.target_root):
+        return f"--target-root={args.target_root!r}: not a directory"
+    return None
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="8b,1.5b", help=f"comma list of {', '.join(SHAPES)}")
@@ -692,10 +719,21 @@ def main(argv=None) -> int:
         print(f"recipe_step: error: {', '.join(bad) or f'--steps={args.steps} / --rounds={args.rounds}'}: expected "
               f"shapes from {', '.join(SHAPES)}, arms from {', '.join(ARMS)}, steps and rounds >= 1", file=sys.stderr)
         return 2
+    err = check_args(args)
+    if err:
+        print(f"recipe_step: error: {err}", file=sys.stderr)
+        return 2
     import torch
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):  # before any target is written
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(args.device.partition(":")[2] or 0) >= count:
+            have = f"{count} CUDA device(s)" if count else f"no CUDA device torch can use (torch {torch.__version__})"
+            print(f"recipe_step: error: --device={args.device!r}: this host has {have}; expected cpu"
+                  + (f" or cuda:0..{count - 1}" if count else ""), file=sys.stderr)
+            return 2
     dev = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dev.type == "cuda":
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

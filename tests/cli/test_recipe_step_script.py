@@ -2,6 +2,7 @@
 with exit 2, and `--cpu-smoke` runs its whole path (random target dir written and loaded, the
 product's capture, TrainStep, stage clocks, FLOP model, every CPU arm) on a tiny shape."""
 import json
+import os
 import subprocess
 import sys
 
@@ -20,6 +21,30 @@ def test_bad_shape_or_arm_exits_2():
     assert p.returncode == 2 and "70b" in p.stderr
     p = _run("--arms", "baseline,turbo")
     assert p.returncode == 2 and "turbo" in p.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--threads", "-1"], "--threads=-1"),
+    (["--paired", "-1"], "--paired=-1"),
+    (["--warmup", "-1"], "--warmup=-1"),
+    (["--batch", "-2"], "--batch=-2"),
+    (["--max-len", "-5"], "--max-len=-5"),
+    (["--chunk", "0"], "--chunk=0"),
+    (["--peak-tflops", "0"], "--peak-tflops=0.0"),
+    (["--peak-tflops", "nan"], "--peak-tflops=nan"),
+    (["--budget-s", "inf"], "--budget-s=inf"),
+    (["--device", "tpu"], "--device='tpu'"),
+    (["--device", "cuda"], "--device='cuda': this host has no CUDA device"),
+    (["--out", "/nonexistent-dir/r.json"], "--out='/nonexistent-dir/r.json'"),
+    (["--out", "/"], "--out='/'"),
+])
+def test_bad_arguments_are_one_line_and_exit_2_before_any_work(args, needle):
+    """Issue 54: these ended in tracebacks (some written into the JSON after the target had
+    loaded), and a --out into a missing dir failed only after the whole run, its figures lost."""
+    p = subprocess.run([sys.executable, "bench/recipe_step.py", "--shapes", "tiny", *args], cwd=ROOT,
+                       capture_output=True, text=True, timeout=600, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and needle in lines[0] and p.stdout == "", (p.returncode, p.stderr)
 
 
 @pytest.mark.slow
