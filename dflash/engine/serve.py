@@ -17,6 +17,12 @@ OTEL_EXPORTER_OTLP_ENDPOINT, go to vLLM's own OTLP tracing, with `service.name` 
 and the drafter's dir and the target as resource attributes, so its requests land in the same
 Collector (and Jaeger) as the run that trained the drafter.
 
+Ready means ours: vLLM binds its port only after its imports (about a minute on 2 cores), so
+another process (a second `dflash serve` on the same port) can take the port after our check
+and answer /health. A /health answer counts only when the listener on the port is a socket of
+our server's process group (/proc/net/tcp, /proc/PID/fd); else we wait, and our engine's
+failure to bind is the error, naming the port taken (`wait_ready`).
+
 Names and paths stay what they are: the curl line is shell-quoted word by word (the served
 name is the --target as given; a path can hold quotes or `$(...)`), the resource attributes
 are percent-encoded (otel/env_values.py: a `,` or `=` in a path adds no attribute), and the
@@ -142,15 +148,78 @@ def server_args(*, target: str, export: str, k: int, port: int, dtype: str, max_
     return args
 
 
+def listening_inodes(port: int) -> set[int] | None:
+    """The socket inodes listening on TCP ``port`` (any address, IPv4 and IPv6), read from
+    /proc/net (this network namespace); None where there is no /proc/net/tcp to read."""
+    found: set[int] = set()
+    for path in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(path) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            if path.endswith("tcp"):
+                return None
+            continue
+        for ln in lines:  # sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            f = ln.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                found.add(int(f[9]))
+    return found
+
+
+def socket_inodes(pids) -> set[int]:
+    """The socket inodes open in these processes (their /proc/PID/fd links `socket:[N]`)."""
+    out: set[int] = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                out.add(int(link[8:-1]))
+    return out
+
+
+def answered_by_us(proc, port: int) -> bool:
+    """Whether the listener on ``port`` belongs to our server's process group. vLLM binds its
+    port only after its imports (about a minute on 2 cores), long after check_port: a second
+    `dflash serve` on the same port, or anything else that bound it meanwhile, answers /health
+    too, and a check of the answer alone took it for ours. Linux only (/proc); elsewhere the
+    answer is trusted as before."""
+    from otel.confined import group_members
+
+    listening = listening_inodes(port)
+    if listening is None:
+        return True
+    return bool(listening & socket_inodes(group_members(proc.pid)))
+
+
 def wait_ready(proc, url: str, log: Path, timeout_s: float) -> None:
+    """Until our server answers /health on its port: another process that answers there is
+    not ready (said once); our server then fails to bind and exits, which is the error."""
     t0 = time.monotonic()
+    port = int(url.rsplit(":", 1)[1])
+    foreign = False
     while True:
         if proc.poll() is not None:
-            raise runner.EngineFailed(f"the server {runner.exited(proc.returncode, log, ' before it was ready')}")
+            taken = f" (another process took 127.0.0.1:{port} while vLLM started)" \
+                if foreign else ""
+            raise runner.EngineFailed(f"the server {runner.exited(proc.returncode, log, ' before it was ready')}"
+                                      + taken)
         try:
             with urllib.request.urlopen(url + "/health", timeout=2) as r:
                 if r.status == 200:
-                    return
+                    if answered_by_us(proc, port):
+                        return
+                    if not foreign:
+                        foreign = True
+                        print(f"dflash serve: 127.0.0.1:{port} answers, but not from this server (another process "
+                              "bound the port after it was checked); waiting for ours", file=sys.stderr)
         except OSError:
             pass
         if time.monotonic() - t0 > timeout_s:

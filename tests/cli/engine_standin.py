@@ -5,7 +5,9 @@ Started as `python -m vllm.entrypoints.openai.api_server ARGS` (or a worker scri
 writes its argv and the OTEL_* part of its environment to $STANDIN_RECORD (JSON). With
 STANDIN_SERVE=1 and `--port P` it then answers GET /health with 200 on 127.0.0.1:P until
 SIGTERM, as vLLM's server does once it is ready; else it exits 3 at once (an engine that
-failed: a test that expects no engine fails fast, and leaves no server behind, when one starts)."""
+failed: a test that expects no engine fails fast, and leaves no server behind, when one starts).
+STANDIN_BIND_AFTER=PATH: the port is bound only once PATH exists (vLLM binds after its imports,
+about a minute after dflash checked the port); a port taken by then fails as vLLM's does."""
 from __future__ import annotations
 
 import json
@@ -31,4 +33,8 @@ class Health(BaseHTTPRequestHandler):
 
 
 signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+if os.environ.get("STANDIN_BIND_AFTER"):
+    import time
+    while not os.path.exists(os.environ["STANDIN_BIND_AFTER"]):
+        time.sleep(0.05)
 HTTPServer(("127.0.0.1", int(argv[argv.index("--port") + 1])), Health).serve_forever()

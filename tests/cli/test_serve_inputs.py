@@ -285,6 +285,69 @@ def test_a_port_whose_last_connection_is_in_time_wait_is_free(tmp_path):
     assert out["rc"] == 2 and len(err) == 1 and "busy" not in err[0] and "no config.json" in err[0], err
 
 
+def test_a_port_taken_while_the_engine_starts_is_not_called_ready(tmp_path, export):
+    """Two `dflash serve` on one port, started close together, both passed the port check and
+    both said ready: only one vLLM listened and answered both health checks. Here the engine
+    binds late (STANDIN_BIND_AFTER), another server takes the port in between and answers
+    /health: serve waits for its own listener, and when its engine cannot bind, exits 1 saying
+    that another process took the port; it never prints ready or a curl line."""
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    env, _ = _standin(tmp_path)
+    go = tmp_path / "bind-now"
+    env |= {"STANDIN_SERVE": "1", "STANDIN_BIND_AFTER": str(go), "DFLASH_CACHE": str(tmp_path / "cache")}
+    port = free_port()
+    p = subprocess.Popen([sys.executable, "-m", "dflash", "serve", str(export), "--target", "tiny-qwen3",
+                          "--port", str(port), "--ready-timeout", "300"], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=os.environ | env)
+    err: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [err.put(ln.rstrip("\n")) for ln in p.stderr], daemon=True)
+    reader.start()
+    hits = []
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):
+            hits.append(self.path)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    lines, other = [], None
+    deadline = time.monotonic() + 300
+
+    def until(cond, what):
+        while not cond():
+            assert time.monotonic() < deadline and p.poll() is None, (what, lines, p.poll())
+            try:
+                lines.append(err.get(timeout=0.5))
+            except queue.Empty:
+                pass
+    try:
+        until(lambda: any("starting vLLM" in ln for ln in lines), "serve never started its engine")
+        other = HTTPServer(("127.0.0.1", port), Health)  # the port, taken after serve checked it
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        until(lambda: hits.count("/health") >= 2 and any("not from this server" in ln for ln in lines),
+              "serve never polled the other server")
+        go.touch()  # the engine binds now, and finds the port taken
+        p.wait(timeout=120)
+        out = p.stdout.read()
+        reader.join(timeout=30)
+        while not err.empty():
+            lines.append(err.get())
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if other is not None:
+            other.shutdown()
+            other.server_close()
+    assert p.returncode == 1, lines
+    assert "ready" not in out and "curl" not in out, out
+    assert any("another process took 127.0.0.1:" in ln for ln in lines), lines[-3:]
+
+
 # ------------------------------------------------------------------ what serve prints and hands vLLM
 
 HOSTILE = "t'$(touch PWNED)`touch PWNED2`\"; touch PWNED3; '"
