@@ -33,7 +33,11 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
     (its `.dflash-export` marker, nothing else beside it) and --overwrite says to replace it.
     A drafter someone else wrote (a SpecForge export, a downloaded one: the same layout,
     no marker) is never replaced, with or without --overwrite."""
-    raw = fmt.read_config(checkpoint)
+    try:  # a kill between a save's two renames leaves only RUN/checkpoint.old: read it, as resume and eval do
+        where = files.resolve(checkpoint)
+    except files.CheckpointError:
+        where = Path(checkpoint)
+    raw = fmt.read_config(where)
     if raw is None:
         raise ConfigError(f"--checkpoint {checkpoint!r}: no config.json there (expected RUN/checkpoint from dflash train)")
     if fmt.is_export_config(raw):

@@ -157,3 +157,25 @@ def test_state_tree_round_trips_what_an_optimizer_holds(tmp_path):
     assert back["__odd"] == {"__tensor__": 1}
     with pytest.raises(TypeError, match="without pickle"):
         state_tree.save({"f": object()}, tmp_path / "u.safetensors", tmp_path / "u.json")
+
+
+def test_export_takes_the_checkpoint_old_a_killed_swap_leaves_as_resume_and_eval_do(tmp_path):
+    """Issue 54: a kill between a save's two renames leaves only RUN/checkpoint.old; `train
+    --resume` and `eval` read it (checkpoint_files.resolve), `export` said "no config.json there"."""
+    from dflash.checkpoint import checkpoint as ckpt
+    from dflash.model.drafter import DrafterConfig
+    from dflash.model.architectures import make_drafter
+    from dflash.model.target import _tiny_config, load_tokenizer
+
+    tc = _tiny_config("tiny-qwen3", load_tokenizer("tiny-qwen3"))
+    cfg = DrafterConfig.from_target(tc, target_layer_ids=[1, 3], vocab_size=tc.vocab_size, mask_token_id=16,
+                                    block_size=4, num_hidden_layers=1)
+    run = tmp_path / "run"
+    run.mkdir()
+    ckpt.save(run / "checkpoint.old", make_drafter(cfg), state={"step": 3},
+              run_config={"model": {"target": "tiny-qwen3", "target_seed": 0}})
+    p = run_dflash("export", "--checkpoint", run / "checkpoint", "--out", tmp_path / "export", "--dtype", "float32",
+                   check=False)
+    assert p.returncode == 0, p.stderr
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["block_size"] == 4
+    assert not (run / "checkpoint").exists() and (run / "checkpoint.old" / "config.json").is_file()  # read, not moved
