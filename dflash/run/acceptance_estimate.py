@@ -318,6 +318,16 @@ class AcceptanceEstimate:
     def latest(self):
         return self.history[-1] if self.history else None
 
+    def saved(self) -> list:
+        """The history collected so far, as trainer_state.json holds it: a resumed run's summary
+        carries the earlier part's points on (`restore`)."""
+        return [list(h) for h in self.history]
+
+    def restore(self, saved) -> None:
+        """A resumed run starts from the points its checkpoint saved (`saved`); malformed ones
+        (an older checkpoint has none) are left out, not fatal."""
+        self.history = [tuple(h) for h in saved or [] if isinstance(h, (list, tuple)) and len(h) == 5]
+
     def summary(self) -> dict:
         self.collect(blocking=True)
         out = {"every": self.every, "held_out_sequences": len(self.batch.lengths), **self.rows.source,

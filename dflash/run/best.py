@@ -70,7 +70,9 @@ class BestKeeper:
         if snap is None or (self.best is not None and tau <= self.best[1]):
             return
         self.best = (step, tau)
-        snap.state |= {"acceptance_estimate": round(tau, 6), "why": "best held-out acceptance estimate so far"}
+        # unrounded: a resumed run compares its ties with this very value (rounded, an equal tau
+        # rounded down was taken for a better one)
+        snap.state |= {"acceptance_estimate": tau, "why": "best held-out acceptance estimate so far"}
         if self.writer is None:
             self.writer = ckpt.CheckpointWriter(self.tel)
         self.writer.submit(self.dir, snap)  # waits only for the previous best's write

@@ -153,10 +153,16 @@ def test_a_run_keeps_and_exports_its_best_step(tmp_path):
     """train.estimate_every: the best step's checkpoint and export in OUT/best/, named in the
     summary (tests/unit/test_best_checkpoint.py: which weights BestKeeper keeps)."""
     out = tmp_path / "run"
-    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY,
-               "--set", "train.estimate_every=2", "--set", "train.estimate_samples=2")
+    est = ["--set", "train.estimate_every=2", "--set", "train.estimate_samples=2"]
+    # stopped at step 2 and resumed (issue 54: the resumed summary dropped the earlier part's estimates)
+    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY, *est,
+               "--set", "train.stop_after=2")
+    before = json.loads((out / "summary.json").read_text())["acceptance_estimate"]["history"]
+    run_dflash("train", "--out", out, "--target", "tiny-qwen3", "--steps", 4, "--no-telemetry", *TINY, *est,
+               "--resume")
     s = json.loads((out / "summary.json").read_text())
     hist = s["acceptance_estimate"]["history"]
+    assert before and hist[:len(before)] == before and len(hist) > len(before), (before, hist)
     best = max(hist, key=lambda h: h[1])  # the first of the highest
     assert s["best"]["step"] == best[0] and abs(s["best"]["tau_estimate"] - best[1]) < 1e-3
     st = json.loads((out / "best" / "checkpoint" / "trainer_state.json").read_text())

@@ -37,3 +37,19 @@ def test_keeps_the_weights_of_the_best_estimate_not_the_last(tmp_path):
     again.queued(40)
     again.result(40, 1.25)
     assert again.writer is None
+
+
+def test_after_a_resume_an_equal_tau_is_not_better(tmp_path):
+    """Issue 54: the best tau was stored rounded to 6 places, so after a resume the same tau
+    (1.2345674, stored 1.234567) beat it and replaced the earlier, equal step."""
+    train_step = SimpleNamespace(drafter=small_drafter())
+    keeper = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True)
+    tau = 1.2345674
+    keeper.queued(10)
+    keeper.result(10, tau)
+    keeper.writer.wait()
+    again = BestKeeper(tmp_path, Config(), train_step, None, None, lead=True, resume=True)
+    assert again.best == (10, tau)
+    again.queued(20)
+    again.result(20, tau)  # a tie keeps the earlier step, resumed or not
+    assert again.best == (10, tau) and again.writer is None
