@@ -16,10 +16,10 @@ def save(spec: RunSpec, state: RunState) -> None:
         return
     st = state.train_step
     saved = {"step": st.step, "tokens": tokens, "history": state.history}
-    if state.writer is None:
-        state.writer = ckpt.CheckpointWriter(state.tel)
     if state.estimate is not None:  # the points collected so far (one still in flight is not waited for)
         saved["estimate_history"] = state.estimate.saved()
+    if state.writer is None:
+        state.writer = ckpt.CheckpointWriter(state.tel)
     # the drafter's thread only takes a device-side snapshot; the writer thread does the
     # device->host copy and the atomic write (waiting here only if the last one still runs)
     with state.tel.stage("checkpoint", worker=spec.worker, step=st.step):

@@ -107,10 +107,10 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
                 rows = est_mod.held_out_rows(held_out, pad_id=tok.pad_token_id)
             estimate = est_mod.AcceptanceEstimate(train_step, targets[0], rows, layer_ids=layer_ids,
                                                   feature_store=store, every=cfg.train.estimate_every)
-    del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
-    if tel is None:  # after the data and the models: the profile's wall time is the training's
             if resume and jstate:  # the earlier part's points: the summary's history is the whole run's
                 estimate.restore(jstate.get("estimate_history"))
+    del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
+    if tel is None:  # after the data and the models: the profile's wall time is the training's
         tel = make_telemetry(cfg, out, place, run_id)
     if estimate is not None:
         from .best import BestKeeper
