@@ -221,7 +221,9 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
     cfg = fmt.export_config(dcfg, target_config, dtype=dtype)
     dst = Path(out)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    sweep_stale(dst)
+    # the writer's pid in the name: a later export sweeps it once this process is gone
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-{os.getpid()}-", dir=dst.parent))
     try:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -232,14 +234,99 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
             (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
         files.plain_modes(tmp)  # an engine running as another user must read it
-        kept = files.remove_written(dst, files.EXPORT_WRITTEN)  # only what an export writes
-        if kept is not None:
-            print(f"dflash: {dst} held other files too: they are kept in {kept}", file=sys.stderr)
-        os.replace(tmp, dst)
+        _swap_in(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE): a reader sees the
+    one or the other at each name, never neither. False where the platform, the C library or
+    the file system cannot (the caller then renames aside)."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):  # glibc < 2.28, musl without it
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_cwd = -100
+    return fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+
+
+def _swap_in(tmp: Path, dst: Path) -> None:
+    """The whole new export at ``dst`` in one step, then the earlier one deleted: a kill at any
+    moment leaves the earlier export or the new one there (deleting the earlier files first
+    left neither, and the new one stranded in a hidden temp dir). Where the exchange is not
+    available, the earlier one is renamed aside first: a moment between two renames, which
+    `sweep_stale` repairs. What an export does not write is never deleted: a dir that held
+    other files too is kept as DST.kept-PID."""
+    if dst.is_symlink():  # a link in the export's place is removed as a link, never followed
+        dst.unlink()
+    if not dst.exists():
+        os.replace(tmp, dst)
+        return
+    if dst.is_dir() and _exchange(tmp, dst):
+        old = tmp  # now holds the earlier export
+    else:
+        old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.old-{os.getpid()}-", dir=dst.parent))
+        os.replace(dst, old)  # a dir replaces an empty dir; a file at dst fails here, as before
+        os.replace(tmp, dst)
+    kept = files.remove_written(old, files.EXPORT_WRITTEN)  # only what an export writes
+    if kept is not None:
+        named = _free_name(dst.with_name(f"{dst.name}.kept-{os.getpid()}"))
+        os.replace(kept, named)
+        print(f"dflash: {dst} held other files too: they are kept in {named}", file=sys.stderr)
+
+
+def _free_name(p: Path) -> Path:
+    n, q = 0, p
+    while q.exists() or q.is_symlink():
+        n += 1
+        q = p.with_name(f"{p.name}-{n}")
+    return q
+
+
+def sweep_stale(dst: Path) -> list[Path]:
+    """What killed exports left beside ``dst``, once their writer (the pid in the name) is
+    gone: a temp dir (a new export never swapped in, or an earlier one swapped out) is
+    deleted, files an export writes only; an earlier export set aside with no export at
+    ``dst`` is put back. Names an export does not make, links, and the dirs of a live writer
+    are left alone. Returns what was swept."""
+    import re
+
+    name = re.compile(rf"\.{re.escape(dst.name)}\.(?P<kind>tmp|old)-(?P<pid>[0-9]+)-[^-/]+")
+    swept = []
+    try:
+        entries = sorted(dst.parent.iterdir())
+    except OSError:
+        return swept
+    for t in entries:
+        m = name.fullmatch(t.name)
+        if m is None or t.is_symlink() or not t.is_dir():
+            continue
+        try:
+            os.kill(int(m["pid"]), 0)
+            continue  # its writer lives (or the pid was reused: swept once that one ends)
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):  # another user's process, or no pid at all
+            continue
+        if files.foreign_entries(t, files.EXPORT_WRITTEN):
+            continue  # holds what no export writes: not ours to delete
+        if m["kind"] == "old" and not dst.exists() and not dst.is_symlink():
+            os.replace(t, dst)  # the earlier export, back where it was
+        else:
+            files.remove_written(t, files.EXPORT_WRITTEN)
+        swept.append(t)
+    return swept
 
 
 def target_config(spec: str):
