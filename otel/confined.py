@@ -25,7 +25,8 @@ and files written without following a symbolic link.
   says the same, at once. PR_SET_PDEATHSIG on the child alone would not do: it covers one
   process, not what that one starts, and fires when the *thread* that started it exits.
   The keeper also stops what its child leaves behind in the group (the engine's workers,
-  when the engine itself is killed).
+  when the engine itself is killed), and, as the subreaper of its tree
+  (PR_SET_CHILD_SUBREAPER), every descendant, also one that left the group with setsid().
 - `scratch_dir(kind)`: a private temp dir, `TMP/dflash-UID/KIND-PID-XXXX`, owned by this
   process through a lock (flock) the kernel lets go of however we end. A later scratch_dir
   sweeps the dirs whose owner is gone: what a SIGKILL left. `remove_scratch` when done,
@@ -152,11 +153,45 @@ def group_members(pgid: int) -> list[int]:
     return out
 
 
-def _stop_members(pgid: int, grace_s: float, *, sparing: int | None = None) -> None:
+def descendants(pid: int) -> list[int]:
+    """The live descendants of ``pid`` (children, theirs, ...), whatever their process group
+    or session: from /proc's parent links (Linux; elsewhere none)."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return []
+    kids: dict[int, list[int]] = {}
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()  # state ppid pgrp ...
+        except (OSError, IndexError):
+            continue
+        if fields[0] not in (b"Z", b"X"):
+            kids.setdefault(int(fields[1]), []).append(int(name))
+    out, todo = [], list(kids.get(pid, ()))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, ()))
+    return out
+
+
+def _stop_members(pgid: int, grace_s: float, *, sparing: int | None = None, tree: bool = False,
+                  reap: bool = False) -> None:
     """SIGTERM to every live member of group ``pgid`` but ``sparing``, SIGKILL to those left
-    after ``grace_s``; returns once none is left (or 5 s after the SIGKILL)."""
+    after ``grace_s``; returns once none is left (or 5 s after the SIGKILL). ``tree``: the
+    descendants of ``sparing`` (the keeper) too, in whatever group or session they are.
+    ``reap``: collect our ended children meanwhile (only once the keeper's own child has been
+    waited for: reaping it here would take its exit code from Popen.wait)."""
+    def targets():
+        found = set(group_members(pgid)) | (set(descendants(sparing)) if tree and sparing else set())
+        return sorted(found - {sparing})
+
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-        left = [p for p in group_members(pgid) if p != sparing]
+        left = targets()
         for p in left:
             try:
                 os.kill(p, sig)
@@ -165,8 +200,20 @@ def _stop_members(pgid: int, grace_s: float, *, sparing: int | None = None) -> N
         deadline = time.monotonic() + wait
         while left and time.monotonic() < deadline:
             time.sleep(0.1)
-            left = [p for p in group_members(pgid) if p != sparing]
+            if reap:
+                _reap()  # orphans reparented to us (the keeper is their subreaper)
+            left = targets()
         if not left:
+            return
+
+
+def _reap() -> None:
+    """Collect the exit status of every child of ours that has ended (the keeper's orphans)."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
             return
 
 
@@ -223,7 +270,7 @@ def _keep(fd: int, grace_s: float, argv: list[str]) -> int:
         if (certain or os.getppid() != parent) and once.acquire(blocking=False):
             print(f"keeper (otel/confined.py): the process that started this one ({parent}) is gone: "
                   f"stopping its process group", file=sys.stderr, flush=True)
-            _stop_members(me, grace_s, sparing=me)
+            _stop_members(me, grace_s, sparing=me, tree=True)
 
     # The group's signals (stop_group's killpg) are for the child: it gets its own copy. A
     # handler, not SIG_IGN, which the child would inherit through exec.
@@ -244,13 +291,10 @@ def _keep(fd: int, grace_s: float, argv: list[str]) -> int:
     threading.Thread(target=watch, daemon=True).start()
     orphaned()  # gone before PR_SET_PDEATHSIG was set?
     rc = child.wait()
-    _stop_members(me, grace_s, sparing=me)  # the child's own children, when it was killed before them
-    while True:  # zombies reparented to us (subreaper)
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                break
-        except ChildProcessError:
-            break
+    # what the child left: its group's members, and, being the tree's subreaper, every
+    # descendant reparented to us, also one that left the group with setsid()
+    _stop_members(me, grace_s, sparing=me, tree=True, reap=True)
+    _reap()  # zombies reparented to us
     if rc < 0:  # die of the same signal: our parent reads the child's own end
         try:
             signal.signal(-rc, signal.SIG_DFL)

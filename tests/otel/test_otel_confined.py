@@ -255,3 +255,50 @@ def test_odd_entries_in_the_scratch_root_are_skipped_without_a_traceback_or_a_ha
                                "x-99999999999999999999999-abc.owner"]), left
     finally:
         confined.remove_scratch(done["path"])
+
+
+_LEAVES_THE_GROUP = """
+import os, subprocess, sys, time
+# a grandchild that calls setsid(): a session and a process group of its own, out of the
+# keeper's group (vLLM does not do this today; a library it loads might)
+subprocess.Popen([sys.executable, "-c", "import os, sys, time; os.setsid(); print(os.getpid(), flush=True); "
+                  "time.sleep(600)"])
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["stop_group", "parent_gone"])
+def test_a_grandchild_that_leaves_the_group_is_stopped_with_the_tree(tmp_path, how):
+    """Issue 54: stop_group (and the keeper, when we are gone) stopped the process group only:
+    a descendant in a session of its own escaped. The keeper is the subreaper of its tree: it
+    stops every descendant too once its child has ended."""
+    import signal
+
+    child = tmp_path / "child.py"
+    child.write_text(_LEAVES_THE_GROUP)
+    grand = None
+    if how == "stop_group":
+        p = confined.start_python(sys.executable, str(child), tethered=True, stdout=subprocess.PIPE, text=True)
+        out = p.stdout
+    else:  # the tree's starter killed: the keeper stops it alone
+        p = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom otel.confined import start_python\n"
+                              "start_python(sys.executable, sys.argv[1], tethered=True)\ntime.sleep(600)",
+                              str(child)], stdout=subprocess.PIPE, text=True)
+        out = p.stdout
+    try:
+        grand = psutil.Process(int(out.readline()))
+        assert os.getsid(grand.pid) == grand.pid and os.getpgid(grand.pid) != os.getpgid(p.pid)
+        if how == "stop_group":
+            confined.stop_group(p, grace_s=5.0)
+        else:
+            p.send_signal(signal.SIGKILL)
+            p.wait()
+        deadline = time.monotonic() + 60
+        while live([grand]):
+            assert time.monotonic() < deadline, "the grandchild in a session of its own outlived the tree"
+            time.sleep(0.1)
+    finally:
+        p.kill()
+        if grand is not None:
+            for q in live([grand]):
+                q.kill()
