@@ -202,7 +202,9 @@ def _coerce(value, typ, key: str):
     origin = typing.get_origin(typ)
     if origin is list:
         (inner,) = typing.get_args(typ)
-        if isinstance(value, str):
+        if isinstance(value, str) and value.lstrip().startswith("["):  # the YAML/JSON form: [1, 5]
+            value = _yaml(value, f"{key}={_short(value)}", "a valid list")
+        elif isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r}: expected a list")

@@ -111,3 +111,17 @@ def test_bad_config_files_are_one_line(tmp_path, content, needle):
 def test_a_directory_as_config_file(tmp_path):
     with pytest.raises(ConfigError, match="is a directory"):
         load_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("text", ["1,3", "[1,3]", "[1, 3]", " [1,3] "])
+def test_a_list_key_takes_the_list_form_in_set_as_in_a_config_file(text):
+    """Issue 54: `--set model.target_layer_ids=[1,5]` said "'[1': expected int"."""
+    assert load_config(None, [f"model.target_layer_ids={text}"]).model.target_layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize("text,needle", [("[1,x]", "model.target_layer_ids="), ("[1,", "model.target_layer_ids="),
+                                         ("[[1],2]", "model.target_layer_ids=")])
+def test_a_bad_list_form_is_one_line(text, needle):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"model.target_layer_ids={text}"])
+    assert needle in str(e.value) and "\n" not in str(e.value)
