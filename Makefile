@@ -37,8 +37,11 @@ test-newest:
 lock:
 	TORCH="$(TORCH)" EXTRAS="$(EXTRAS)" FAST="$(FAST)" bash deploy/newest.sh --lock
 
+# Each demo ends by writing its record (docs/records/NAME.json: tau, the verdict with its intervals,
+# the wall time, the machine) and README's table from the records (dflash/analysis/demo_record.py)
 demo: setup
-	$(PY) -m dflash train --config configs/demo.yaml --eval --overwrite  # a new demo replaces the last one (runs/demo)
+	@t0=$$(date +%s); $(PY) -m dflash train --config configs/demo.yaml --eval --overwrite && \
+	  $(PY) -m dflash.analysis.demo_record runs/demo --name demo --command "make demo" --wall-s $$(( $$(date +%s) - t0 ))  # a new demo replaces the last one (runs/demo)
 	@echo "make demo: tau is given per verify step (as engines count it) and as the per-prompt mean; on ~270" \
 	      "replies the served drafter stays below prompt lookup (docs/demo-recipe.md); 'make demo-long'" \
 	      "(~25 min on 2 cores from an empty cache, its verdict included) trains one on 5.5x the replies that beats it (docs/serving.md: vLLM's verdict)."
@@ -46,7 +49,8 @@ demo: setup
 # The demo's recipe with 5.5x the regenerated replies and 5x the steps: its served drafter
 # beats prompt lookup on its held-out prompts (configs/demo-long.yaml, docs/demo-recipe.md)
 demo-long: setup
-	$(PY) -m dflash train --config configs/demo-long.yaml --eval --overwrite  # runs/demo-long
+	@t0=$$(date +%s); $(PY) -m dflash train --config configs/demo-long.yaml --eval --overwrite && \
+	  $(PY) -m dflash.analysis.demo_record runs/demo-long --name demo-long --command "make demo-long" --wall-s $$(( $$(date +%s) - t0 ))  # runs/demo-long
 
 test: setup vllm
 	$(PY) -m pytest -q -ra --durations=15

@@ -148,6 +148,8 @@ class EvalConfig:
     engine_batched: bool = True          # eval.engine: also time every prompt at once (false: concurrency 1 only)
     engine_eager: bool = False           # eval.engine: vLLM without torch.compile (enforce_eager): on a CPU each
                                          # engine starts ~100 s sooner, and decodes slower; every method alike
+    engine_rounds: int = 2               # eval.engine: every prompt asked of every engine this many times, the
+                                         # engines interleaved (the paired verdict: each ratio's 95% interval)
 
 
 @dataclass
@@ -438,6 +440,7 @@ RANGES: dict[str, Range] = {
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
+    "eval.engine_rounds": Range(1, 100),
     "eval.max_prompt_len": Range(1, MAX_TOKENS),
     "eval.temperature": Range(0, 100, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),

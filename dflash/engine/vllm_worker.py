@@ -14,7 +14,15 @@ its cwd or directory is importable). The job (written by dflash/engine/runner.py
      "batched": true, "enforce_eager": false,
      "sampling": null | {"prompt": [ids], "n": N, "max_tokens": m, "temperature": t}}
 
-Two more job kinds ("kind"; absent: the measurement below), for the training pipeline:
+Three more job kinds ("kind"; absent: the measurement below). For the paired verdict
+(engine/paired.py):
+- "paired": the engine stays up and answers requests one at a time on a Unix socket
+  (`socket`: its path; JSON lines both ways) until told to quit: first a line
+  {"ready", "vllm_version", "load_s", "pid", "machine"}, then per request {"op": "generate",
+  "i": prompt} -> {"wall_s", "tokens", "output", "spec"}, {"op": "batched"}, {"op": "profile",
+  "prompts": [i, ...]} (a torch-profiler window over those requests, read back into the time
+  per verify step of the target's verify, the drafter and the rest), {"op": "quit"}.
+For the training pipeline:
 - "regenerate": every prompt in one `generate` call, greedy, `max_tokens` each, stopping
   after the first of `stop_token_ids` (vLLM's own end-of-sequence rule off: the caller's ids
   are the ones HF's generate stops at); {"outputs": [[reply ids], ...]};
@@ -122,9 +130,202 @@ def _pipeline_job(job: dict, result_path: str) -> int:
     return 0
 
 
+# the worker's profiler annotations (vLLM's gpu_model_runner, which its CPU runner inherits;
+# active with VLLM_CUSTOM_SCOPES_FOR_PROFILING=1): what each part of a verify step is
+VERIFY_PARTS = ("gpu_model_runner: forward", "gpu_model_runner: postprocess", "gpu_model_runner: sample")
+DRAFT_PARTS = ("gpu_model_runner: draft",)
+
+
+def _children() -> dict[int, list[int]]:
+    kids: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat", encoding="utf-8") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            kids.setdefault(ppid, []).append(int(d))
+    return kids
+
+
+def _descendants(pid: int) -> list[int]:
+    kids, out, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out += kids.get(p, [])
+        todo += kids.get(p, [])
+    return out
+
+
+def _machine() -> dict:
+    """What this engine's model worker runs on: the kernel library it loaded (its memory map:
+    vllm/_C.abi3.so, _C_AVX512 or _C_AVX2), its threads and cores, its OpenMP settings (vLLM
+    sets them for the worker it binds: docs/serving.md)."""
+    out: dict = {}
+    for pid in _descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/comm", encoding="utf-8") as f:
+                if "Worker" not in f.read():
+                    continue
+            with open(f"/proc/{pid}/maps", encoding="utf-8") as f:
+                libs = sorted({ln.split()[-1].rsplit("/", 1)[-1].split(".")[0] for ln in f
+                               if "/vllm/_C" in ln and ln.rstrip().endswith(".so")})
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = dict(x.decode(errors="replace").partition("=")[::2] for x in f.read().split(b"\0") if x)
+            with open(f"/proc/{pid}/status", encoding="utf-8") as f:
+                status = dict(ln.split(":", 1) for ln in f.read().splitlines() if ":" in ln)
+        except OSError:
+            continue
+        out = {"vllm_kernels": libs[0] if len(libs) == 1 else (libs or None),
+               "worker_threads": int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None,
+               "worker_cores": status.get("Cpus_allowed_list", "").strip() or None,
+               "omp": {k: env[k] for k in ("OMP_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY", "KMP_AFFINITY")
+                       if k in env}}
+        break
+    return out
+
+
+def _profile_parts(trace: str) -> dict:
+    """A torch-profiler trace of the model worker, summed per part: seconds of the target's
+    verify (forward, logits, sampling), of the drafter, and the number of steps."""
+    with open(trace, encoding="utf-8") as f:
+        events = json.load(f).get("traceEvents", [])
+    verify = draft = 0.0
+    steps = 0
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "user_annotation":
+            continue
+        name, dur = e.get("name", ""), float(e.get("dur", 0)) / 1e6
+        if name in VERIFY_PARTS:
+            verify += dur
+            steps += name == VERIFY_PARTS[0]
+        elif name in DRAFT_PARTS:
+            draft += dur
+    return {"steps": steps, "verify_s": verify, "draft_s": draft}
+
+
+def _paired(job: dict) -> int:
+    """The "paired" job (see the docstring): one engine up until told to quit."""
+    import socket
+
+    t0 = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import vllm
+
+    spec = job.get("speculative")
+    prof_dir = job.get("profile_dir")
+    extra = {}
+    if prof_dir:  # a window is opened only on request; until then the profiler costs nothing
+        extra["profiler_config"] = {"profiler": "torch", "torch_profiler_dir": prof_dir,
+                                    "torch_profiler_with_stack": False, "torch_profiler_use_gzip": False,
+                                    "torch_profiler_dump_cuda_time_total": False}
+    llm = LLM(model=job["target"], tokenizer=job["target"], dtype=job.get("dtype", "float32"),
+              max_model_len=int(job["max_model_len"]), seed=int(job.get("seed", 0)),
+              speculative_config=spec, enable_prefix_caching=False, disable_log_stats=False,
+              per_request_spec_decode_metrics="detailed" if spec else "none",
+              enforce_eager=bool(job.get("enforce_eager", False)),
+              max_num_seqs=min(256, max(1, len(job["prompts"]))), **extra)
+    prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
+
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(max_tokens=int(job["max_tokens"][i]), ignore_eos=bool(job.get("ignore_eos", True)),
+                              temperature=float(job.get("temperature", 0.0)))
+
+    def one(i: int) -> dict:
+        t = time.perf_counter()
+        out = llm.generate([prompts[i]], params(i), use_tqdm=False)[0].outputs[0]
+        wall = time.perf_counter() - t
+        return {"wall_s": wall, "tokens": len(out.token_ids), "output": list(out.token_ids),
+                "spec": _spec_record(out) if spec else None}
+
+    llm.generate([prompts[0]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    load_s = time.perf_counter() - t0
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(job["socket"])
+    rfile, wfile = sock.makefile("rb"), sock.makefile("wb")
+
+    def send(obj: dict) -> None:
+        wfile.write(json.dumps(obj).encode() + b"\n")
+        wfile.flush()
+
+    send({"ready": True, "vllm_version": vllm.__version__, "load_s": round(load_s, 2), "pid": os.getpid(),
+          "machine": _machine()})
+    for line in rfile:
+        msg = json.loads(line)
+        op = msg.get("op")
+        if op == "generate":
+            send(one(int(msg["i"])))
+        elif op == "batched":
+            t = time.perf_counter()
+            outs = llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False)
+            send({"wall_s": time.perf_counter() - t, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                  "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
+        elif op == "profile":
+            try:
+                send(_profile_window(llm, prof_dir, [int(i) for i in msg["prompts"]], one))
+            except Exception as e:  # the split is an explanation, not the verdict: said, not fatal
+                send({"unavailable": f"the profiler window failed: {e!r}"[:300]})
+        elif op == "quit":
+            break
+        else:
+            send({"error": f"unknown op {op!r}"})
+    sock.close()
+    return 0
+
+
+def _profile_window(llm, prof_dir: str | None, ids: list[int], one) -> dict:
+    """A torch-profiler window over requests `ids`, one at a time: per verify step, the time of
+    the target's verify, of the drafter, and of the rest (the request's wall over its steps,
+    less those two: scheduling, bookkeeping, the processes talking); the profiler's own cost
+    is in all three, so the split is read as shares and ratios."""
+    if not prof_dir:
+        return {"unavailable": "no profile_dir in the job"}
+    before = set(os.listdir(prof_dir))
+    llm.start_profile()
+    wall, tokens = 0.0, 0
+    try:
+        for i in ids:
+            r = one(i)
+            wall += r["wall_s"]
+            tokens += r["tokens"]
+    finally:
+        llm.stop_profile()
+    deadline = time.monotonic() + 120
+    while True:  # the worker writes its trace when the window closes
+        new = sorted(set(os.listdir(prof_dir)) - before)
+        traces = [n for n in new if n.endswith(".pt.trace.json")]
+        if traces or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    if not traces:
+        return {"unavailable": f"no profiler trace appeared in {prof_dir}"}
+    while True:  # whole once the window's stop returned; a reader never sees half of it twice
+        try:
+            parts = _profile_parts(os.path.join(prof_dir, traces[-1]))
+            break
+        except ValueError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+    for n in new:  # tens of MB each: read, then gone
+        os.unlink(os.path.join(prof_dir, n))
+    n = parts["steps"]
+    if not n:
+        return {"unavailable": "the profiler recorded no verify step (VLLM_CUSTOM_SCOPES_FOR_PROFILING unset?)"}
+    step = wall / n
+    return {"steps": n, "tokens": tokens, "wall_s": round(wall, 4), "step_s": step,
+            "verify_s": parts["verify_s"] / n, "draft_s": parts["draft_s"] / n,
+            "rest_s": step - (parts["verify_s"] + parts["draft_s"]) / n}
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
+    if job.get("kind") == "paired":
+        return _paired(job)
     if job.get("kind"):
         return _pipeline_job(job, result_path)
     t0 = time.perf_counter()

@@ -30,7 +30,10 @@ EXPORT_MARKER = ".dflash-export"               # says that dflash export wrote t
 # an export carries its run's held-out eval prompts (a file `dflash eval --prompts-from` reads) and
 # the eval settings they were scored with: `dflash eval --checkpoint EXPORT` scores it on them
 EVAL_PROMPTS, EVAL_SETTINGS = "eval_prompts.jsonl", "eval_settings.json"
-EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER)  # what `dflash export` writes
+# the k the engine's verdict measured fastest for the weights beside it (engine/kchoice.py): an export
+# writes none, and a new export removes the old one's
+SERVING_K = "serving_k.json"
+EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXPORT_MARKER, SERVING_K)  # what `dflash export` writes
 
 
 # What a drafter may be, whoever wrote its config: checked before any module is built, so a

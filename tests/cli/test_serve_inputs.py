@@ -114,6 +114,50 @@ def test_k_above_the_exports_block_size_minus_one_is_refused_before_any_engine(t
     assert flag in err[0] and "block_size 4" in err[0] and "1..3" in err[0] and not record.exists(), err
 
 
+def test_k_auto_without_a_measured_k_is_refused_before_any_engine(tmp_path, export):
+    """Issue 55: `serve --k auto` takes the k the engine's verdict recorded in the export; an
+    export never measured says how to measure it, in one line."""
+    env, record = _standin(tmp_path)
+    exp = tmp_path / "export"
+    shutil.copytree(export, exp)
+    out, err = cli_before_torch("serve", exp, "--target", "tiny-qwen3", "--port", free_port(), "--k", "auto",
+                                env=env, heavy=True)
+    assert out == {"rc": 2, "heavy": []} and len(err) == 1, (out, err)
+    assert "--k auto" in err[0] and "serving_k.json" in err[0] and "--engine vllm" in err[0] and not record.exists()
+    for bad in ("fast", "2.5"):
+        out, err = cli_before_torch("serve", exp, "--target", "tiny-qwen3", "--port", free_port(), "--k", bad,
+                                    env=env, heavy=True)
+        assert out == {"rc": 2, "heavy": []} and len(err) == 1 and f"--k={bad!r}" in err[0], (out, err)
+
+
+def test_k_auto_serves_the_recorded_k(tmp_path, export):
+    from dflash.engine import kchoice, machine
+
+    env, record = _standin(tmp_path)
+    exp = tmp_path / "export"
+    shutil.copytree(export, exp)
+    kchoice.record(exp, {"k": 2, "block_size": 4, "machine": machine.host()})
+    p = subprocess.run([sys.executable, "-m", "dflash", "serve", str(exp), "--target", "tiny-qwen3",
+                        "--port", str(free_port()), "--k", "auto"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=300, env=os.environ | env)
+    assert p.returncode == 1, p.stderr  # the stand-in exits at once: what matters is what it was handed
+    spec = json.loads(json.loads(record.read_text())["argv"][json.loads(record.read_text())["argv"].index(
+        "--speculative-config") + 1])
+    assert spec["num_speculative_tokens"] == 2
+    assert "--k auto: k=2 (measured" in p.stderr and "notice" not in p.stderr, p.stderr
+
+
+def test_eval_engine_k_auto_and_rounds_are_checked(tmp_path, export):
+    env, record = _standin(tmp_path)
+    for args, needle in ((["--engine-k", "auto,x"], "--engine-k=auto,x: expected integers in 1..64 or auto"),
+                         (["--engine-rounds", "0"], "--engine-rounds=0: expected an integer in 1..100")):
+        out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine", "vllm",
+                                    *args, env=env, heavy=True)
+        assert out == {"rc": 2, "heavy": []} and len(err) == 1 and needle in err[0], (out, err)
+    out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine-rounds", "3")
+    assert out["rc"] == 2 and "--engine-rounds without --engine vllm" in err[0], (out, err)
+
+
 # ------------------------------------------------------------------ drafters the engine cannot serve
 
 
@@ -136,6 +180,7 @@ def _export(path: Path, **over) -> Path:
 UNSERVABLE = {
     "dflash2": ({"num_hidden_layers": 1, "arch": "dflash2", "conv_group_size": 16, "selector_rank": 8,
                  "selector_top_k": 4}, "a DFlash2 drafter"),
+    "dspark": ({"num_hidden_layers": 1, "arch": "dspark", "markov_rank": 8, "confidence_head": True}, "a DSpark drafter"),
     "mixed": ({"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
               "both sliding and full attention layers"),
 }

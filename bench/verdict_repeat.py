@@ -1,0 +1,133 @@
+"""The demo's paired verdict, repeated on one export: do its intervals hold from run to run?
+
+Issue 55 asks the verdict to decide "drafter vs none" and "drafter vs ngram" at 95% on the
+machine it ran on, with a half-width of at most 0.05, within the demo's ~4 minutes. This
+runs the verdict a trained run's own `train --eval` runs (engine/verdict.engine_verdict: the
+eval's first `eval.engine_prompts` prompts and their output lengths, `eval.engine_rounds`
+rounds, k auto beside block_size - 1) `--repeats` times, one after the other, on the same
+export, and prints per repeat: its wall time, the machine, tokens/s, each ratio with its
+interval, the cost of a verify step (drafter / target verify / rest) and the ratio it
+predicts, the k picked and its paired comparison with block_size - 1, and the CPU the idle
+engines took. Then whether the intervals overlap and their largest half-width, and a
+markdown table for docs/serving.md.
+
+`--idle both` adds one verdict with the idle engines left running (not frozen): what an idle
+engine's second of polling does to the served engine beside it, measured.
+
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo            # ~13 min; alone: an engine takes both cores
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo-long
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo --rounds 3 --prompts 6   # another R x prompts
+
+The verdicts write no k into the export (the demo's own verdict does). The last line printed
+is one JSON object.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def _row(v: dict, drafter: str) -> dict:
+    m = v["methods"]
+    d = m[drafter]
+    auto = next(iter((v.get("k_auto") or {}).values()), {})
+    served = next((k for k, f in m.items() if k.startswith(drafter) and f.get("k") == auto.get("k")), drafter)
+    s = m[served]
+    return {"wall_s": v["wall_s"], "machine": v["machine"], "idle_engines": v["idle_engines"],
+            "tokens_per_s": {k: f["tokens_per_s"]["concurrency_1"] for k, f in m.items()},
+            "k_block": d["k"], "k_auto": auto.get("k"), "k_auto_measured": (auto.get("measured") or {}).get("auto_vs_block"),
+            "served": served,
+            "vs_none": s["speedup_vs_none"], "vs_ngram": s["speedup_vs_ngram"],
+            "block_vs_none": d["speedup_vs_none"], "block_vs_ngram": d["speedup_vs_ngram"],
+            "predicted_vs_none": s.get("predicted_speedup_vs_none"),
+            "predicted_vs_ngram": s.get("predicted_speedup_vs_ngram"),
+            "break_even_tokens_per_step": s.get("break_even_tokens_per_step"),
+            "cost_per_step_ms": {k: f.get("cost_per_step_ms") for k, f in m.items()},
+            "tau_per_step": s.get("tau_per_step"), "lossless": all(f["lossless"] for k, f in m.items() if k != "none")}
+
+
+def _iv(sp: dict) -> str:
+    lo, hi = sp["concurrency_1_interval"]
+    return f"{sp['concurrency_1']:.2f}x [{lo:.2f}, {hi:.2f}]"
+
+
+def _overlap(ivs: list[list[float]]) -> bool:
+    return max(lo for lo, _ in ivs) <= min(hi for _, hi in ivs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--run", default=str(ROOT / "runs" / "demo"), help="a `train --eval` run dir with its export")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, help="default: the run's eval.engine_rounds")
+    ap.add_argument("--prompts", type=int, help="default: the run's eval.engine_prompts")
+    ap.add_argument("--idle", choices=("frozen", "both"), default="frozen",
+                    help="both: one more verdict with the idle engines left running")
+    a = ap.parse_args()
+    run = Path(a.run)
+    for what, ok in (("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
+                     ("--prompts", a.prompts is None or a.prompts >= 1),
+                     ("--run", (run / "summary.json").is_file() and (run / "export").is_dir())):
+        if not ok:
+            print(f"verdict_repeat: {what}: expected {'a train --eval run dir (summary.json, export/)' if what == '--run' else 'an integer >= 1'}",
+                  file=sys.stderr)
+            sys.exit(2)
+    from dflash.config import load_config
+    from dflash.engine.machine import describe
+    from dflash.engine.targets import engine_target
+    from dflash.engine.verdict import engine_verdict, table
+
+    summary = json.loads((run / "summary.json").read_text())
+    cfg = load_config(str(run / "config.yaml"))
+    after = summary["eval_after"]
+    steps = after["per_prompt_steps"][:a.prompts or cfg.eval.engine_prompts or None]
+    export = str((run / "export").resolve())
+    k = after["block_size"] - 1
+    target = engine_target(cfg.model.target, cfg.model.target_seed)
+    rounds = a.rounds or cfg.eval.engine_rounds
+    arms = [("frozen", True)] * a.repeats + ([("spinning", False)] if a.idle == "both" else [])
+    rows = []
+    for n, (arm, freeze) in enumerate(arms, 1):
+        print(f"verdict_repeat: verdict {n} of {len(arms)} ({arm} idle engines, {len(steps)} prompts x {rounds} "
+              "rounds)", file=sys.stderr, flush=True)
+        v = engine_verdict(target=target, dtype=after["dtype"], steps=steps,
+                           drafters=[{"label": export, "export": export, "k": k, "steps": steps}],
+                           ngram_k=k, batched=False, eager=cfg.eval.engine_eager, rounds=rounds, auto_k=True,
+                           record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed)
+        print(table(v), file=sys.stderr, flush=True)
+        rows.append({"arm": arm} | _row(v, export))
+    frozen = [r for r in rows if r["arm"] == "frozen"]
+    checks = {}
+    for key in ("vs_none", "vs_ngram"):
+        ivs = [r[key]["concurrency_1_interval"] for r in frozen]
+        checks[key] = {"overlap": _overlap(ivs), "max_half_width": max(r[key]["half_width"] for r in frozen),
+                       "decided": [r[key]["decided"] for r in frozen]}
+    print(f"\nmachine: {describe(frozen[0]['machine'])}; {len(steps)} prompts x {rounds} rounds, "
+          f"{cfg.eval.engine_eager and 'eager' or 'compiled'} engines", file=sys.stderr)
+    print("| verdict | wall | tok/s none / ngram / drafter (k) | drafter vs none [95%] | drafter vs ngram [95%] | "
+          "predicted vs none | ms/step draft / verify / rest | k auto vs block - 1 [95%] | idle engines' CPU |",
+          file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+    for i, r in enumerate(rows, 1):
+        t = r["tokens_per_s"]
+        c = r["cost_per_step_ms"][r["served"]] or {}
+        split = f"{c['drafter']:.1f} / {c['verify']:.1f} / {c['rest']:.1f}" if "step" in c else "-"
+        km = r["k_auto_measured"]
+        kcmp = f"k={r['k_auto']}: {km['point']:.2f}x [{km['low']:.2f}, {km['high']:.2f}]" if km else f"k={r['k_auto']} (= block - 1)"
+        print(f"| {i} ({r['arm']}) | {r['wall_s']:.0f} s | {t['none']:.1f} / {t['ngram']:.1f} / "
+              f"{t[r['served']]:.1f} (k={r['k_auto']}) | {_iv(r['vs_none'])} | {_iv(r['vs_ngram'])} | "
+              f"{r['predicted_vs_none'] or 0:.2f}x | {split} | {kcmp} | {r['idle_engines']['cpu_s']:.2f} s of "
+              f"{r['idle_engines']['timed_s']:.0f} s |", file=sys.stderr)
+    for key, c in checks.items():
+        print(f"{key}: intervals overlap: {c['overlap']}; largest half-width {c['max_half_width']:.3f} "
+              f"(goal <= 0.05); decided: {', '.join(c['decided'])}", file=sys.stderr)
+    print(json.dumps({"run": str(run), "prompts": len(steps), "rounds": rounds, "verdicts": rows, "checks": checks}))
+
+
+if __name__ == "__main__":
+    main()

