@@ -103,7 +103,12 @@ def run(a) -> int:
     if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
         from ..analysis.report import print_summary
         print_summary(s, cfg.out)
-    return 130 if s.get("interrupted") else 0  # interrupted (Ctrl-C) but saved: scripts can tell
+    if s.get("interrupted"):
+        return 130  # interrupted (Ctrl-C) but saved: scripts can tell
+    if s.get("engine") is not None:  # eval.engine: a failed verdict is exit 3, said on the console
+        from ..engine.verdict import verdict_exit
+        return verdict_exit(s)
+    return 0
 
 
 def load_data(cfg) -> None:
