@@ -30,7 +30,8 @@ and files written without following a symbolic link.
 - `scratch_dir(kind)`: a private temp dir, `TMP/dflash-UID/KIND-PID-XXXX`, owned by this
   process through a lock (flock) the kernel lets go of however we end. A later scratch_dir
   sweeps the dirs whose owner is gone: what a SIGKILL left. `remove_scratch` when done,
-  `keep_scratch` to leave one for the user (a failure's log in it).
+  `keep_scratch` to leave one for the user (a failure's log in it): the newest
+  KEPT_PER_KIND of each kind are kept, older ones swept.
 
 Standard library only; the telemetry layer's own helper (otel never imports dflash), which
 dflash uses too.
@@ -386,7 +387,39 @@ def sweep_scratch() -> list[str]:
             swept.append(path)
         finally:
             os.close(fd)
-    return swept
+    return swept + _prune_kept(root)
+
+
+KEPT_PER_KIND = 5  # failures' scratch dirs (their logs) kept per kind: the newest, once their owner is gone
+
+
+def _prune_kept(root: str) -> list[str]:
+    """Kept dirs (`keep_scratch`: a failure's log, no owner file) beyond the newest
+    KEPT_PER_KIND of their kind, once their process is gone: removed. Without this every failed
+    serve or engine run kept its dir for good. A dir of a live process (it may be creating
+    its owner file this moment), links, other users' and names not ours stay."""
+    kept: dict[str, list] = {}
+    for name in os.listdir(root):
+        m = None if name.endswith(".owner") else _NAME.fullmatch(name)
+        path = os.path.join(root, name)
+        if m is None or path in _owned or os.path.lexists(path + ".owner"):
+            continue
+        try:
+            st = os.lstat(path)
+            os.kill(int(m["pid"]), 0)
+            continue  # its process lives
+        except ProcessLookupError:
+            pass
+        except (OSError, OverflowError):  # gone meanwhile, another user's process, no pid at all
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+            kept.setdefault(m["kind"], []).append((st.st_mtime, name, path))
+    pruned = []
+    for dirs in kept.values():
+        for _, _, path in sorted(dirs, reverse=True)[KEPT_PER_KIND:]:
+            shutil.rmtree(path, ignore_errors=True)
+            pruned.append(path)
+    return pruned
 
 
 def _disown(path) -> str:
@@ -408,7 +441,8 @@ def remove_scratch(path) -> None:
 
 
 def keep_scratch(path) -> None:
-    """A scratch dir left for the user (it holds a failure's log, named to them): never swept."""
+    """A scratch dir left for the user (it holds a failure's log, named to them): swept only
+    once KEPT_PER_KIND newer ones of its kind are kept, and its process is gone."""
     _disown(path)
 
 

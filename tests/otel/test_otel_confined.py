@@ -302,3 +302,27 @@ def test_a_grandchild_that_leaves_the_group_is_stopped_with_the_tree(tmp_path, h
         if grand is not None:
             for q in live([grand]):
                 q.kill()
+
+
+def test_kept_scratch_dirs_are_bounded_to_the_last_few_of_each_kind(tmp_path, monkeypatch):
+    """Issue 54: every failed `serve` and `eval --engine` kept its scratch dir (its log) for
+    good: 11 piled up in one pass. A sweep keeps the newest KEPT_PER_KIND of each kind whose
+    owner is gone; a kept dir of a live process, and what is not ours, stay."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    root = tmp_path / f"dflash-{os.getuid()}"
+    root.mkdir(mode=0o700)
+    dead, n = 4194305, confined.KEPT_PER_KIND
+    serves = [root / f"serve-{dead}-s{i}" for i in range(n + 3)]
+    for i, d in enumerate(serves):
+        d.mkdir()
+        (d / "vllm-serve.log").write_text("failed\n")
+        os.utime(d, (1_000_000 + i, 1_000_000 + i))  # oldest first
+    engines = [root / f"engine-{dead}-e{i}" for i in range(2)]
+    mine = root / f"serve-{os.getpid()}-live"  # kept by a process that still runs
+    other = root / "notes"
+    for d in (*engines, mine, other):
+        d.mkdir()
+    assert sorted(confined.sweep_scratch()) == sorted(map(str, serves[:3]))
+    assert sorted(p.name for p in root.iterdir()) == sorted(p.name for p in (*serves[3:], *engines, mine, other))
