@@ -269,7 +269,7 @@ def run(a) -> int:
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
     if getattr(a, "engine", None):
-        _check_engine(dirs, cfg, a.engine_ks)
+        _check_engine(dirs, cfg, a.engine_ks, a.engine_auto_k)
     if a.trackers:  # a drafter dir handed over never chooses where figures go (docs/failures.md)
         from ..trackers import check_eval_destination
         check_eval_destination(tracker_run_dir(dirs), a.trackers, repr(str(dirs[0].path)))
@@ -378,7 +378,7 @@ def run(a) -> int:
     return 0
 
 
-def _check_engine(dirs, cfg, ks=()) -> None:
+def _check_engine(dirs, cfg, ks=(), auto_k: bool = False) -> None:
     """What `--engine vllm` will need, checked before torch loads and before any engine runs
     (the none and ngram engines take minutes before a drafter's own): every drafter is one
     the engine can serve, at every --engine-k (``ks``) within its block, and the engine's copy
@@ -395,6 +395,12 @@ def _check_engine(dirs, cfg, ks=()) -> None:
         if err:
             raise ConfigError(err)
     check_engine_target(cfg.model.target, cfg.model.target_seed)
+    from ..engine.paired import check_memory
+
+    # the paired verdict keeps none, ngram and every drafter (at each k, and at its picked k) up at once:
+    # refused now, in one line, if they cannot fit together (the target's weights counted once it is local)
+    per_drafter = max(1, len(ks)) + (1 if auto_k else 0)
+    check_memory(cfg.model.target, [None, None] + [str(d.path) for d in dirs for _ in range(per_drafter)])
 
 
 def _flat_steps(res: dict) -> list[dict]:

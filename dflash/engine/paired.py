@@ -36,8 +36,9 @@ from .runner import EngineError, EngineFailed
 
 KV_CACHE_GIB = 1
 # three interpreters per engine with torch and vLLM imported (ours, EngineCore, the model
-# worker), beside the weights and the KV cache: measured (PSS) on tiny-qwen3 in the engine tier
-BASE_GIB = 1.5
+# worker), beside the weights and the KV cache: a tiny-qwen3 engine (65 MB of weights, a 1 GiB
+# KV cache) measured 3.07 GiB of PSS in the engine tier (its JSON's memory_gib)
+BASE_GIB = 2.0
 READY_TIMEOUT_S = 1800.0
 REQUEST_TIMEOUT_S = 1800.0
 
@@ -131,7 +132,7 @@ def check_memory(target: str, exports: list[str | None], *, have: float | None =
     if have is not None and sum(need) > have:
         raise EngineError(f"the paired verdict keeps {len(need)} engines up at once, ~{sum(need):.1f} GiB "
                           f"({', '.join(f'{n:.1f}' for n in need)} GiB: weights, a {kv_gib()} GiB KV cache and "
-                          f"~{BASE_GIB} GiB of interpreters each), and {have:.1f} GiB is available: free memory, or "
+                          f"~{BASE_GIB:g} GiB of interpreters each), and {have:.1f} GiB is available: free memory, or "
                           f"serve fewer drafters or k values at a time")
 
 

@@ -96,7 +96,10 @@ def method_figures(res: dict, k: int | None, reference: list[list[int]], ours: d
     return fig
 
 
-ROUNDS = 2  # the demo's: 8 prompts x 2 rounds x 3-4 engines within its ~4 minutes (docs/serving.md)
+ROUNDS = 2  # eval.engine_rounds' default (docs/serving.md: prompts x rounds within the demo's minutes)
+# the profiler window: the first prompt, its first 32 tokens (tens of verify steps: the split's
+# shares settle well before; a whole reply would add seconds per engine to the verdict)
+PROFILE = {"op": "profile", "prompts": [0], "max_tokens": 32}
 
 
 def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list[dict], ngram_k: int,
@@ -110,7 +113,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     Paired and interleaved (engine/pairing.py, engine/paired.py): every engine up at once, each
     prompt asked of every engine back to back in an order rotated per prompt and round, over
     `rounds` rounds; each ratio with its 95% interval. `profile`: first a profiler window per
-    engine (the first prompt), the cost of a verify step split into the drafter, the target's
+    engine (PROFILE: the first prompt's first 32 tokens), the cost of a verify step split into the drafter, the target's
     verify and the rest. `auto_k`: the k those costs and our per-position acceptance say is
     fastest (engine/kchoice.py) served beside each drafter's k, and with `record_k` written
     into the export (an export dflash wrote) for `serve --k auto`."""
@@ -144,7 +147,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         if profile:
             for p in plan:
                 runner.note(f"{p['label']}: a profiler window on prompt 0")
-                costs[p["label"]] = pool.ask(p["label"], {"op": "profile", "prompts": [0]})
+                costs[p["label"]] = pool.ask(p["label"], PROFILE)
         for export in auto_exports:
             entries = [p for p in plan if p.get("export") == export]
             top = max(entries, key=lambda p: p["k"])
@@ -159,13 +162,15 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
             picks[export] = got | {"block_k": K, "per_position_acceptance": acc, "label_block": top["label"]}
             if got["k"] not in {p["k"] for p in entries}:
                 label = f"{top['label']} (k={got['k']}, auto)"
-                entry = top | {"label": label, "k": got["k"],
+                # our decoder drafted block_size - 1 a step: its accepted drafts are not this k's to
+                # compare with (a step that took more than k would be several here), so no "ours" row
+                entry = top | {"label": label, "k": got["k"], "steps": None,
                                "spec": top["spec"] | {"num_speculative_tokens": got["k"]}}
                 plan.append(entry)
                 results[label] = {"times": [[None] * rounds for _ in range(P)], "outputs": [None] * P,
                                   "spec": [None] * P, "rounds_equal": True}
                 pool.start([(label, entry["spec"])])
-                costs[label] = pool.ask(label, {"op": "profile", "prompts": [0]})
+                costs[label] = pool.ask(label, PROFILE)
             picks[export]["label"] = next((p["label"] for p in plan if p.get("export") == export
                                            and p["k"] == got["k"]), top["label"])
         labels = [p["label"] for p in plan]
@@ -176,7 +181,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
             for label in asked:
                 got = pool.ask(label, {"op": "generate", "i": i})
                 res = results[label]
-                res["times"][i][r] = got["wall_s"]
+                res["times"][i][r] = round(got["wall_s"], 4)  # as recorded: the intervals are computed from these
                 if res["outputs"][i] is None:
                     res["outputs"][i], res["spec"][i] = got["output"], got["spec"]
                 elif got["output"] != res["outputs"][i]:
@@ -204,7 +209,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         fig = method_figures(res, ks[label], reference, ours_by_label.get(label) if greedy else None)
         fig["k"] = ks[label]
         fig["rounds_equal"] = res["rounds_equal"] if greedy else None
-        fig["per_request_s"] = [[round(t, 4) for t in row] for row in res["times"]]
+        fig["per_request_s"] = res["times"]
         fig["memory_gib"] = ready[label].get("memory_gib")
         if not greedy:
             fig["lossless"] = None  # a property of the distribution at T > 0, not of one output
@@ -293,8 +298,10 @@ def _cost_split(methods: dict, costs: dict, results: dict) -> None:
             "drafter": round(c["draft_s"] * 1e3, 3), "rest": round(c["rest_s"] * 1e3, 3),
             "steps_profiled": c["steps"], "tokens_per_step": round(_tokens_per_step(results[label]), 4)}
         i0 = [t for t in results[label]["times"][0] if t is not None]
-        if i0 and c.get("wall_s"):
-            methods[label]["cost_per_step_ms"]["profiler_overhead"] = round(c["wall_s"] / (sum(i0) / len(i0)), 3)
+        n0 = len(results[label]["outputs"][0] or [])
+        if i0 and n0 and c.get("wall_s") and c.get("tokens"):  # seconds per token, profiled over unprofiled
+            methods[label]["cost_per_step_ms"]["profiler_overhead"] = round(
+                (c["wall_s"] / c["tokens"]) / (sum(i0) / len(i0) / n0), 3)
     for label, fig in methods.items():
         if label not in per:
             continue
@@ -434,7 +441,8 @@ def after_training(spec, summary: dict) -> dict | None:
                            ngram_k=k, batched=cfg.eval.engine_batched, eager=cfg.eval.engine_eager,
                            log_dir=logs, rounds=cfg.eval.engine_rounds, auto_k=True, record_k=True,
                            temperature=cfg.eval.temperature, seed=cfg.train.seed)
-    except runner.EngineFailed as e:  # the run's own results stand: reported, not fatal
+    except (runner.EngineFailed, runner.EngineError) as e:  # the run's own results stand: reported, not fatal
+        # (EngineError: the engines would not fit in memory together, said before any started)
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)
         return {"error": str(e)}
     print(table(v), file=sys.stderr)

@@ -20,7 +20,8 @@ Three more job kinds ("kind"; absent: the measurement below). For the paired ver
   (`socket`: its path; JSON lines both ways) until told to quit: first a line
   {"ready", "vllm_version", "load_s", "pid", "machine"}, then per request {"op": "generate",
   "i": prompt} -> {"wall_s", "tokens", "output", "spec"}, {"op": "batched"}, {"op": "profile",
-  "prompts": [i, ...]} (a torch-profiler window over those requests, read back into the time
+  "prompts": [i, ...], "max_tokens": n} (a torch-profiler window over those requests, each
+  cut to n tokens, read back into the time
   per verify step of the target's verify, the drafter and the rest), {"op": "quit"}.
 For the training pipeline:
 - "regenerate": every prompt in one `generate` call, greedy, `max_tokens` each, stopping
@@ -230,13 +231,14 @@ def _paired(job: dict) -> int:
               max_num_seqs=min(256, max(1, len(job["prompts"]))), **extra)
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job["prompts"]]
 
-    def params(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=int(job["max_tokens"][i]), ignore_eos=bool(job.get("ignore_eos", True)),
+    def params(i: int, cap: int | None = None) -> SamplingParams:
+        n = int(job["max_tokens"][i])
+        return SamplingParams(max_tokens=min(n, cap) if cap else n, ignore_eos=bool(job.get("ignore_eos", True)),
                               temperature=float(job.get("temperature", 0.0)))
 
-    def one(i: int) -> dict:
+    def one(i: int, cap: int | None = None) -> dict:
         t = time.perf_counter()
-        out = llm.generate([prompts[i]], params(i), use_tqdm=False)[0].outputs[0]
+        out = llm.generate([prompts[i]], params(i, cap), use_tqdm=False)[0].outputs[0]
         wall = time.perf_counter() - t
         return {"wall_s": wall, "tokens": len(out.token_ids), "output": list(out.token_ids),
                 "spec": _spec_record(out) if spec else None}
@@ -265,7 +267,9 @@ def _paired(job: dict) -> int:
                   "tokens": sum(len(o.outputs[0].token_ids) for o in outs)})
         elif op == "profile":
             try:
-                send(_profile_window(llm, prof_dir, [int(i) for i in msg["prompts"]], one))
+                cap = msg.get("max_tokens")
+                send(_profile_window(llm, prof_dir, [int(i) for i in msg["prompts"]],
+                                     lambda i: one(i, int(cap) if cap else None)))
             except Exception as e:  # the split is an explanation, not the verdict: said, not fatal
                 send({"unavailable": f"the profiler window failed: {e!r}"[:300]})
         elif op == "quit":

@@ -29,7 +29,7 @@ def test_the_verdict_after_training_takes_the_first_engine_prompts(tmp_path, mon
     monkeypatch.setattr(verdict, "engine_verdict", lambda **kw: seen.update(kw) or {"methods": {}})
     monkeypatch.setattr(verdict, "table", lambda v: "")
     cfg = load_config(None, ["eval.engine=vllm", "eval.engine_prompts=2", "eval.engine_batched=false",
-                             "eval.engine_eager=true", "model.target=tiny-qwen3"])
+                             "eval.engine_eager=true", "eval.engine_rounds=3", "model.target=tiny-qwen3"])
     steps = [{"prompt_ids": [i], "output_ids": [1, 2], "acceptance_lengths": [1, 2]} for i in range(5)]
     summary = {"eval_after": {"per_prompt_steps": steps, "block_size": 4, "dtype": "float32"},
                "export": {"out": str(tmp_path / "export")}}
@@ -37,6 +37,8 @@ def test_the_verdict_after_training_takes_the_first_engine_prompts(tmp_path, mon
     verdict.after_training(SimpleNamespace(cfg=cfg, out=tmp_path), summary)
     assert seen["steps"] == steps[:2] and seen["drafters"][0]["steps"] == steps[:2]
     assert seen["batched"] is False and seen["eager"] is True
+    # the paired verdict: its rounds, k picked from the measurements and recorded in OUT/export (issue 55)
+    assert seen["rounds"] == 3 and seen["auto_k"] is True and seen["record_k"] is True
 
 
 def _verdict(lossless=True, within=2, prompts=2):

@@ -72,3 +72,20 @@ def test_bad_shapes_are_refused():
 def test_console_form():
     assert fmt({"point": 1.0712, "low": 1.031, "high": 1.1149}) == "1.07x [1.03, 1.11]"
     assert fmt(0.913) == "0.91x" and fmt(None) == "-"
+
+
+def test_engines_that_cannot_fit_together_are_refused_in_one_line(tmp_path, monkeypatch):
+    """The paired verdict keeps every engine up at once: the memory is checked before any starts."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # the verdict's own 1 GiB
+    from dflash.engine.paired import BASE_GIB, check_memory, need_gib
+    from dflash.engine.runner import EngineError
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "model.safetensors").write_bytes(b"\0" * (1 << 20))
+    need = need_gib(str(tmp_path / "no-such-target"), [None, None, str(export)])
+    assert need[0] == need[1] == BASE_GIB + 1 and need[2] == round(BASE_GIB + 1 + 1 / 1024, 2)
+    check_memory("tiny-qwen3", [None, None, str(export)], have=sum(need) + 0.1)
+    with pytest.raises(EngineError) as e:
+        check_memory("tiny-qwen3", [None, None, str(export)], have=sum(need) - 0.5)
+    assert "keeps 3 engines up at once" in str(e.value) and "\n" not in str(e.value)
