@@ -34,6 +34,7 @@ def main() -> None:
     args = ap.parse_args()
     from dflash.config import load_config
     from dflash.engine.targets import engine_target
+    from dflash.engine.machine import describe
     from dflash.engine.verdict import engine_verdict
 
     run = Path(args.run)
@@ -65,11 +66,12 @@ def main() -> None:
                "drafter_vs_ngram": m["drafter"]["speedup_vs_ngram"]["concurrency_1"],
                "ngram_vs_none": m["ngram"]["speedup_vs_none"]["concurrency_1"],
                "tau_per_step": {x: m[x].get("tau_per_step") for x in ("ngram", "drafter")},
-               "lossless": all(m[x]["lossless"] for x in m)}
+               "lossless": all(m[x]["lossless"] for x in m), "machine": v.get("machine")}
         out[mode] = row
         print(f"{mode}: verdict {row['wall_s']:.0f} s; starts {row['load_s']}; tok/s {row['tokens_per_s']}; "
               f"drafter {row['drafter_vs_none']:.2f}x none, {row['drafter_vs_ngram']:.2f}x ngram; "
-              f"ngram {row['ngram_vs_none']:.2f}x none; lossless {row['lossless']}", file=sys.stderr, flush=True)
+              f"ngram {row['ngram_vs_none']:.2f}x none; lossless {row['lossless']}; machine: "
+              f"{describe(row['machine'])}", file=sys.stderr, flush=True)
     print(json.dumps({"run": str(run), "prompts": len(steps), "modes": out}))
 
 

@@ -37,6 +37,8 @@ def _ratio(sp: dict | None) -> dict | None:
 def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None,
                  date: str | None = None) -> dict:
     """The record of one demo run from its summary.json."""
+    from ..engine.machine import host
+
     after = summary.get("eval_after") or {}
     base = after.get("baseline") or {}
     data = summary.get("data") or {}
@@ -49,7 +51,7 @@ def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None
            "tau": {"prompts": after.get("prompts"),
                    "drafter": {"per_step": after.get("tau_per_step"), "per_prompt": after.get("acceptance_length")},
                    "prompt_lookup": {"per_step": base.get("tau_per_step"), "per_prompt": base.get("acceptance_length")}},
-           "verdict": None, "machine": None}
+           "verdict": None, "machine": host()}  # no verdict: this machine all the same (its figures are its)
     v = summary.get("engine")
     if v and "methods" in v:
         label = next(k for k in v["methods"] if k not in ("none", "ngram") and not k.endswith(", auto)"))
@@ -68,7 +70,7 @@ def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None
             "drafter_vs_ngram": _ratio(m[served].get("speedup_vs_ngram")),
             "predicted_vs_none": m[served].get("predicted_speedup_vs_none"),
             "tau_per_step_vllm": m[served].get("tau_per_step"), "lossless": m[served].get("lossless")}
-        rec["machine"] = v.get("machine")
+        rec["machine"] = v.get("machine") or rec["machine"]
     return rec
 
 

@@ -26,6 +26,8 @@ def test_each_record_is_one_dated_run_on_a_named_machine():
         assert r["command"].startswith("make ") and r["wall_s"] > 0 and r["tau"]["drafter"]["per_step"] > 1
         assert r["machine"] and r["machine"].get("vllm_kernels") in ("_C", "_C_AVX512", "_C_AVX2"), r["name"]
         v = r["verdict"]
+        if v is None:  # a demo run where no engine was set up: its taus and wall, no served speed
+            continue
         for key in ("drafter_vs_none", "drafter_vs_ngram"):
             if v[key]["interval"] is not None:  # a paired verdict: the point inside its interval
                 lo, hi = v[key]["interval"]
