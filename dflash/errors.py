@@ -195,7 +195,11 @@ class Interrupted(KeyboardInterrupt):
 
 
 def _raise(signum, frame):
-    raise Interrupted()
+    try:  # the signal's name: what the run's open phase is marked with (dflash/phases.py)
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    raise Interrupted(name)
 
 
 def raise_on_sigterm() -> None:

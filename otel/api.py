@@ -44,6 +44,19 @@ class TelemetryAPI(Protocol):
 
     def prepare_cuda(self, pool_size=None, factory=None, devices=()) -> None: ...
 
+    def phase(self, name, parent=None, **attrs) -> StageHandle:
+        """A span of the run's own trace (loading, data, evals: the run's long steps)."""
+
+    def record_phase(self, name, t0_ns, t1_ns, parent=None, error=None, **attrs) -> int: ...
+
+    def traceparent(self) -> str: ...
+
+    def end_run(self, error=None) -> None: ...
+
+    def phase_table(self) -> str: ...
+
+    def begin_profile(self) -> None: ...
+
     def summary(self) -> dict: ...
 
     def profile_table(self) -> str: ...
@@ -92,6 +105,21 @@ class NullStage:
 
     def event(self, name: str, **attrs) -> None:
         pass
+
+
+class NullPhase(NullStage):
+    """The disabled layer's phase: names an exception leaving it, takes progress, and hands
+    a child the trace context this process was given (if any)."""
+
+    __slots__ = ()
+
+    def progress(self, done, total=None) -> None:
+        pass
+
+    @property
+    def traceparent(self) -> str:
+        import os
+        return os.environ.get("TRACEPARENT", "")
 
 
 class NullStages(dict):
@@ -143,6 +171,25 @@ class DisabledTelemetry:
         pass
 
     def prepare_cuda(self, pool_size=None, factory=None, devices=()):
+        pass
+
+    def phase(self, name, parent=None, **attrs):
+        return NullPhase(name)
+
+    def record_phase(self, name, t0_ns, t1_ns, parent=None, error=None, **attrs) -> int:
+        return 0
+
+    def traceparent(self) -> str:
+        import os
+        return os.environ.get("TRACEPARENT", "")
+
+    def end_run(self, error=None) -> None:
+        pass
+
+    def phase_table(self) -> str:
+        return "telemetry disabled"
+
+    def begin_profile(self) -> None:
         pass
 
     def summary(self) -> dict:

@@ -42,6 +42,9 @@ class ExportConfig:
     wait_attributes: tuple = WAIT_ATTRIBUTES
     console_interval_s: float = 0.0  # 0: no periodic console table
     gpu_devices: Optional[list] = None   # otel.producer.devices.resolve_devices(...)
+    # (trace id, span id) of the run's root span: every per-key root span links to it, so a
+    # batch trace leads to the run it belongs to (otel/producer/phases.py)
+    run_link: Optional[tuple] = None
     gpu_interval_s: float = 1.0
 
     @property

@@ -226,3 +226,14 @@ def lookup_steps_from_output(prompt: list[int], out: list[int], max_new: int, bl
         if any(t in eos for t in kept):
             break
     return steps
+
+
+def steps_started(run) -> bool:
+    """A run's stage spans are on disk: its steps have begun (the set-up's own phases are written
+    before that, dflash/phases.py, so a telemetry file alone no longer says training started)."""
+    from otel import read_spans
+
+    for f in sorted((Path(run) / "telemetry").rglob("traces.jsonl")):
+        if any((s.get("attributes") or {}).get("worker") for s in read_spans(str(f))):
+            return True
+    return False

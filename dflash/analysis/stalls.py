@@ -268,6 +268,13 @@ def _top_stalls(segments, t0, top):
 
 
 def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, source="") -> dict:
+    from .startup import startup
+
+    start = startup(spans)
+    if not any(worker_of(s) is not None for s in spans):  # stopped before its first step: the start-up alone
+        return {"run_id": run_id, "source": source, "ranks": len((start or {}).get("ranks") or []), "by_role": {},
+                "balance": None, "window_s": None, "wall_s": (start or {}).get("wall_s") or 0.0, "workers": [],
+                "critical_path": None, "top_stalls": [], "startup": start}
     snap, segments = attribute(spans, window, rules)
     t0 = run_start_ns(spans)
     roles = {}
@@ -290,7 +297,7 @@ def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, 
             "window_s": list(window) if window else None,
             "wall_s": (max(s["end_ns"] for s in spans) - t0) / 1e9,
             "workers": workers, "critical_path": _typical_step(spans, t0),
-            "top_stalls": _top_stalls(segments, t0, top)}
+            "top_stalls": _top_stalls(segments, t0, top), "startup": start}
 
 
 def _by_role(workers) -> dict:
@@ -355,6 +362,8 @@ def format_report(rep: dict) -> str:
                      f"{s['start_s']:>8.2f}s  {s['trace_id']}")
     if not rep["top_stalls"]:
         lines.append("  (none)")
+    from .startup import format_startup
+    lines += format_startup(rep.get("startup"))
     return "\n".join(lines)
 
 
@@ -365,6 +374,6 @@ def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None, l
     else:
         spans, source = load_run(run_dir), f"{run_dir}"
     rid, spans = select_run(spans, run_id)
-    if not any(worker_of(s) is not None for s in spans):
+    if not any(worker_of(s) is not None or (s.get("attributes") or {}).get("otel.kind") for s in spans):
         raise ConfigError(f"{source}: no stage spans (spans without a worker attribute only)")
     return rid, spans, source

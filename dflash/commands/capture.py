@@ -37,10 +37,46 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..config import load_config
+    from .. import phases
+
+    with phases.phase("check_inputs"):  # recorded in the capture's trace once its telemetry starts
+        cfg = _checked_config(a)
+    with phases.phase("read_data"):
+        from .train import load_data
+        load_data(cfg)
+    if a.resume:
+        check_resumable(cfg.out)
     from ..preflight import run_dir
+    rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+    with phases.phase("claim_run_dir"):
+        out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite, by="dflash capture")
+        if rank == 0:  # before the ranks meet: no rank writes yet
+            if a.overwrite:
+                clear_earlier_capture(out)
+            elif a.resume:
+                _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
+    a.phase = "capture"
+    with phases.phase("import_torch"):
+        from ..offline.capture import capture
+        from ..run.distributed import early_run_id
+    # the capture's telemetry: FEATS/telemetry (per rank under torchrun), the ranks in one trace
+    phases.start("capture", file_dir=str(out / "telemetry" / (f"rank{rank}" if world > 1 else "")),
+                 run_id=early_run_id(world), argv=a.argv, enabled=cfg.telemetry.enabled, rank=rank, world=world,
+                 mode=cfg.telemetry.mode)
+
+    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume, engine=a.engine)
+    if index:
+        print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
+              f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
+              f"{index['key']['dtype']}) -> {out}\n"
+              f"train from it: dflash train --features {shlex.quote(str(out))} --out RUN")
+    return 0
+
+
+def _checked_config(a):
+    """The capture's config, every input checked (one line, exit 2) before torch loads."""
+    from ..config import load_config
     from ..preflight.launch_checks import check_target, check_torchrun_env
-    from .train import load_data
 
     if a.shard_mb < 1:
         raise ConfigError(f"--shard-mb={a.shard_mb}: expected an integer >= 1")
@@ -53,7 +89,7 @@ def run(a) -> int:
                                           "pipeline.drafter_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
-    if needs_target_distribution(cfg.train.loss) and not cfg.train.kl_topk:
+    if needs_target_distribution(cfg.train.loss, cfg.model.arch) and not cfg.train.kl_topk:
         raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
                           "set train.kl_topk=K (6 bytes a token each)")
@@ -70,25 +106,7 @@ def run(a) -> int:
     from ..preflight.devices import check_devices
     check_devices({"pipeline.target_devices": cfg.pipeline.target_devices})  # a capture trains no drafter
     check_target(cfg)
-    load_data(cfg)
-    if a.resume:
-        check_resumable(cfg.out)
-    out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite, by="dflash capture")
-    if os.environ.get("RANK", "0") in ("", "0"):  # before the ranks meet: no rank writes yet
-        if a.overwrite:
-            clear_earlier_capture(out)
-        elif a.resume:
-            _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
-    a.phase = "capture"
-    from ..offline.capture import capture
-
-    index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume, engine=a.engine)
-    if index:
-        print(f"captured {index['samples']} samples, {index['tokens']} tokens, {index['bytes'] / 1e6:.1f} MB "
-              f"({index['bytes_per_token']:.0f} bytes/token; layers {index['key']['layer_ids']}, "
-              f"{index['key']['dtype']}) -> {out}\n"
-              f"train from it: dflash train --features {shlex.quote(str(out))} --out RUN")
-    return 0
+    return cfg
 
 
 def check_vllm_capture(cfg) -> None:
@@ -96,7 +114,7 @@ def check_vllm_capture(cfg) -> None:
     venv (EngineError, exit 2, when there is none)."""
     from ..engine.runner import engine_python
 
-    if needs_target_distribution(cfg.train.loss):
+    if needs_target_distribution(cfg.train.loss, cfg.model.arch):
         raise ConfigError(f"--engine vllm with train.loss={cfg.train.loss}: vLLM's hidden-state extraction gives "
                           "no next-token log-probs; capture with --engine hf")
     engine_python()
@@ -132,12 +150,16 @@ def check_resumable(out: str) -> None:
 
 
 def clear_earlier_capture(out: Path) -> None:
-    """--overwrite: remove an earlier capture's files by name; a user's file stays."""
-    _remove(out, (INDEX, SHARD_GLOB, PART_GLOB, f".{SHARD_GLOB}.tmp*", f".{INDEX}.tmp*", f"{TARGET_DIR}/config.json"))
-    try:
-        (out / TARGET_DIR).rmdir()
-    except OSError:
-        pass
+    """--overwrite: remove an earlier capture's files by name (its telemetry too); a user's
+    file stays."""
+    _remove(out, (INDEX, SHARD_GLOB, PART_GLOB, f".{SHARD_GLOB}.tmp*", f".{INDEX}.tmp*", f"{TARGET_DIR}/config.json",
+                  "telemetry/traces.jsonl", "telemetry/metrics.jsonl", "telemetry/rank*/traces.jsonl",
+                  "telemetry/rank*/metrics.jsonl"))
+    for d in [*sorted(out.glob("telemetry/rank*")), out / "telemetry", out / TARGET_DIR]:
+        try:
+            d.rmdir()  # only once empty: a user's file in it keeps it
+        except OSError:
+            pass
 
 
 def _remove(out: Path, patterns) -> None:

@@ -22,27 +22,36 @@ def add_parser(sub) -> None:
     i.add_argument("--records", type=int, default=10_000, help="read at most this many records (default 10,000)")
     i.add_argument("--examples", type=int, default=3, help="rendered examples (default 3)")
     i.add_argument("--json", action="store_true", help="last line: one JSON object")
+    from ..phases import add_telemetry_flag
+    add_telemetry_flag(i)
 
 
 def run(a) -> int:
+    from .. import phases
     from ..data import chat_template
     from ..data import conversations as C
     from ..data.inspect import format_report, inspect
     from ..preflight.inputs import check_dataset_path, check_target_spec, data_files
 
-    for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
-        if v < lo:
-            raise ConfigError(f"{name}={v}: expected an integer >= {lo}")
-    kwargs = _template_kwargs(a.chat_template_kwargs)
-    # before the tokenizer (and torch) loads
-    chat_template.check(a.chat_template, kwargs)
-    check_dataset_path(a.path)
-    check_target_spec(a.target, probe_hub=True)
-    records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
-    from ..model.target import load_tokenizer  # transformers (and torch): only once the input is good
-
-    report = inspect(records, load_tokenizer(a.target), target=a.target, max_len=a.max_len, examples=a.examples,
-                     chat_template=a.chat_template, chat_template_kwargs=kwargs)
+    with phases.phase("check_inputs"):  # before the tokenizer (and torch) loads
+        for name, v, lo in (("--max-len", a.max_len, 2), ("--records", a.records, 1), ("--examples", a.examples, 0)):
+            if v < lo:
+                raise ConfigError(f"{name}={v}: expected an integer >= {lo}")
+        phases.check_telemetry_dir(a.telemetry_dir)
+        kwargs = _template_kwargs(a.chat_template_kwargs)
+        chat_template.check(a.chat_template, kwargs)
+        check_dataset_path(a.path)
+        check_target_spec(a.target, probe_hub=True)
+    phases.start("data inspect", file_dir=a.telemetry_dir, argv=a.argv)
+    with phases.phase("read_records") as ph:
+        records = [r for p in data_files(a.path) for r in _take(C._iter_records(p), a.records)][:a.records]
+        ph.set(records=len(records))
+    with phases.phase("load_tokenizer", target=a.target):
+        from ..model.target import load_tokenizer  # transformers (and torch): only once the input is good
+        tok = load_tokenizer(a.target)
+    with phases.phase("inspect", records=len(records)):
+        report = inspect(records, tok, target=a.target, max_len=a.max_len, examples=a.examples,
+                         chat_template=a.chat_template, chat_template_kwargs=kwargs)
     report["path"] = a.path
     print(format_report(report))
     if a.json:

@@ -69,6 +69,8 @@ def add_parser(sub) -> None:
                         "eval.engine_rounds, 2); the intervals are over prompts and rounds")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
+    from ..phases import add_telemetry_flag
+    add_telemetry_flag(e)
     e.add_argument("--engine-eager", action="store_true",
                    help="with --engine: vLLM without torch.compile (enforce_eager: each engine starts minutes "
                         "sooner on a CPU and decodes slower, every method alike)")
@@ -265,7 +267,21 @@ def _leaks(dirs, sets) -> list[str]:
 
 
 def run(a) -> int:
+    from .. import phases
+
+    with phases.phase("check_inputs"):  # the eval's trace (dflash/phases.py) records it once it starts
+        file_sets, dirs, owner, cfg = _checked(a)
+    phases.start("eval", file_dir=a.telemetry_dir, argv=a.argv)
+    a.phase = "eval set-up"
+    return _run(a, file_sets, dirs, owner, cfg)
+
+
+def _checked(a):
+    """Everything but the drafters' shapes, checked before torch loads (one line, exit 2)."""
+    from .. import phases
+
     _check_args(a)
+    phases.check_telemetry_dir(a.telemetry_dir)
     file_sets = _file_sets(a)
     dirs, owner, cfg = _plan(a)
     if getattr(a, "engine", None):
@@ -277,14 +293,20 @@ def run(a) -> int:
 
     # a hub id that does not exist or cannot be reached: one line now, not after a minute
     check_target_spec(cfg.model.target, probe_hub=True)
-    a.phase = "eval set-up"
-    import torch
+    return file_sets, dirs, owner, cfg
 
-    from ..checkpoint import drafter_dirs
-    from ..config import resolve_dtype
-    from ..data import chat_template
-    from ..decode.evaluate import evaluate
-    from ..model.target import load_target
+
+def _run(a, file_sets, dirs, owner, cfg) -> int:
+    from .. import phases
+
+    with phases.phase("import_torch"):
+        import torch
+
+        from ..checkpoint import drafter_dirs
+        from ..config import resolve_dtype
+        from ..data import chat_template
+        from ..decode.evaluate import evaluate
+        from ..model.target import load_target
 
     e = cfg.eval
     notes = []  # where the prompts came from, and leaks: said once the drafters are known to fit
@@ -307,14 +329,16 @@ def run(a) -> int:
     run_cfg = owner.run_config if owner is not None and owner.kind == "checkpoint" else {}
     dev = (run_cfg.get("pipeline", {}).get("target_devices") or ["cpu"])[0]
     dev = dev if dev.startswith("cuda") and torch.cuda.is_available() else "cpu"
-    target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
-                              dtype=resolve_dtype(cfg, dev))
+    with phases.phase("load_target", target=cfg.model.target, device=dev):
+        target, tok = load_target(cfg.model.target, seed=cfg.model.target_seed, device=dev,
+                                  dtype=resolve_dtype(cfg, dev))
     chat_template.configure_from(tok, cfg.data)  # the run's data.chat_template(_kwargs): its prompts
     drafters = []
     for d in dirs:  # every one is checked against the target before any is evaluated
         drafter_dirs.check_fits(drafter_dirs.fields(d), f"--checkpoint {str(d.path)!r}", target=target,
                                 draft_token_max=d.draft_token_max)
-        drafter = drafter_dirs.load(d, device=dev)
+        with phases.phase("load_drafter", checkpoint=str(d.path), format=d.kind):
+            drafter = drafter_dirs.load(d, device=dev)
         drafter.use_copy = not a.no_copy_head
         if getattr(a, "engine", None) and drafter.copy is not None and drafter.use_copy:
             drafter.use_copy = False  # an engine serves the drafter alone: score what it serves
@@ -330,11 +354,15 @@ def run(a) -> int:
             for ps in sets:
                 key = (ps.name, drafter.cfg.block_size)
                 reuse = e.temperature == 0 and key in baselines  # deterministic: the same decode again
-                res = evaluate(target, drafter, tok, [], prompts=len(ps.dialogs),
-                               max_new_tokens=a.max_new_tokens or e.max_new_tokens, max_prompt_len=e.max_prompt_len,
-                               check_lossless=not a.no_lossless_check, temperature=e.temperature, top_p=e.top_p,
-                               top_k=e.top_k, seed=a.seed if a.seed is not None else cfg.train.seed, prompt_set=ps,
-                               baseline="none" if reuse else e.baseline, stop=stop)
+                with phases.phase("eval_drafter", checkpoint=str(d.path), prompt_set=ps.name,
+                                  prompts=len(ps.dialogs)) as ph:
+                    res = evaluate(target, drafter, tok, [], prompts=len(ps.dialogs),
+                                   max_new_tokens=a.max_new_tokens or e.max_new_tokens,
+                                   max_prompt_len=e.max_prompt_len, check_lossless=not a.no_lossless_check,
+                                   temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
+                                   seed=a.seed if a.seed is not None else cfg.train.seed, prompt_set=ps,
+                                   baseline="none" if reuse else e.baseline, stop=stop)
+                    ph.set(tau_per_step=res.get("tau_per_step"), interrupted=bool(res.get("interrupted")))
                 if reuse:
                     res["baseline"] = baselines[key]
                 elif "baseline" in res and not stop.is_set():
@@ -355,7 +383,8 @@ def run(a) -> int:
         a.phase = "engine"
         from ..engine.runner import EngineFailed
         try:
-            verdict = _engine(a, cfg, dirs, drafters, results, target.config, stop)
+            with phases.phase("engine_verdict"):
+                verdict = _engine(a, cfg, dirs, drafters, results, target.config, stop)
         except EngineFailed as e:
             print(f"dflash eval: --engine: {e}", file=sys.stderr)
             return 130 if stop.is_set() else 1

@@ -14,14 +14,22 @@ def add_parser(sub) -> None:
                    help="export a drafter that has a copy head without it (the format cannot carry one)")
     x.add_argument("--overwrite", action="store_true",
                    help="replace an earlier dflash export in --out (never a drafter dflash did not write)")
+    from ..phases import add_telemetry_flag
+    add_telemetry_flag(x)
 
 
 def run(a) -> int:
-    from ..checkpoint.export import check_request, export_checkpoint
+    from .. import phases
+    from ..checkpoint.export import check_request
 
-    check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head, overwrite=a.overwrite)  # before torch
-    res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head,
-                            overwrite=a.overwrite)
+    with phases.phase("check_inputs"):  # before torch; in the trace once it starts (dflash/phases.py)
+        phases.check_telemetry_dir(a.telemetry_dir)
+        check_request(a.checkpoint, a.out, without_copy_head=a.without_copy_head, overwrite=a.overwrite)
+    phases.start("export", file_dir=a.telemetry_dir, argv=a.argv)
+    from ..checkpoint.export import export_checkpoint  # (torch: imported inside the export phase)
+    with phases.phase("export", checkpoint=a.checkpoint, out=a.out, dtype=a.dtype):
+        res = export_checkpoint(a.checkpoint, a.out, dtype=a.dtype, without_copy_head=a.without_copy_head,
+                                overwrite=a.overwrite)
     print(f"exported {a.checkpoint} -> {res['out']} ({res['dtype']}, {res['bytes'] / 1e6:.2f} MB of weights)")
     if res["without_copy_head"]:
         tau = res["tau_no_copy_estimate"]

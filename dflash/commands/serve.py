@@ -26,14 +26,40 @@ def add_parser(sub) -> None:
                         "OTEL_EXPORTER_OTLP_ENDPOINT if set)")
     s.add_argument("--log", metavar="FILE", help="vLLM's own log (default: a temp file, named on start)")
     s.add_argument("--ready-timeout", type=float, default=900.0, metavar="SECONDS")
+    from ..phases import add_telemetry_flag
+    add_telemetry_flag(s)
 
 
 def run(a) -> int:
+    from .. import phases
+
+    with phases.phase("check_inputs"):  # in the trace once it starts (dflash/phases.py)
+        _check(a)
+    phases.start("serve", file_dir=a.telemetry_dir, argv=a.argv)
+    from ..engine import runner
+    from ..engine.serve import serve
+    a.phase = "serve"
+    try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
+        return serve(export=a.export, target_spec=a.target, target_seed=a.target_seed, port=a.port,
+                     k=a.k or a.have["block_size"] - 1,
+                     dtype=a.dtype, max_model_len=a.max_model_len, otlp=a.otlp, log=a.log,
+                     ready_timeout_s=a.ready_timeout)
+    except KeyboardInterrupt:
+        print("dflash serve: interrupted; the server is stopped", file=sys.stderr)
+        return 130
+    except runner.EngineFailed as e:
+        print(f"dflash serve: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _check(a) -> None:
+    """Every flag, the port, the target, the export: one line (exit 2) before vLLM starts."""
     import math
 
+    from .. import phases
     from ..config import MAX_SEED
     from ..engine import runner
-    from ..engine.serve import check_log, check_otlp, check_port, serve
+    from ..engine.serve import check_log, check_otlp, check_port
     from ..engine.targets import check_engine_target
     from ..errors import ConfigError
     from ..preflight.inputs import check_cache_dir, check_target_spec
@@ -53,6 +79,7 @@ def run(a) -> int:
     if not 0 <= a.target_seed <= MAX_SEED:  # as model.target_seed: what torch.manual_seed takes
         raise ConfigError(f"--target-seed={a.target_seed}: expected an integer >= 0 and <= {MAX_SEED}")
     check_otlp(a.otlp)
+    phases.check_telemetry_dir(a.telemetry_dir)
     check_port(a.port)
     check_log(a.log)
     check_target_spec(a.target, probe_hub=True)
@@ -62,18 +89,7 @@ def run(a) -> int:
     have, positions = check_drafter(a.export, a.target, a.k)
     a.k = have.get("served_k", a.k)  # --k auto: the export's measured k
     a.max_model_len = check_max_model_len(a.max_model_len, positions)
-    a.phase = "serve"
-    try:  # Ctrl-C and SIGTERM (cli.main makes it one) stop the server's whole process tree: 130
-        return serve(export=a.export, target_spec=a.target, target_seed=a.target_seed, port=a.port,
-                     k=a.k or have["block_size"] - 1,
-                     dtype=a.dtype, max_model_len=a.max_model_len, otlp=a.otlp, log=a.log,
-                     ready_timeout_s=a.ready_timeout)
-    except KeyboardInterrupt:
-        print("dflash serve: interrupted; the server is stopped", file=sys.stderr)
-        return 130
-    except runner.EngineFailed as e:
-        print(f"dflash serve: error: {e}", file=sys.stderr)
-        return 1
+    a.have = have
 
 
 def auto_k(export: str, block_size: int) -> int:

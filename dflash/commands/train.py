@@ -46,6 +46,48 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
+    from ..phases import phase
+
+    from ..phases import inject_delays
+
+    with phase("check_inputs"):  # the run's first phases: recorded once its telemetry starts
+        cfg = _checked_config(a)
+    inject_delays(cfg.pipeline.inject_delay, int(os.environ.get("RANK", "0") or 0))  # --inject-delay PHASE=S
+    if not cfg.data.features:  # training from a capture: the samples are in it
+        with phase("read_data") as ph:
+            load_data(cfg)
+            ph.set(conversations=cfg.data.num_conversations)
+    if a.resume:
+        with phase("check_resume"):
+            _check_resume(cfg)
+    from ..preflight import run_dir
+    with phase("claim_run_dir"):
+        out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
+        a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
+        if os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock tidies up
+            if a.overwrite:
+                run_dir.clear_earlier_run(out)
+            if a.resume:
+                from ..preflight.checkpoint_files import clean_stale_temps
+                clean_stale_temps(out / "checkpoint")
+    a.phase = "set-up"  # a signal before training starts: nothing to save yet
+    with phase("import_torch"):
+        from ..run.trainer import train  # torch and transformers: only once the input is known to be good
+
+    s = train(cfg, resume=a.resume, eval_before_after=a.eval, argv=a.argv)
+    if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
+        from ..analysis.report import print_summary
+        print_summary(s, cfg.out)
+    if s.get("interrupted"):
+        return 130  # interrupted (Ctrl-C) but saved: scripts can tell
+    if s.get("engine") is not None:  # eval.engine: a failed verdict is exit 3, said on the console
+        from ..engine.verdict import verdict_exit
+        return verdict_exit(s)
+    return 0
+
+
+def _checked_config(a):
+    """The run's config, every input checked (one line, exit 2) before torch loads."""
     from ..config import load_config, override
 
     flags = {"out": a.out, "model.target": a.target, "train.steps": a.steps, "train.seed": a.seed,
@@ -83,32 +125,7 @@ def run(a) -> int:
     check_devices({"pipeline.target_devices": cfg.pipeline.target_devices,
                    "pipeline.drafter_devices": cfg.pipeline.drafter_devices}, attention=cfg.train.attention)
     check_target(cfg)
-    if not cfg.data.features:  # training from a capture: the samples are in it
-        load_data(cfg)
-    if a.resume:
-        _check_resume(cfg)
-    from ..preflight import run_dir
-    out = run_dir.claim(cfg.out, resume=a.resume, overwrite=a.overwrite)  # locked until exit
-    a.resolved_out = cfg.out  # from here on an unexpected failure leaves OUT/error.txt
-    if os.environ.get("RANK", "0") in ("", "0"):  # the rank that holds the lock tidies up
-        if a.overwrite:
-            run_dir.clear_earlier_run(out)
-        if a.resume:
-            from ..preflight.checkpoint_files import clean_stale_temps
-            clean_stale_temps(out / "checkpoint")
-    a.phase = "set-up"  # a signal before training starts: nothing to save yet
-    from ..run.trainer import train  # torch and transformers: only once the input is known to be good
-
-    s = train(cfg, resume=a.resume, eval_before_after=a.eval)
-    if s.get("steps") is not None and s.get("lead", s.get("rank", 0) == 0):
-        from ..analysis.report import print_summary
-        print_summary(s, cfg.out)
-    if s.get("interrupted"):
-        return 130  # interrupted (Ctrl-C) but saved: scripts can tell
-    if s.get("engine") is not None:  # eval.engine: a failed verdict is exit 3, said on the console
-        from ..engine.verdict import verdict_exit
-        return verdict_exit(s)
-    return 0
+    return cfg
 
 
 def load_data(cfg) -> None:
@@ -150,7 +167,7 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
                           f"{shlex.quote(f'{asked.out}/checkpoint') if asked.out else 'OUT/checkpoint'}")
     key = idx["key"]
     t = asked.train
-    if needs_target_distribution(t.loss):  # the target's distribution comes from the capture: enough of it?
+    if needs_target_distribution(t.loss, asked.model.arch):  # the target's distribution comes from the capture: enough of it?
         have = idx.get("kl_topk") or 0
         if not have:
             raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from otel.confined import keep_scratch, remove_scratch, scratch_dir, stop_group
 
+from .. import phases
 from . import runner
 from .runner import EngineError, EngineFailed
 
@@ -164,6 +165,7 @@ class Engine:
         (self.work / "job.json").write_text(json.dumps(job))
         spec = job.get("speculative") or {}
         local = runner.is_local(job["target"]) and ("model" not in spec or runner.is_local(spec["model"]))
+        self.t_spawn_ns = time.perf_counter_ns()  # the run's trace: this engine's start, to its ready
         self.proc = runner.start(str(runner.WORKER), [str(self.work / "job.json"), str(self.work / "result.json")],
                                  log=self.log, env=engine_env(offline=local), cwd=self.work)
         self.conn = self.rfile = self.wfile = None
@@ -297,6 +299,10 @@ class Engines:
             e.frozen = [p for p in tree(int(e.ready["pid"])) if p != int(e.ready["pid"])] if self.do_freeze else []
             e.ready["memory_gib"] = pss_gib(e.pids)
             e.freeze()
+            # its start in the run's trace: from the spawn to the ready it stamped (epoch -> our clock)
+            ready = int(e.ready.get("ready_epoch_ns") or time.time_ns()) - (time.time_ns() - time.perf_counter_ns())
+            phases.record("engine_start", e.t_spawn_ns, max(ready, e.t_spawn_ns), engine=e.label,
+                          load_s=e.ready.get("load_s"), memory_gib=e.ready.get("memory_gib"))
 
     def ask(self, label: str, msg: dict) -> dict:
         """One request to one engine, the others idle (frozen): its answer, and the CPU the
@@ -307,8 +313,9 @@ class Engines:
         t0 = time.perf_counter()
         e.thaw()
         try:
-            e.send(msg)
-            got = e.recv(self.stop, REQUEST_TIMEOUT_S)
+            with phases.phase("engine_request", engine=label, op=str(msg.get("op")), prompt=msg.get("i", -1)):
+                e.send(msg)
+                got = e.recv(self.stop, REQUEST_TIMEOUT_S)
         finally:
             e.freeze()
         self.timed_s += time.perf_counter() - t0

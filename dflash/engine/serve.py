@@ -44,6 +44,7 @@ from pathlib import Path
 from otel.env_values import resource_attributes
 
 from ..errors import ConfigError
+from ..phases import phase
 from . import runner
 
 
@@ -234,7 +235,7 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
     target = engine_target(target_spec, target_seed)
     work = Path(runner.scratch_dir("serve"))
     log_path = Path(log).absolute() if log else work / "vllm-serve.log"  # opened as given: never resolve()
-    env = runner.engine_env(offline=runner.is_local(target))
+    env = runner.engine_env(offline=runner.is_local(target))  # TRACEPARENT included: the run's trace
     endpoint = otlp_endpoint(otlp)
     if endpoint:
         env.setdefault("OTEL_SERVICE_NAME", "dflash-serve")
@@ -249,10 +250,12 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
     try:
         print(f"dflash serve: starting vLLM (target {target_spec}, drafter {export}, k={k}); log: {log_path}",
               file=sys.stderr)
-        wait_ready(proc, url, log_path, ready_timeout_s)
+        with phase("engine_start", port=port, k=k, log=str(log_path)):
+            wait_ready(proc, url, log_path, ready_timeout_s)
         print(f"dflash serve: ready at {url}/v1 (OpenAI API; traces: {endpoint or 'off'})", flush=True)
         print(curl_line(url, name), flush=True)
-        proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
+        with phase("serving", url=f"{url}/v1"):
+            proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
         print(f"dflash serve: the server {runner.exited(proc.returncode, log_path)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -253,8 +253,9 @@ def _paired(job: dict) -> int:
         wfile.write(json.dumps(obj).encode() + b"\n")
         wfile.flush()
 
+    # ready_epoch_ns: when it was ready by its own clock (the parent reads several engines in turn)
     send({"ready": True, "vllm_version": vllm.__version__, "load_s": round(load_s, 2), "pid": os.getpid(),
-          "machine": _machine()})
+          "machine": _machine(), "ready_epoch_ns": time.time_ns()})
     for line in rfile:
         msg = json.loads(line)
         op = msg.get("op")

@@ -31,6 +31,7 @@ from ..errors import ConfigError
 from ..model import target as target_mod
 from ..preflight.inputs import arch_hash
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, check_positions
+from ..phases import phase
 from .feature_shards import SHARD_BYTES, ShardWriter, capture_id, data_fingerprint, index_entry, shards_on_disk
 
 
@@ -51,16 +52,18 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
         from datetime import timedelta
         # gloo, object collectives only (replies, shard lists, fingerprints); as patient as a
         # training run's set-up: a rank may wait there for the slowest regeneration shard
-        dist.init_process_group("gloo", timeout=timedelta(hours=6))
+        with phase("join_ranks", collective=True, world_size=world):
+            dist.init_process_group("gloo", timeout=timedelta(hours=6))
     device = local_device(cfg.pipeline.target_devices[0])
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
-    if engine == "vllm" and not (should_regenerate(cfg) and cfg.data.regen_engine == "hf"):
-        # vLLM runs the weights: here only what the data preparation reads (no weights in memory)
-        target, tok = target_mod.load_target_skeleton(cfg.model.target, dtype=dtype, seed=cfg.model.target_seed)
-    else:
-        target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype,
-                                             seed=cfg.model.target_seed)
+    with phase("load_target", target=cfg.model.target, dtype=str(dtype).removeprefix("torch.")):
+        if engine == "vllm" and not (should_regenerate(cfg) and cfg.data.regen_engine == "hf"):
+            # vLLM runs the weights: here only what the data preparation reads (no weights in memory)
+            target, tok = target_mod.load_target_skeleton(cfg.model.target, dtype=dtype, seed=cfg.model.target_seed)
+        else:
+            target, tok = target_mod.load_target(cfg.model.target, device=device, dtype=dtype,
+                                                 seed=cfg.model.target_seed)
     chat_template.configure_from(tok, cfg.data)  # the samples render as training would render them
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
@@ -71,7 +74,9 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     # computes anyway (model/features.py), so those samples need no second target pass here
     topk = kl_topk(cfg)
     reuse = world == 1 and engine == "hf" and not topk and should_regenerate(cfg) and cfg.data.regen_engine == "hf"
-    prep = prepare(cfg, target, tok, device=device, shard=shard, layer_ids=layer_ids if reuse else None)
+    with phase("prepare_data") as ph:
+        prep = prepare(cfg, target, tok, device=device, shard=shard, layer_ids=layer_ids if reuse else None)
+        ph.set(samples=len(prep.samples))
     samples, regen_feats = prep.samples, prep.features or {}
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
@@ -101,10 +106,14 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     writer = ShardWriter(out, rank, shard_bytes, capture=cid, first=first)
     t1 = time.perf_counter()
     outside, reused = None, 0
+    capturing = phase("capture", samples=len(mine), engine=engine)
+    capturing.__enter__()  # ended below, or by the run's end with its error (dflash/phases.py)
     if engine == "vllm" and mine:
         from ..engine import pipeline
-        outside = pipeline.hidden_states(cfg.model.target, cfg.model.target_seed, [samples[i].input_ids for i in mine],
-                                         layer_ids, dtype=str(dtype).removeprefix("torch."))
+        with phase("capture_engine", samples=len(mine)):
+            outside = pipeline.hidden_states(cfg.model.target, cfg.model.target_seed,
+                                             [samples[i].input_ids for i in mine], layer_ids,
+                                             dtype=str(dtype).removeprefix("torch."))
     for b in range(0, len(mine), bs):
         idx = mine[b:b + bs]
         batch = data_mod.collate([samples[i] for i in idx], tok.pad_token_id, b // bs)
@@ -128,14 +137,18 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
         for k, i in enumerate(idx):
             n = batch.lengths[k]
             writer.add(i, samples[i], feats[k, :n], kl=(dist[0][k, :n], dist[1][k, :n]) if topk else None)
+        capturing.progress(b + len(idx), len(mine))
     shards = writer.finish()
+    capturing.progress(len(mine), len(mine))
+    capturing.__exit__(None, None, None)
     took = time.perf_counter() - t1
     tokens = sum(s["tokens"] for s in shards)
     reuse_note = f"; {reused} with the features regeneration kept (no forward)" if reused else ""
     print(f"rank {rank}: captured {sum(s['samples'] for s in shards)} samples, {tokens} tokens in "
           f"{len(shards)} shard(s), {took:.1f} s ({tokens / max(took, 1e-9):.0f} tokens/s){reuse_note}",
           file=sys.stderr)
-    every = _gather((shards, mine), world)
+    with phase("gather_shards", collective=True):
+        every = _gather((shards, mine), world)
     if rank != 0:
         return {}
     all_shards = [index_entry(s) for s in kept] + [s for part, _ in every for s in part]
@@ -168,7 +181,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
 def kl_topk(cfg: Config) -> int:
     """How many of the target's most likely next tokens a capture keeps per token: the run's
     `train.kl_topk` when its loss needs the target's distribution, else none."""
-    return cfg.train.kl_topk if needs_target_distribution(cfg.train.loss) else 0
+    return cfg.train.kl_topk if needs_target_distribution(cfg.train.loss, cfg.model.arch) else 0
 
 
 def top_logprobs(target, last: torch.Tensor, k: int, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:

@@ -61,6 +61,7 @@ class ShardWriter:
         self.out, self.rank, self.shard_bytes = Path(out), rank, shard_bytes
         self.capture, self.first = capture, first
         self.shards: list[dict] = []
+        self._phase = None  # the run's "capture_shard" phase: from a shard's first sample to its file
         self._reset()
 
     def _reset(self):
@@ -73,6 +74,10 @@ class ShardWriter:
         n = len(sample)
         if feats.shape[0] != n:
             raise ValueError(f"sample {position}: {feats.shape[0]} feature rows for {n} tokens")
+        if self._phase is None:
+            from ..phases import phase
+            self._phase = phase("capture_shard", shard=self.first + len(self.shards))
+            self._phase.__enter__()
         if kl is not None:
             self._kl_logp.append(kl[0].contiguous())
             self._kl_ids.append(kl[1].contiguous())
@@ -102,6 +107,10 @@ class ShardWriter:
         self.shards.append({"file": name, "samples": len(self._pos), "tokens": int(lengths.sum()),
                             "bytes": (self.out / name).stat().st_size})
         self._reset()
+        if self._phase is not None:
+            self._phase.set(**{k: v for k, v in self.shards[-1].items()})
+            self._phase.__exit__(None, None, None)
+            self._phase = None
 
     def finish(self) -> list[dict]:
         self._flush()

@@ -17,7 +17,8 @@ def check_devices(named: dict[str, list[str]], *, attention: str | None = None) 
     cpu, cuda or cuda:N, and every CUDA one is a device torch can use here (`cuda` is this
     rank's, LOCAL_RANK's). ``attention``: train.attention, named in the message where flex
     is what asked for CUDA."""
-    from ..config import local_device
+    import os
+
     from ..errors import ConfigError
 
     for key, devs in named.items():
@@ -34,7 +35,8 @@ def check_devices(named: dict[str, list[str]], *, attention: str | None = None) 
         for d in devs:
             if not str(d).startswith("cuda"):
                 continue
-            index = int(local_device(d).partition(":")[2] or 0)
+            # plain `cuda` is this rank's GPU (LOCAL_RANK, as config.local_device says)
+            index = int(str(d).partition(":")[2] or (os.environ.get("LOCAL_RANK", "0") if d == "cuda" else 0))
             if index < count:
                 continue
             if count == 0:

@@ -65,6 +65,8 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     """
     from tqdm.auto import tqdm
 
+    from ..phases import phase
+
     t0 = time.perf_counter()
     prompts = [truncated_prompt(tokenizer, c, max_prompt_len) for c in convs]
     keys = [prompt_key(p[1]) for p in prompts]
@@ -81,7 +83,10 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
     eos, pad = _eos_ids(model, tokenizer), tokenizer.pad_token_id
     keep = features is not None and bool(layer_ids) and engine is None
     made: dict[str, list[int]] = {}
-    outside = engine([prompts[i][1] for i in mine], max_new_tokens, eos) if engine is not None and mine else None
+    outside = None
+    if engine is not None and mine:  # another engine (vLLM) generates this rank's share at once
+        with phase("regen_engine", replies=len(mine)):
+            outside = engine([prompts[i][1] for i in mine], max_new_tokens, eos)
     groups = [mine[b:b + batch_size] for b in range(0, len(mine), batch_size)]
 
     stop = threading.Event()  # set when this thread stops early: the workers' generate() calls end too
@@ -90,10 +95,16 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
         idx = groups[k]
         if outside is not None:
             return outside[k * batch_size:(k + 1) * batch_size], None
-        return _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens,
-                                     device, layer_ids if keep else None, stop=stop if workers > 1 else None)
+        with phase("regen_batch", batch=k, replies=len(idx)) as ph:  # a worker thread's: under "regenerate"
+            gens, feats = _generate_left_padded(model, [prompts[i][1] for i in idx], pad, eos, max_new_tokens,
+                                                device, layer_ids if keep else None,
+                                                stop=stop if workers > 1 else None)
+            ph.set(tokens=sum(len(g) for g in gens))
+        return gens, feats
 
-    with tqdm(total=len(mine), desc="regenerate", unit="conv", file=sys.stderr) as bar, \
+    with phase("regenerate", cached=len(done), total=len(first), to_generate=len(mine), batches=len(groups),
+               workers=workers, engine="vllm" if engine is not None else "hf") as regen_phase, \
+            tqdm(total=len(mine), desc="regenerate", unit="conv", file=sys.stderr) as bar, \
             _workers(workers if outside is None else 1, len(groups), stop) as run:
         for idx, (gens, feats) in zip(groups, run(generate, range(len(groups)))):
             batch = {keys[i]: gen for i, gen in zip(idx, gens)}
@@ -104,6 +115,7 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
                 cache.write_batch(batch, {keys[i]: f for i, f in zip(idx, feats)} if feats is not None else None)
             made.update(batch)
             bar.update(len(idx))
+            regen_phase.progress(len(made), len(mine))
     # each cached reply comes from one rank: the first that holds it
     owned = {k: v for k, v in have.items() if not any(k in h for h in held[:shard.index])}
     replies = shard.gather(owned | made)

@@ -9,13 +9,38 @@ import torch
 import torch.distributed as dist
 
 
-def join(cfg, place) -> tuple[str, object]:
+AGREE_TIMEOUT_S = 60.0  # reaching torchrun's own store: it is up before any rank starts
+
+
+def early_run_id(world: int) -> str | None:
+    """The run id, before the ranks join, so that the telemetry (and the run's trace, whose
+    ids derive from it) starts first: `DFLASH_RUN_ID`; a single process's own; under torchrun,
+    the first rank's to reach torchrun's store (`compare_set` there: nobody waits for another
+    rank); None where no such store is shared (a launch without torchrun): join() agrees on it."""
+    own = os.environ.get("DFLASH_RUN_ID")
+    if own:
+        return own
+    if world <= 1:
+        return uuid.uuid4().hex
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not addr or not port.isdigit():
+        return None
+    try:
+        store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=AGREE_TIMEOUT_S))
+        # a key of torchrun's store for this attempt (a restart gets a new store): first writer wins
+        return store.compare_set("dflash/run_id", "", uuid.uuid4().hex).decode()
+    except (RuntimeError, OSError, ValueError):  # no store after all: the join agrees on it
+        return None
+
+
+def join(cfg, place, run_id: str | None = None) -> tuple[str, object]:
     """(run id, layout groups or None). Under torchrun joins the process group: gloo on the
     CPU, NCCL where the drafter (replicas) or any rank (a layout) is on CUDA; a layout also
     makes its hand-off, DDP and vote groups (every rank, same order: torch.distributed's
-    rule). The run id, from which every trace id derives, is made by rank 0 and broadcast
-    so all ranks' spans join the same traces."""
-    own = os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex
+    rule). The run id, from which every trace id derives, is ``run_id`` (early_run_id: the
+    same on every rank), else made by rank 0; broadcast either way, so all ranks' spans join
+    the same traces."""
+    own = run_id or os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex
     if place.world <= 1:
         return own, None
     p = cfg.pipeline

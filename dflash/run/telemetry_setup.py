@@ -18,8 +18,13 @@ from ..config import Config
 LINGER_MAX_S = 3600.0  # DFLASH_PROMETHEUS_LINGER_S: a scrape interval is seconds to minutes
 
 
-def make_telemetry(cfg: Config, out: Path, place, run_id: str):
+def make_telemetry(cfg: Config, out: Path, place, run_id: str, argv: list[str] | None = None):
+    """The run's telemetry, made before the target loads (run/setup.py): its root span (the
+    run trace, dflash/phases.py) starts when this process did; rank 0 emits it, every rank
+    of a multi-process run hangs its own process span under it."""
     import otel
+
+    from .. import phases
 
     if not cfg.telemetry.enabled:
         return otel.Telemetry.disabled()
@@ -39,7 +44,10 @@ def make_telemetry(cfg: Config, out: Path, place, run_id: str):
         return otel.Telemetry.from_env(
             service_name="dflash", run_id=run_id, file_dir=str(tdir), resource_attributes=attrs,
             console=console, console_interval_s=cfg.telemetry.console_interval_s or None,
-            mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=root_spans)
+            mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=root_spans,
+            run_span="dflash train", run_root=place.rank == 0, run_start_ns=phases.PROCESS_T0,
+            process_span=f"dflash train rank {place.rank}" if place.world > 1 else None,
+            run_attributes=phases.run_attributes("train", argv) | {"world_size": place.world})
 
 
 def _prometheus_enabled() -> bool:

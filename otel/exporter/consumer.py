@@ -22,7 +22,7 @@ import time
 from otel.config import ExportConfig
 from otel.exporter.profile import Profile
 from otel.exporter.sdk_pipeline import ExportPipeline
-from otel.exporter.span_builder import SpanBuilder
+from otel.exporter.span_builder import SpanBuilder, phase_spans
 from otel.health import health
 from otel.records import ADD, KIND, POINT_ATTRS, POINT_NAME, RECORD, VALUE
 from otel.summary import format_table
@@ -41,7 +41,7 @@ class BatchConsumer:
     def __init__(self, config: ExportConfig, pipeline: ExportPipeline | None = None):
         self.config = config
         self.pipeline = pipeline or ExportPipeline(config)
-        self.builder = SpanBuilder(config.run_id, config.epoch_offset_ns, config.root_spans)
+        self.builder = SpanBuilder(config.run_id, config.epoch_offset_ns, config.root_spans, config.run_link)
         self.profile = Profile(config.wait_attributes)
         self.epoch_offset_ns = int(config.epoch_offset_ns)
         self.start_epoch_s = float(config.start_epoch_s or time.time())
@@ -79,7 +79,11 @@ class BatchConsumer:
             if self.metric_failures == 1:
                 print(f"otel exporter: metrics of a batch failed: {e!r}", file=sys.stderr, flush=True)
         self.received += len(records)
+        if batch.get("profile_start_epoch_s"):  # Telemetry.begin_profile: the profile's wall starts there
+            self.start_epoch_s = float(batch["profile_start_epoch_s"])
         spans = self.builder.build(records, final) if (records or final) else []
+        if batch.get("phases"):  # the run's own trace: counted with the synthesized roots
+            spans += phase_spans(batch["phases"], self.epoch_offset_ns)
         self.pipeline.enqueue(batch.get("seq", 0), spans, len(records), len(spans) - len(records),
                               int(batch.get("buffer_full", 0)))
         self._maybe_print()

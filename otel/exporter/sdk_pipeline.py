@@ -342,8 +342,8 @@ class ExportPipeline:
                 SpanKind.INTERNAL, None,
                 Status(StatusCode.ERROR, f"{error[0]}: {error[1]}") if error else Status(StatusCode.UNSET),
                 start, end, _SCOPE))
-            if attrs.get("otel.root"):
-                continue  # synthesized per-key roots are not stages
+            if attrs.get("otel.root") or attrs.get("otel.kind"):
+                continue  # synthesized per-key roots and the run's own spans are not stages
             m = {"stage": name, "clock": "host"}
             for k in mattrs:
                 v = attrs.get(k)

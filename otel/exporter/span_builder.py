@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from operator import itemgetter
 
-from otel.exporter.trace_ids import KeyIds, random_span_id, random_trace_id
+from otel.trace_ids import KeyIds, random_span_id, random_trace_id
 from otel.records import ATTRS, DEVICE_S, ERROR, EVENTS, EXTRA, LINKS, NAME, T0, T1, TRACE
 
 # a stage record's fields by their names in otel/records.py, in the order unpacked below
@@ -24,8 +24,9 @@ _EMITTED_ROOTS_MAX = 100_000
 
 
 class SpanBuilder:
-    def __init__(self, run_id: str, epoch_offset_ns: int, emit_roots: bool = True):
+    def __init__(self, run_id: str, epoch_offset_ns: int, emit_roots: bool = True, run_link=None):
         self.key_ids = KeyIds(run_id)
+        self.run_links = [tuple(run_link)] if run_link else None  # a root span's link to the run's root
         self.emit_roots = emit_roots  # several processes sharing keys: only one emits the roots
         self.off = epoch_offset_ns
         self._open_roots: dict = {}     # key -> [min_t0, max_t1, last_seen_monotonic]
@@ -75,8 +76,22 @@ class SpanBuilder:
             trace_id, root_id = self.key_ids(key)
             kind, key_id = key
             out.append((f"{kind} {key_id}", trace_id, root_id, 0, t0 + self.off, t1 + self.off,
-                        {f"{kind}.id": key_id, "otel.root": True}, None, None, None, None))
+                        {f"{kind}.id": key_id, "otel.root": True}, None, self.run_links, None, None))
             self.roots_emitted += 1
             if len(self._emitted_roots) >= _EMITTED_ROOTS_MAX:
                 self._emitted_roots.clear()
             self._emitted_roots.add(key)
+
+
+def phase_spans(records, epoch_offset_ns: int) -> list:
+    """The run trace's finished phases (otel/producer/phases.py records, ids chosen by the
+    process that ran them) -> span tuples, epoch times."""
+    off = epoch_offset_ns
+    out = []
+    for name, t0, t1, trace_id, span_id, parent_id, attrs, events, error in records:
+        if error is not None:
+            events = list(events or ()) + [("exception", t1, {
+                "exception.type": error[0], "exception.message": error[1], "exception.stacktrace": error[2]})]
+        out.append((name, trace_id, span_id, parent_id, t0 + off, t1 + off, attrs,
+                    [(n, t + off, a) for n, t, a in events] if events else None, None, error, None))
+    return out

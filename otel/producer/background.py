@@ -65,11 +65,14 @@ class BackgroundThread:
     and gauge callbacks) and a getter for the CUDA event pool (None until first used)."""
 
     def __init__(self, registry, transport, instruments, cuda_pool_getter, *,
-                 interval_s: float = 0.1, metric_interval_s: float = 1.0):
+                 interval_s: float = 0.1, metric_interval_s: float = 1.0, phases=None):
         self.registry = registry
         self.transport = transport
         self.instruments = instruments
         self.cuda = CudaResolver(cuda_pool_getter)
+        self.phases = phases                # otel.producer.phases.RunTrace: finished phases ship too
+        self.profile_start_epoch_s = None   # set by Telemetry.begin_profile: shipped once
+        self._profile_start_sent = None
         self.interval_s = interval_s
         self.metric_interval_s = metric_interval_s
         self._lock = threading.Lock()       # one cycle at a time (loop vs flush())
@@ -122,6 +125,12 @@ class BackgroundThread:
                      "buffer_full": d.dropped}
             if final:
                 batch["final"] = True
+            if self.phases is not None:
+                phases = self.phases.take()
+                if phases:
+                    batch["phases"] = phases
+            if self.profile_start_epoch_s != self._profile_start_sent:
+                batch["profile_start_epoch_s"] = self._profile_start_sent = self.profile_start_epoch_s
             new = self.instruments.take_new()
             if new:
                 batch["instruments"] = new

@@ -17,6 +17,7 @@ from otel.health import health as span_health
 from otel.producer.background import BackgroundThread
 from otel.producer.hot_path import ADD, RECORD, BufferRegistry, CudaEventPool, Stage, bound_stage_class
 from otel.producer.instruments import Instruments
+from otel.producer.phases import RunTrace
 from otel.summary import format_table, with_shares
 from otel.transport import InProcessTransport, ProcessTransport
 
@@ -52,7 +53,8 @@ class Telemetry:
                  console_interval_s, mode, gpu_indices, metric_attributes, export_interval_s,
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
                  exporter_nice=EXPORTER_NICE, idle_attribution=True, idle_rules=None, root_spans=True,
-                 exporter_start_wait_s=3.0, exporter_stuck_s=15.0, wait_attributes=WAIT_ATTRIBUTES):
+                 exporter_start_wait_s=3.0, exporter_stuck_s=15.0, wait_attributes=WAIT_ATTRIBUTES,
+                 run_span=None, run_root=True, process_span=None, run_start_ns=None, run_attributes=None):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
@@ -67,9 +69,13 @@ class Telemetry:
         self._instruments = Instruments()
         self._t0 = time.monotonic()
         self._t_end = None
+        self._profile_epoch_s = None  # begin_profile(): the profile's wall starts there
         self._profile_printed = False
         self._closed = False
 
+        # the run's own trace: a root span for the whole command, its phases as children
+        self.run_trace = RunTrace(run_id, run_span or service_name, run_root=run_root, process_span=process_span,
+                                  start_ns=run_start_ns, attrs=run_attributes, always=run_span is not None)
         gpu_devices = None
         if gpu_indices is not None:
             from otel.producer.devices import resolve_devices
@@ -85,14 +91,19 @@ class Telemetry:
             idle_attribution=idle_attribution, idle_rules=idle_rules,
             wait_attributes=tuple(wait_attributes),
             console_interval_s=(console_interval_s or 0) if console else 0,
-            epoch_offset_ns=BackgroundThread.epoch_offset_ns(), start_epoch_s=time.time())
+            epoch_offset_ns=BackgroundThread.epoch_offset_ns(), start_epoch_s=time.time(),
+            run_link=(self.run_trace.trace_id, self.run_trace.root_id) if run_span is not None else None)
         self.stage_metric = self.config.stage_metric
         # the hot path: tel.stage(...) builds a Stage
         self.stage = bound_stage_class(self._registry, self._cuda_pool_or_create)
         self._transport = (ProcessTransport(self.config, start_wait_s=exporter_start_wait_s, stuck_s=exporter_stuck_s)
                            if mode == "process" else InProcessTransport(self.config))
+        self._phase_gauges = False
+        if run_span is not None:
+            self._declare_phase_gauges()
         self._bg = BackgroundThread(self._registry, self._transport, self._instruments, self._cuda_pool_or_none,
-                                    interval_s=export_interval_s, metric_interval_s=metric_export_interval_s)
+                                    interval_s=export_interval_s, metric_interval_s=metric_export_interval_s,
+                                    phases=self.run_trace)
         self._bg.start()
         atexit.register(self.shutdown)
         ref = weakref.ref(self)
@@ -216,6 +227,54 @@ class Telemetry:
             for d in devices:
                 self._cuda_pool.prepare(d)
 
+    # ------------------------------------------------------------------ the run's trace
+    def phase(self, name, parent=None, **attrs):
+        """`with tel.phase("load target", target=spec) as ph:`: a span of the run's own trace
+        (otel/producer/phases.py), for the run's long steps (loading, data, evals, export),
+        never for per-step work (that is `stage`). Not for the hot path: it takes a lock."""
+        return self.run_trace.phase(name, parent, **attrs)
+
+    def record_phase(self, name, t0_ns, t1_ns, parent=None, error=None, **attrs) -> int:
+        """A phase that already happened, with its perf_counter_ns times (before the
+        telemetry started, or in a child that timed itself); returns its span id."""
+        return self.run_trace.record(name, t0_ns, t1_ns, parent, error, **attrs)
+
+    def traceparent(self) -> str:
+        """W3C traceparent of the innermost open phase: hand it to a child process
+        (`TRACEPARENT`) so that its spans join the run's trace."""
+        return self.run_trace.traceparent()
+
+    def end_run(self, error=None) -> None:
+        """The run is over (``error``: an exception, or (type, message, stack)): open phases
+        are closed with it, and the root span ends. shutdown() calls it if nobody did."""
+        from otel.producer.phases import _error
+        if error is not None and isinstance(error, BaseException):
+            error = _error(error)
+        self.run_trace.end(error)
+
+    def phase_table(self) -> str:
+        return self.run_trace.table(f"{self.run_trace.root_name}: phases of the run")
+
+    def begin_profile(self) -> None:
+        """The measured work starts now (training's steps, after the set-up): the profile's
+        wall time, and so its shares, count from here."""
+        if self._closed:
+            return
+        self._t0 = time.monotonic()
+        self._profile_epoch_s = time.time()
+        self._bg.profile_start_epoch_s = self._profile_epoch_s
+
+    def _declare_phase_gauges(self) -> None:
+        self._phase_gauges = True
+        trace = self.run_trace
+        svc = self.service_name
+        self._instruments.observable_gauge(
+            f"{svc}.run.phase.elapsed", lambda: trace.observations()[0], "s",
+            "Seconds since each open phase of the run began (one series per open phase).")
+        self._instruments.observable_gauge(
+            f"{svc}.run.phase.progress", lambda: trace.observations()[1], "1",
+            "Done / total of the open phases that report progress (replies, shards).")
+
     # ------------------------------------------------------------------ reporting
     def summary(self) -> dict:
         """Stage percentiles, per-worker busy/idle and span health (otel/health.py), as the
@@ -238,6 +297,8 @@ class Telemetry:
             notes.append(f"{points_dropped} counter/histogram values dropped (full per-thread buffer)")
         if notes:
             out["notes"] = notes
+        out["run"] = {"wall_s": round(self.run_trace.wall_s(), 3), "phases": self.run_trace.rows(),
+                      "trace_id": f"{self.run_trace.trace_id:032x}"}
         return out
 
     def profile_table(self) -> str:
@@ -273,6 +334,7 @@ class Telemetry:
         if self._closed:
             return
         self._closed = True
+        self.run_trace.end()  # no-op when end_run() was called; else the run ends here
         self._bg.stop(join_timeout_s=min(0.5, timeout_s * 0.25))
         try:
             self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=timeout_s * 0.25)
@@ -282,8 +344,10 @@ class Telemetry:
         if self._t_end is None:  # else end_profile() stopped the profile's clock
             self._t_end = time.monotonic()
         self._transport.shutdown(timeout_s, time.time())
-        if self.console and not self._profile_printed:
-            print(self.profile_table(), file=sys.stderr, flush=True)
+        if self.console and not self._profile_printed and (self.summary().get("stages") or not self.run_trace.finished):
+            print(self.profile_table(), file=sys.stderr, flush=True)  # (a run of phases alone has no profile)
+        if self.console and self.run_trace.finished:
+            print(self.phase_table(), file=sys.stderr, flush=True)
         try:
             atexit.unregister(self.shutdown)
         except Exception:

@@ -102,7 +102,7 @@ def scraped_run(tmp_path_factory):
         assert proc.returncode == 0, err[-3000:]
         assert scrapes, "the trainer's scrape endpoint never answered"
         summary = json.loads((run / "summary.json").read_text())
-        yield {"prom": prom, "summary": summary, "scrape": scrapes[-1], "run": run}
+        yield {"prom": prom, "summary": summary, "scrape": scrapes[-1], "scrapes": scrapes, "run": run}
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -377,7 +377,8 @@ def _span_metric_names():
 
 @pytest.mark.slow
 def test_dashboard_queries_use_only_metric_names_the_trainer_exports(scraped_run):
-    exported = _names_in_exposition(scraped_run["scrape"])
+    # every scrape's names: a gauge of the run's phases exists only while its phase is open
+    exported = set().union(*(_names_in_exposition(x) for x in scraped_run["scrapes"]))
     assert {"dflash_stage_duration_seconds_bucket", "dflash_tokens_total", "dflash_queue_depth",
             "otel_spans_dropped_total"} <= exported, sorted(exported)
     known = exported | _nvml_names() | _span_metric_names() | COLLECTOR_SELF
@@ -399,6 +400,8 @@ def test_dashboard_queries_use_only_metric_names_the_trainer_exports(scraped_run
                    "dflash_queue_producer_blocked_seconds_total", "dflash_queue_consumer_starved_seconds_total",
                    "dflash_worker_batches_total", "dflash_worker_idle_seconds_total", "hw_gpu_utilization_max", "hw_gpu_memory_usage_max_bytes",
                    "hw_power_max_watts", "hw_temperature_max_celsius", "otel_spans_dropped_total",
-                   "otel_export_failures_total", "traces_span_metrics_duration_seconds_bucket"):
+                   "otel_export_failures_total", "traces_span_metrics_duration_seconds_bucket",
+                   "dflash_run_phase_elapsed_seconds"):
         assert needed in seen, f"no dashboard panel shows {needed}"
     assert any(n.startswith("dflash_queue_min_ready_ratio") for n in seen)
+    assert any(n.startswith("dflash_run_phase_progress") for n in seen), "no panel shows the phases' progress"

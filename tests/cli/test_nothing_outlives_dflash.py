@@ -38,17 +38,18 @@ time.sleep(3600)
 
 # the `dflash` script's way (`sys.exit(main())`), with one more thing to do at the interpreter's
 # very end, after it has put its signal handlers back to the defaults: a signal lands there
+# the process's last act before it exits (dflash's exit runs the atexit handlers, then ends
+# without the interpreter's teardown: cli._exit_now): a signal landing there must change nothing
 CONSOLE_SCRIPT = '''
-import sys, time
+import atexit, sys, time
 from dflash.cli import main
 
-class LastWord:
-    def __del__(self, sleep=time.sleep, stdout=sys.stdout):  # module globals are gone by then
-        stdout.write("tearing down\\n")
-        stdout.flush()
-        sleep(5)
+def last_word(sleep=time.sleep, stdout=sys.stdout):
+    stdout.write("tearing down\\n")
+    stdout.flush()
+    sleep(5)
 
-last = LastWord()
+atexit.register(last_word)
 sys.exit(main())
 '''
 

@@ -9,7 +9,7 @@ from collections import defaultdict
 
 import pytest
 
-from helpers import NO_OTEL_ENV, ROOT, TINY, free_port, run_dflash
+from helpers import NO_OTEL_ENV, ROOT, TINY, free_port, run_dflash, steps_started
 from otlp_receivers import OtlpGrpcReceiver
 from otel import read_spans
 
@@ -136,7 +136,7 @@ def test_ctrl_c_saves_checkpoint_and_exits_quickly(tmp_path):
                           "--steps", "200", *TINY, "--inject-delay", "backward=0.2"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
-    while not list((run / "telemetry").glob("traces.jsonl")) and time.monotonic() < deadline:
+    while not steps_started(run) and time.monotonic() < deadline:
         time.sleep(0.2)  # training has started once stage spans are being written
     time.sleep(1.0)
     p.send_signal(signal.SIGINT)
@@ -164,7 +164,7 @@ def test_two_rank_ctrl_c_stops_all_ranks_at_the_same_step(tmp_path):
                           "--target", "tiny-llama", "--steps", "300", *TINY, "--inject-delay", "backward=0.2"],
                          cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
-    while not list((run / "telemetry").rglob("traces.jsonl")) and time.monotonic() < deadline:
+    while not steps_started(run) and time.monotonic() < deadline:
         time.sleep(0.2)
     time.sleep(2.0)
     p.send_signal(signal.SIGINT)

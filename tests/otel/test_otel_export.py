@@ -4,7 +4,7 @@ import time
 import pytest
 from otel_test_helpers import MODES, point_env_at
 
-from otel.exporter.trace_ids import root_span_id_for, trace_id_for
+from otel.trace_ids import root_span_id_for, trace_id_for
 
 
 def _by_name(spans, name):

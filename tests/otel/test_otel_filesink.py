@@ -10,7 +10,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportM
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
 import otel
-from otel.exporter.trace_ids import trace_id_for
+from otel.trace_ids import trace_id_for
 
 _HEX_IDS = {"traceId": 32, "spanId": 16, "parentSpanId": 16}
 

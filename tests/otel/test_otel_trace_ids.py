@@ -1,4 +1,4 @@
-from otel.exporter.trace_ids import KeyIds, random_span_id, root_span_id_for, trace_id_for
+from otel.trace_ids import KeyIds, random_span_id, root_span_id_for, trace_id_for
 
 
 def test_trace_ids_are_deterministic_per_run_and_key():

@@ -5,6 +5,10 @@ third parties). No exceptions list. Bottom to top, and why each floor sits where
 
   dflash       the package's __init__ (a docstring): every import of dflash runs it first.
   errors       UserError, ConfigError, the failure report, signals: everything above raises them.
+  phases       the run's own trace (a phase per long step of any command): every floor above marks
+               its steps there, from the input checks on.
+  family       the drafter families' torch-free halves (config fields, bounds, served format), which
+               the checks before torch (preflight), config and every floor above read.
   preflight    the checks before torch loads, and what dflash writes (checkpoint_files.py):
                only errors beneath, so every command can check its input first.
   data         conversations, tokenization, batches, prompt sets: files in, tokens out; no
@@ -38,7 +42,7 @@ from pathlib import Path
 
 from import_graph import ROOT, Import, imports, modules
 
-FLOORS = [("dflash",), ("errors",), ("preflight",), ("data",), ("config",), ("model",), ("engine",), ("prep",),
+FLOORS = [("dflash",), ("errors",), ("phases",), ("family",), ("preflight",), ("data",), ("config",), ("model",), ("engine",), ("prep",),
           ("checkpoint", "decode", "offline"), ("analysis",), ("trackers",), ("run",), ("commands",), ("cli",),
           ("__main__",)]
 
