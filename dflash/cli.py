@@ -35,6 +35,7 @@ def main(argv=None) -> int:
 
     program = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
+    phases.reset()
     with phases.phase("parse_args"):  # builds every command's parser: imports the command modules
         a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"

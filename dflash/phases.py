@@ -201,6 +201,14 @@ def start(command: str, *, file_dir: str | None = None, run_id: str | None = Non
     return tel
 
 
+def reset() -> None:
+    """A new command in this process (cli.main): no telemetry yet, nothing remembered."""
+    global _current
+    _current = None
+    _early.clear()
+    _inject.clear()
+
+
 def finish(error: BaseException | None = None) -> None:
     """The command is over: its root span ends (marked with ``error``, a crash or a signal),
     the telemetry is shut down (files complete, the collector within its bound). Idempotent;
