@@ -55,6 +55,8 @@ _current = None          # the command's telemetry (otel Telemetry or PhaseTable
 _early: list = []        # phases finished before it: (name, t0, t1, attrs, error)
 _inject: dict = {}       # phase -> seconds (this rank's --inject-delay on set-up phases)
 _command = None
+_start_ns = PROCESS_T0   # where this command began: the process's start, or (a second command in one
+                         # process: tests, benches) its own cli.main call
 
 
 class _EarlyPhase:
@@ -161,11 +163,16 @@ def use(tel) -> None:
     their own times, the interpreter's start-up (process start to dflash's first import) first."""
     global _current
     _current = tel
-    if IMPORTED_T - PROCESS_T0 > 1_000_000:  # the interpreter and its site imports, before ours
+    if _start_ns == PROCESS_T0 and IMPORTED_T - PROCESS_T0 > 1_000_000:  # the interpreter and its imports
         tel.record_phase("python_start", PROCESS_T0, IMPORTED_T)
     early, _early[:] = list(_early), []
     for name, t0, t1, attrs, error in early:
         tel.record_phase(name, t0, t1, error=error, **attrs)
+
+
+def run_start_ns() -> int:
+    """perf_counter_ns where the command's root span starts."""
+    return _start_ns
 
 
 def run_attributes(command: str, argv: list[str] | None = None) -> dict:
@@ -194,7 +201,7 @@ def start(command: str, *, file_dir: str | None = None, run_id: str | None = Non
                                       console=console and rank == 0, mode=mode, resource_attributes=res,
                                       idle_attribution=False, run_span=f"dflash {command}", run_root=rank == 0,
                                       process_span=f"dflash {command} rank {rank}" if world > 1 else None,
-                                      run_start_ns=PROCESS_T0, run_attributes=attrs)
+                                      run_start_ns=_start_ns, run_attributes=attrs)
     else:
         tel = PhaseTable(rid, f"dflash {command}", attrs, console=console and enabled and rank == 0)
     use(tel)
@@ -203,7 +210,9 @@ def start(command: str, *, file_dir: str | None = None, run_id: str | None = Non
 
 def reset() -> None:
     """A new command in this process (cli.main): no telemetry yet, nothing remembered."""
-    global _current
+    global _current, _start_ns
+    if _current is not None:  # not the process's first command: it starts now
+        _start_ns = time.perf_counter_ns()
     _current = None
     _early.clear()
     _inject.clear()
@@ -235,7 +244,7 @@ class PhaseTable:
     def __init__(self, run_id: str, root_name: str, attrs: dict, console: bool = True):
         from otel.producer.phases import RunTrace
         self.run_id = run_id
-        self.run_trace = RunTrace(run_id, root_name, start_ns=PROCESS_T0, attrs=attrs)
+        self.run_trace = RunTrace(run_id, root_name, start_ns=_start_ns, attrs=attrs)
         self.console = console
         self._closed = False
 

@@ -45,7 +45,7 @@ def make_telemetry(cfg: Config, out: Path, place, run_id: str, argv: list[str] |
             service_name="dflash", run_id=run_id, file_dir=str(tdir), resource_attributes=attrs,
             console=console, console_interval_s=cfg.telemetry.console_interval_s or None,
             mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=root_spans,
-            run_span="dflash train", run_root=place.rank == 0, run_start_ns=phases.PROCESS_T0,
+            run_span="dflash train", run_root=place.rank == 0, run_start_ns=phases.run_start_ns(),
             process_span=f"dflash train rank {place.rank}" if place.world > 1 else None,
             run_attributes=phases.run_attributes("train", argv) | {"world_size": place.world})
 
