@@ -254,8 +254,15 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
             wait_ready(proc, url, log_path, ready_timeout_s)
         print(f"dflash serve: ready at {url}/v1 (OpenAI API; traces: {endpoint or 'off'})", flush=True)
         print(curl_line(url, name), flush=True)
-        with phase("serving", url=f"{url}/v1"):
-            proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
+        stop = None
+        with phase("serving", url=f"{url}/v1") as ph:
+            try:
+                proc.wait()  # until it exits on its own, or a signal interrupts us (the caller: 130)
+            except KeyboardInterrupt as e:  # how a server is stopped: the phase ends well, the command says 130
+                ph.set(stopped_by=str(e) or "SIGINT")
+                stop = e
+        if stop is not None:
+            raise stop
         print(f"dflash serve: the server {runner.exited(proc.returncode, log_path)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
