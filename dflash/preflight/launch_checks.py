@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from . import memory
+
 
 def check_torchrun_env() -> None:
     """torchrun sets RANK, LOCAL_RANK and WORLD_SIZE together; a hand-made half of them is
@@ -34,53 +36,47 @@ def check_target(cfg) -> None:
     check_target_spec(cfg.model.target, probe_hub=True)
 
 
-def available_memory(device: str) -> tuple[int, str] | None:
-    """(bytes free now, what that figure is) where a drafter trains: a CUDA device's free
-    memory (torch.cuda.mem_get_info), else the host's MemAvailable (/proc/meminfo; elsewhere
-    free pages from sysconf). None when the platform says nothing."""
+def available_memory(device: str, *, cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, str] | None:
+    """(bytes this process may still take, what limits it) where a drafter trains: a CUDA
+    device's free memory (torch.cuda.mem_get_info), else the smaller of the host's
+    MemAvailable and its memory cgroup's room (memory.headroom: a container's limit is
+    what its OOM killer enforces). None when the platform says nothing."""
     if str(device).startswith("cuda"):
         import torch
 
         free, total = torch.cuda.mem_get_info(torch.device(device))
-        return free, f"{device} has {_gib(free)} free of {_gib(total)}"
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024, f"the host has {_gib(int(line.split()[1]) * 1024)} " \
-                                                        f"available (MemAvailable)"
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-    return free, f"the host has {_gib(free)} free"
+        return free, f"{device} has {memory.gib(free)} free of {memory.gib(total)}"
+    return memory.headroom(cgroup_root)
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def training_memory_error(fields: dict, available: tuple[int, str] | None) -> str | None:
-    """One line when a drafter of these DrafterConfig fields cannot train within ``available``
-    (available_memory's), naming the estimate (checkpoint_files.training_bytes) and what there is."""
-    from .checkpoint_files import parameter_count, training_bytes
-
-    need = training_bytes(fields)
-    if available is None or need <= available[0]:
-        return None
-    dflash2 = ", model.selector_rank and model.conv_group_size / conv_kernel_size" \
+def training_memory_error(fields: dict, shape: memory.RunShape, available: tuple[int, str] | None, *,
+                          now: int = 0, device: str = "cpu", est: dict | None = None) -> tuple[dict, str | None]:
+    """(memory.estimate of the run, or ``est``; one line when its peak does not fit ``available``
+    (available_memory's) on top of ``now``, naming the peak's phase, its parts and the limit)."""
+    knobs = ", model.selector_rank and model.conv_group_size / conv_kernel_size" \
         if fields.get("arch") == "dflash2" else ""
-    return (f"the drafter has {parameter_count(fields):,} parameters: training it needs at least {_gib(need)} "
-            f"(float32 weights, gradients and AdamW's two moments, 16 bytes a parameter), and {available[1]}; "
-            f"make it smaller (model.num_layers{dflash2}) or train on a device with more memory")
+    est = est if est is not None else memory.estimate(fields, shape)
+    return est, memory.refusal(est, available, now=now, knobs=knobs, device=device, steps=shape.steps)
 
 
-def check_training_memory(fields: dict, device: str) -> None:
-    """`training_memory_error` on ``device`` now (the target already loaded where it shares it)."""
+def check_training_memory(fields: dict, device: str, shape: memory.RunShape) -> dict:
+    """`training_memory_error` on ``device`` now (the target already loaded where it shares it):
+    on the host the estimate is on top of what this process holds now (its resident set);
+    a CUDA drafter's state is checked against its device, and the host copies of its saves
+    against the host. Returns the estimate with what the process held (summary.json's
+    "memory"); raises ConfigError with the one line."""
     from ..errors import ConfigError
 
-    err = training_memory_error(fields, available_memory(device))
+    rss, hwm = memory.process_memory()
+    cuda = str(device).startswith("cuda")
+    room = available_memory(device)
+    est, err = training_memory_error(fields, shape, room, now=0 if cuda else rss, device=device)
+    if not err and cuda:
+        _, err = training_memory_error(fields, shape, memory.headroom(), now=rss,
+                                       est=memory.host_copies(fields, shape))
     if err:
         raise ConfigError(err)
+    est["held_at_check"], est["hwm_at_check"] = rss, hwm
+    if room is not None:
+        est["room_at_check"], est["room"] = room
+    return est

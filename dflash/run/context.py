@@ -58,6 +58,7 @@ class RunSpec:
     groups: Groups | None = None  # a layout's process groups
     warmup_s: float | None = None  # CUDA kernel warm-up before anything was timed
     regen_counts: dict[str, float] = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
+    memory: dict = field(default_factory=dict)  # the memory check's estimate (preflight/memory.py)
 
     @property
     def rank(self) -> int:

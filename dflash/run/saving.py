@@ -9,7 +9,9 @@ from . import readback
 from .context import RunSpec, RunState
 
 
-def save(spec: RunSpec, state: RunState) -> None:
+def save(spec: RunSpec, state: RunState, *, final: bool = False) -> None:
+    """``final``: the run's last save, which the caller waits for before anything else
+    touches the drafter: written from the live tensors, no snapshot copy."""
     readback.finish(state)  # the saved loss history must include every step so far
     tokens = int(dist_mod.sum_over_ranks(state.tokens, state.vote_group))  # every rank calls save
     if not spec.is_lead:
@@ -23,7 +25,11 @@ def save(spec: RunSpec, state: RunState) -> None:
     # the drafter's thread only takes a device-side snapshot; the writer thread does the
     # device->host copy and the atomic write (waiting here only if the last one still runs)
     with state.tel.stage("checkpoint", worker=spec.worker, step=st.step):
-        snap = ckpt.snapshot(st.drafter, run_config=spec.cfg.to_dict(), state=saved, training_state=st.state())
+        # the last write done before the copy, not after: never two snapshots in memory at once
+        # (submit would wait for it anyway; the weights do not change while this thread waits)
+        state.writer.wait()
+        snap = ckpt.snapshot(st.drafter, run_config=spec.cfg.to_dict(), state=saved, training_state=st.state(),
+                             copy=not final)
         state.writer.submit(spec.out / "checkpoint", snap)
 
 

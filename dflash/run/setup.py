@@ -49,7 +49,7 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
         from ..offline.train_from_features import open_capture, training_samples
         target, tok, store, features_dtype = open_capture(cfg, device=place.load_device, dtype=dtype)
         warmup_s, layer_ids = None, store.layer_ids
-        _check_memory(cfg, place, target, tok, layer_ids)
+        memory = _check_memory(cfg, place, target, tok, layer_ids, resume=resume, dtype=dtype, features=True)
         from ..prep.prepare import Prepared
         prep = Prepared(samples=training_samples(cfg, store), eval_convs=[], regenerated=False)
     else:
@@ -63,7 +63,8 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
                                quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
-        _check_memory(cfg, place, target, tok, layer_ids)  # before data preparation and the drafter
+        # before data preparation and the drafter
+        memory = _check_memory(cfg, place, target, tok, layer_ids, resume=resume, dtype=dtype, features=False)
         # what regeneration keeps for the feature cache: what the target side would compute
         prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
     start_step = _start_step(place, out, groups, resume)
@@ -85,7 +86,8 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
     spec = RunSpec(cfg=cfg, placement=place, out=out, run_id=run_id, tokenizer=tok, layer_ids=layer_ids,
                    feature_ids=feature_ids(cfg.train, layer_ids, store is not None), start_step=start_step,
                    target_config=target.config, samples=samples, held_out=held_out, eval_convs=prep.eval_convs,
-                   feature_store=store, groups=groups, warmup_s=warmup_s, regen_counts=prep.counts)
+                   feature_store=store, groups=groups, warmup_s=warmup_s, regen_counts=prep.counts,
+                   memory=memory)
     targets, caches, estimate = [], [], None
     if place.has_target:
         if store is not None:
@@ -126,12 +128,33 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
     return spec, state
 
 
-def _check_memory(cfg, place, target, tok, layer_ids) -> None:
-    """A drafter whose training state cannot fit its device (or the host's memory, on CPU) is
-    one line (exit 2) now, from its config alone, not an OOM kill (rc 137, no word) later."""
-    if place.has_drafter:
-        from ..preflight.launch_checks import check_training_memory
-        check_training_memory(drafter_config(cfg, target, tok, layer_ids).to_dict(), place.drafter_device)
+def _check_memory(cfg, place, target, tok, layer_ids, *, resume: bool, dtype, features: bool) -> dict:
+    """A drafter whose run cannot fit its device (or, on CPU, the host's memory and this
+    process's memory cgroup) is one line (exit 2) now, from its config alone, not an OOM kill
+    (rc 137, no word) later. The estimate (preflight/memory.py: the peak phase by phase, on
+    top of what this process holds now) goes to summary.json's "memory"."""
+    if not place.has_drafter:
+        return {}
+    from ..model.objective import loss_chunk_rows
+    from ..preflight.launch_checks import check_training_memory
+    from ..preflight.memory import RunShape
+
+    fields = drafter_config(cfg, target, tok, layer_ids).to_dict()
+    dev = torch.device(place.drafter_device)
+    tr = cfg.train
+    chunk = loss_chunk_rows(tr.loss_chunk, dev) if not cfg.model.copy_head and fields.get("arch", "dflash") == "dflash" \
+        else 0
+    tshare = {}
+    if not features and place.has_target and place.drafter_device in place.target_devices:
+        tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        tshare = {k: getattr(tc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                 "num_attention_heads")}
+    shape = RunShape(steps=max(tr.steps, 1) if resume else tr.steps, batch_size=tr.batch_size,
+                     num_anchors=tr.num_anchors, max_len=cfg.data.max_len, save_every=tr.save_every,
+                     estimate_every=tr.estimate_every, eval_after=True, loss_chunk=chunk, loss_vocab=tr.loss_vocab,
+                     act_bytes=torch.finfo(dtype).bits // 8, host=dev.type != "cuda",
+                     queue_size=cfg.pipeline.queue_size, target=tshare)
+    return check_training_memory(fields, place.drafter_device, shape)
 
 
 def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):

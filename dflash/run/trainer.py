@@ -91,7 +91,7 @@ class Trainer:
         wall = time.perf_counter() - t0
         if eval_before_after:  # the profile is the training's: printed now, its shares of this wall, not the evals'
             state.tel.end_profile()
-        save(spec, state)
+        save(spec, state, final=True)  # from the live tensors: nothing changes them until it is written
         wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
         summary.update(summarize(spec, state, wall, step0, tokens0))
         self._finish_drafter(summary, eval_before_after)
@@ -144,6 +144,9 @@ class Trainer:
             verdict = after_training(spec, summary)
             if verdict is not None:
                 summary["engine"] = verdict
+        if spec.memory:  # the memory check's estimate beside the peak this process reached (VmHWM)
+            from ..preflight.memory import run_summary
+            summary["memory"] = run_summary(spec.memory)
 
     def _end_telemetry(self, summary: dict, report: dict | None) -> None:
         """However training ended: the telemetry's last export and health, a layout rank's
