@@ -227,13 +227,15 @@ class RunShape:
 def _layer_bytes(f: dict, s: RunShape) -> int:
     """Tensors one drafter layer keeps for its backward in a training step: per query row
     (B x A x block rows) its projections, MLP and norms; per sequence the context's keys and
-    values and the attention's scores and probabilities over context + block."""
+    values, and on the CPU the attention's scores and probabilities over context + block (CUDA's
+    memory-efficient and flex kernels keep none: counting them there would refuse the recipe's
+    8,192-row blocks on any GPU)."""
     h, nh, nkv, hd, inter = (f[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads",
                                             "head_dim", "intermediate_size"))
     per_seq = s.num_anchors * f["block_size"]
     rows = s.batch_size * per_seq
     row = nh * hd + 2 * nkv * hd + 3 * inter + 6 * h
-    scores = 2 * s.batch_size * nh * per_seq * (s.max_len + per_seq)
+    scores = 2 * s.batch_size * nh * per_seq * (s.max_len + per_seq) if s.host else 0
     ctx = s.batch_size * s.max_len * 2 * nkv * hd
     return (rows * row + scores + ctx) * s.act_bytes
 
@@ -241,8 +243,8 @@ def _layer_bytes(f: dict, s: RunShape) -> int:
 def _loss_bytes(f: dict, s: RunShape) -> int:
     """The head and loss: the scored rows' logits, held LOSS_COPIES times (float32)."""
     rows = s.batch_size * s.num_anchors * (f["block_size"] - 1)
-    if s.loss_chunk > 0:  # measured: about two chunks' worth (the allocator keeps one chunk's freed logits
-        rows = min(rows, 2 * s.loss_chunk)  # while the next one's are made)
+    if s.loss_chunk > 0:  # on the CPU about two chunks' worth, measured (malloc keeps one chunk's freed
+        rows = min(rows, (2 if s.host else 1) * s.loss_chunk)  # logits while the next one's are made)
     cols = s.loss_vocab + s.batch_size * s.max_len if s.loss_vocab else f["vocab_size"]
     return int(LOSS_COPIES * rows * min(cols, f["vocab_size"]) * 4)
 
@@ -256,7 +258,7 @@ def _target_bytes(f: dict, s: RunShape) -> int:
     h, L = t["hidden_size"], t["num_hidden_layers"]
     tokens = s.batch_size * s.max_len
     fwd = tokens * h * (L + 1) + tokens * (3 * t["intermediate_size"] + 4 * h) \
-        + s.batch_size * t["num_attention_heads"] * s.max_len * s.max_len
+        + (s.batch_size * t["num_attention_heads"] * s.max_len * s.max_len if s.host else 0)  # scores: CPU only
     queue = s.queue_size * tokens * len(f["target_layer_ids"]) * f["hidden_size"]
     return (fwd + queue) * s.act_bytes
 

@@ -43,6 +43,7 @@ def test_the_estimate_is_what_a_built_drafter_holds(over):
     assert abs(training_bytes(cfg.to_dict()) - held) <= 0.02 * held, (training_bytes(cfg.to_dict()), held)
 
 
+GiB = 2**30
 # a run's shape as the tests of tests/helpers.TINY train it (block 8 comes from the fields)
 TINY_SHAPE = RunShape(steps=40, batch_size=2, num_anchors=4, max_len=96)
 # tiny-qwen3's drafter sizes (target/_tiny_config), 128 layers: the issue-54 run OOM-killed in a 2 GB cgroup
@@ -90,6 +91,19 @@ def test_only_a_save_during_training_holds_a_snapshot():
     assert estimate(TINY_128, dataclasses.replace(TINY_SHAPE, save_every=40))["peak"] == last_only["peak"]
 
 
+def test_a_cuda_step_counts_no_attention_scores():
+    """The CPU's attention keeps its scores for the backward; CUDA's memory-efficient and flex
+    kernels do not, and its chunked loss reuses one chunk's blocks: the recipe's step (Qwen3-8B's
+    geometry, 5 layers, 512 anchors x block 16, sequences of 2048, bf16, chunks of 4096) is ~30 GiB
+    on a GPU, not the ~90 GiB that counting its [8192 x 10240] scores per head and layer makes it."""
+    f = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=12288,
+             vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33], mask_token_id=5, block_size=16,
+             num_hidden_layers=5)
+    gpu = RunShape(steps=100, batch_size=1, num_anchors=512, max_len=2048, loss_chunk=4096, act_bytes=2, host=False)
+    assert 25 * GiB < estimate(f, gpu)["peak"] < 40 * GiB
+    assert estimate(f, dataclasses.replace(gpu, host=True))["peak"] > 80 * GiB
+
+
 @pytest.mark.parametrize("copy", [True, False])
 def test_the_final_snapshot_is_the_live_tensors(copy):
     from dflash.checkpoint.checkpoint import snapshot
@@ -114,7 +128,6 @@ def test_the_host_figure_is_the_smaller_of_memavailable_and_the_cgroup():
 
 
 # -- the cgroup reader, on fake trees ---------------------------------------------------------
-GiB = 2**30
 
 
 def _write(d: Path, **files):
