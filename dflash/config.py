@@ -581,9 +581,14 @@ def validate(cfg: Config) -> None:
             d.startswith("cuda") for d in p.drafter_devices):
         raise ConfigError(f"pipeline.drafter_devices={p.drafter_devices}: expected CUDA devices when a target is on "
                           f"CUDA (a CPU drafter would have to wait on the GPU from the host)")
+    from .phases import INJECTABLE
     for stage, secs in p.inject_delay.items():
+        name, at, rank = stage.partition("@")
+        if name in INJECTABLE and (not at or rank.isdigit()):
+            continue  # a set-up phase, on every rank or on one (dflash/phases.py)
         if stage not in STAGES:
-            raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)})")
+            raise ConfigError(f"--inject-delay {stage}={secs}: unknown stage (expected one of {', '.join(STAGES)}, "
+                              f"or a set-up phase {', '.join(INJECTABLE)}, optionally PHASE@RANK)")
     for stage, step in p.inject_fault.items():
         if stage not in STAGES:
             raise ConfigError(f"--inject-fault {stage}={step}: unknown stage (expected one of {', '.join(STAGES)})")

@@ -101,8 +101,11 @@ def k_error(ks, fields: dict, flag: str, where: str) -> str | None:
 
 
 def engine_env(*, offline: bool) -> dict:
-    """The child's environment: ours, plus the CPU engine's settings where they are unset."""
-    env = dict(os.environ)
+    """The child's environment: ours, plus the CPU engine's settings where they are unset, and
+    TRACEPARENT: the run's current phase (dflash/phases.py), so what the engine traces joins it."""
+    from ..phases import child_env
+
+    env = child_env()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     if offline:  # local dirs only: no hub lookups (and no waiting for them on a closed network)
         env.setdefault("HF_HUB_OFFLINE", "1")

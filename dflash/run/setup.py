@@ -21,6 +21,7 @@ from ..model.feature_cache import FeatureCache
 from ..model.features import replicate_target
 from ..model.losses import feature_ids
 from ..prep.prepare import prepare
+from .. import phases
 from . import distributed as dist_mod
 from . import placement as placement_mod
 from .context import RunSpec, RunState
@@ -34,39 +35,77 @@ if TYPE_CHECKING:
     from .roles.handoff import Groups
 
 
-def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tuple[RunSpec, RunState]:
+def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None,
+          argv: list[str] | None = None) -> tuple[RunSpec, RunState]:
+    """The run's telemetry starts first (before the ranks join, where torchrun's store lets
+    the ranks agree on the run id at once; else right after), then every step of the set-up
+    is a phase of the run's trace (dflash/phases.py)."""
     place = placement_mod.resolve(cfg)
     out = Path(cfg.out)
-    run_id, groups = dist_mod.join(cfg, place)
     out.mkdir(parents=True, exist_ok=True)
+    phases.inject_delays(cfg.pipeline.inject_delay, place.rank)
+    run_id = dist_mod.early_run_id(place.world)
+    if tel is None and run_id is not None:
+        tel = make_telemetry(cfg, out, place, run_id, argv=argv)
+    if tel is not None:
+        phases.use(tel)
+    if place.world > 1:
+        with phases.phase("join_ranks", collective=True, world_size=place.world):
+            run_id, groups = dist_mod.join(cfg, place, run_id)
+    else:
+        run_id, groups = dist_mod.join(cfg, place, run_id)
+    if tel is None:  # a launch without torchrun's store: the ranks agreed on the run id by joining
+        tel = make_telemetry(cfg, out, place, run_id, argv=argv)
+        phases.use(tel)
+    with phases.phase("open_capture" if cfg.data.features else "load_target", target=cfg.model.target) as ph:
+        target, tok, store, features_dtype, dtype = _load_target(cfg, place)
+        ph.set(parameters=sum(p.numel() for p in target.parameters()), dtype=str(dtype).removeprefix("torch."),
+               device=place.load_device)
+    return _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dtype, dtype, resume, tel)
+
+
+def _load_target(cfg: Config, place: Placement):
     if any(d and d.startswith("cuda") for d in place.target_devices + [place.drafter_device]):
         os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     torch.manual_seed(cfg.train.seed)
     # the target's dtype is the target role's, also where a drafter rank borrows it on the host
     dtype = resolve_dtype(cfg, local_device(cfg.pipeline.target_devices[0]))
-    store = features_dtype = None
     if cfg.data.features:  # a capture: no target forward, no data preparation
-        from ..offline.train_from_features import open_capture, training_samples
+        from ..offline.train_from_features import open_capture
         target, tok, store, features_dtype = open_capture(cfg, device=place.load_device, dtype=dtype)
+        return target, tok, store, features_dtype, dtype
+    target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
+                                         seed=cfg.model.target_seed)
+    chat_template.configure_from(tok, cfg.data)  # data.chat_template(_kwargs): every render from here on
+    return target, tok, None, None, dtype
+
+
+def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dtype, dtype, resume, tel):
+    if store is not None:  # a capture: no target forward, no data preparation
+        from ..offline.train_from_features import training_samples
         warmup_s, layer_ids = None, store.layer_ids
         memory = _check_memory(cfg, place, target, tok, layer_ids, resume=resume, dtype=dtype, features=True)
         from ..prep.prepare import Prepared
-        prep = Prepared(samples=training_samples(cfg, store), eval_convs=[], regenerated=False)
+        with phases.phase("read_capture") as ph:
+            prep = Prepared(samples=training_samples(cfg, store), eval_convs=[], regenerated=False)
+            ph.set(samples=len(prep.samples))
     else:
-        target, tok = target_mod.load_target(cfg.model.target, device=place.load_device, dtype=dtype,
-                                             seed=cfg.model.target_seed)
-        chat_template.configure_from(tok, cfg.data)  # data.chat_template(_kwargs): every render from here on
         from ..model.warmup import warm_up
         warmup_s = None
         if place.has_target:  # CUDA only: Triton compile/autotune and first-call costs, before anything is timed
-            warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len,
-                               quiet=place.rank != 0 or place.layout is not None)
+            with phases.phase("warm_up_target"):
+                warmup_s = warm_up(target, batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len,
+                                   quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
         # before data preparation and the drafter
         memory = _check_memory(cfg, place, target, tok, layer_ids, resume=resume, dtype=dtype, features=False)
         # what regeneration keeps for the feature cache: what the target side would compute
-        prep = _prepare_data(cfg, place, groups, target, tok, resume, feature_ids(cfg.train, layer_ids, False))
+        with phases.phase("prepare_data") as ph:
+            prep = _prepare_data(cfg, place, groups, target, tok, resume,
+                                 feature_ids(cfg.train, layer_ids, False))
+            ph.set(samples=len(prep.samples), held_out=len(prep.eval_convs),
+                   **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))})
     start_step = _start_step(place, out, groups, resume)
     samples, held_out = prep.samples, []
     train_step = vote = sync_timer = None
@@ -78,8 +117,10 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
         if cfg.train.estimate_every and not walk_prompts and len(samples) > cfg.train.estimate_samples:
             # kept out of training: the acceptance estimate must measure held-out replies
             samples, held_out = samples[:-cfg.train.estimate_samples], samples[-cfg.train.estimate_samples:]
-        train_step, vote, sync_timer, jstate = _setup_drafter(cfg, place, out, groups, target, tok, layer_ids,
-                                                              samples, resume, dtype)
+        with phases.phase("resume_drafter" if resume else "build_drafter", layers=cfg.model.num_layers,
+                          arch=cfg.model.arch):
+            train_step, vote, sync_timer, jstate = _setup_drafter(cfg, place, out, groups, target, tok, layer_ids,
+                                                                  samples, resume, dtype)
         if resume:  # the saved count is the all-rank total: the lead carries it, so sums stay exact
             tokens = jstate.get("tokens", 0) if place.lead else 0
             history = [tuple(h) for h in jstate.get("history", [])]
@@ -95,16 +136,18 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
             targets = feature_sides(target, place.target_devices, features_dtype)
             caches = [None] * len(targets)
         else:
-            targets, caches = _setup_targets(spec, target, resume, prep.features)
+            with phases.phase("replicate_targets", devices=len(place.target_devices)):
+                targets, caches = _setup_targets(spec, target, resume, prep.features)
         if place.has_drafter and (walk_prompts or held_out):
             from . import acceptance_estimate as est_mod
             if walk_prompts:  # the target's greedy continuations, as regeneration batches them
                 gen_batch = cfg.data.regen_batch_size or (64 if str(targets[0].device).startswith("cuda") else 16)
-                rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
-                                                max_prompt_len=cfg.eval.max_prompt_len,
-                                                max_new_tokens=cfg.eval.max_new_tokens,
-                                                block_size=cfg.model.block_size, pad_id=tok.pad_token_id,
-                                                batch_size=gen_batch)
+                with phases.phase("estimate_prompts", prompts=cfg.train.estimate_samples):
+                    rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
+                                                    max_prompt_len=cfg.eval.max_prompt_len,
+                                                    max_new_tokens=cfg.eval.max_new_tokens,
+                                                    block_size=cfg.model.block_size, pad_id=tok.pad_token_id,
+                                                    batch_size=gen_batch)
             else:
                 rows = est_mod.held_out_rows(held_out, pad_id=tok.pad_token_id)
             estimate = est_mod.AcceptanceEstimate(train_step, targets[0], rows, layer_ids=layer_ids,
@@ -112,8 +155,6 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None) -> tupl
             if resume and jstate:  # the earlier part's points: the summary's history is the whole run's
                 estimate.restore(jstate.get("estimate_history"))
     del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
-    if tel is None:  # after the data and the models: the profile's wall time is the training's
-        tel = make_telemetry(cfg, out, place, run_id)
     if estimate is not None:
         from .best import BestKeeper
         estimate.keeper = BestKeeper(out, cfg, train_step, spec.target_config, tel, lead=place.lead,

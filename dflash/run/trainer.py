@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from otel.confined import write_text
 
+from .. import phases
 from ..config import Config, dumps
 from ..errors import stop_signals, watch_second_signal
 from . import distributed as dist_mod
@@ -40,16 +41,16 @@ if TYPE_CHECKING:
     from ..trackers.bridge import Bridge
 
 
-def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False) -> dict:
-    return Trainer(cfg, resume=resume).train(eval_before_after=eval_before_after)
+def train(cfg: Config, *, resume: bool = False, eval_before_after: bool = False, argv=None) -> dict:
+    return Trainer(cfg, resume=resume, argv=argv).train(eval_before_after=eval_before_after)
 
 
 class Trainer:
     """A run of `dflash train` in this process: `Trainer(cfg)` sets it up, `train()` runs
     it to the last step and finishes it (`run_steps()` alone: the steps, for benchmarks)."""
 
-    def __init__(self, cfg: Config, *, resume: bool = False):
-        self.spec, self.state = setup(cfg, resume=resume)
+    def __init__(self, cfg: Config, *, resume: bool = False, argv=None):
+        self.spec, self.state = setup(cfg, resume=resume, argv=argv)
 
     def train(self, *, eval_before_after: bool = False) -> dict:
         """Train and finish: summary.json's dict (under a layout, the lead's; the others say
@@ -68,10 +69,12 @@ class Trainer:
                 if place.has_drafter:
                     self._train_drafter(summary, eval_before_after)
                 else:
-                    self.run_steps()
+                    state.tel.begin_profile()
+                    with phases.phase("train", role=place.role):
+                        self.run_steps()
                     report.update(state.target_counts)
         finally:
-            self._end_telemetry(summary, report)
+            self._end_telemetry(summary, report, sys.exc_info()[1])
         return self._finish(summary, report, bridge)
 
     def run_steps(self) -> None:
@@ -81,18 +84,23 @@ class Trainer:
     def _train_drafter(self, summary: dict, eval_before_after: bool) -> None:
         spec, state = self.spec, self.state
         if eval_before_after and spec.cfg.eval.before:
-            summary["eval_before"] = run_eval(spec, state, "before training")
+            with phases.phase("eval_before"):
+                summary["eval_before"] = run_eval(spec, state, "before training")
         t0 = time.perf_counter()
         tokens0, step0 = state.tokens, state.train_step.step
-        if state.estimate is not None:  # the curve's first point: where training starts from
-            state.estimate(state.train_step.step)
-        self.run_steps()
-        readback.finish(state)
+        state.tel.begin_profile()  # the profile's shares are of the steps alone, not the set-up or the evals
+        with phases.phase("train", start_step=step0, steps=spec.cfg.train.steps) as ph:
+            ph.progress(lambda: state.train_step.step, spec.cfg.train.steps)  # read by the gauge, not per step
+            if state.estimate is not None:  # the curve's first point: where training starts from
+                state.estimate(state.train_step.step)
+            self.run_steps()
+            readback.finish(state)
+            ph.set(end_step=state.train_step.step, tokens=state.tokens - tokens0, interrupted=state.stop.is_set())
         wall = time.perf_counter() - t0
-        if eval_before_after:  # the profile is the training's: printed now, its shares of this wall, not the evals'
-            state.tel.end_profile()
-        save(spec, state, final=True)  # from the live tensors: nothing changes them until it is written
-        wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
+        state.tel.end_profile()  # the profile is the steps': printed now, its shares of their wall alone
+        with phases.phase("checkpoint", step=state.train_step.step):
+            save(spec, state, final=True)  # from the live tensors: nothing changes them until it is written
+            wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
         summary.update(summarize(spec, state, wall, step0, tokens0))
         self._finish_drafter(summary, eval_before_after)
 
@@ -107,7 +115,8 @@ class Trainer:
                 st.embed.weight, st.lm_head.weight)}.values())
         if state.estimate is not None:
             summary["acceptance_estimate"] = state.estimate.summary()
-            best = state.estimate.keeper.finish() if state.estimate.keeper is not None else None
+            with phases.phase("best_checkpoint"):
+                best = state.estimate.keeper.finish() if state.estimate.keeper is not None else None
             if best is not None:  # OUT/best/checkpoint + OUT/best/export: which step, and its estimate
                 summary["best"] = best
         if spec.warmup_s is not None:
@@ -121,10 +130,13 @@ class Trainer:
                 print(f"eval after training skipped (interrupted); run it with: {eval_command(cfg)}", file=sys.stderr)
         elif eval_before_after:
             # the headline: the drafter OUT/export holds (what a user serves), beside prompt lookup
-            summary["eval_after"] = run_eval(spec, state, "after training (served drafter)", served=True)
+            with phases.phase("eval_after", served=True) as ph:
+                summary["eval_after"] = run_eval(spec, state, "after training (served drafter)", served=True)
+                ph.set(tau_per_step=summary["eval_after"].get("tau_per_step"))
             if st.drafter.copying and not state.stop.is_set():  # the copy head's own figure
-                summary["eval_after_copy_head"] = run_eval(spec, state, "after training, with the copy head",
-                                                           checked=summary["eval_after"])
+                with phases.phase("eval_after_copy_head"):
+                    summary["eval_after_copy_head"] = run_eval(spec, state, "after training, with the copy head",
+                                                               checked=summary["eval_after"])
             if state.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
                 summary["interrupted"] = True
                 if spec.rank == 0:
@@ -133,27 +145,31 @@ class Trainer:
         if spec.is_lead and state.history:  # after the eval: the picture shows its served tau beside prompt lookup's
             from ..analysis.learning_curve import write_png
             where = f" ({spec.placement.layout})" if spec.placement.layout is not None else ""
-            write_png(spec.out / "learning_curve.png", state.history,
-                      state.estimate.history if state.estimate else [], cfg.model.block_size,
-                      f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
+            with phases.phase("learning_curve"):
+                write_png(spec.out / "learning_curve.png", state.history,
+                          state.estimate.history if state.estimate else [], cfg.model.block_size,
+                          f"{cfg.model.target}: drafter training{where}", final=summary.get("eval_after"))
         if spec.is_lead:  # a servable copy: OUT/export/ (or why not)
             from ..checkpoint.export import export_after_run
-            summary["export"] = export_after_run(spec, st.drafter, summary)
+            with phases.phase("export"):
+                summary["export"] = export_after_run(spec, st.drafter, summary)
         if spec.is_lead and eval_before_after and not state.stop.is_set():  # eval.engine: what vLLM makes of it
             from ..engine.verdict import after_training
-            verdict = after_training(spec, summary)
+            with phases.phase("engine_verdict"):
+                verdict = after_training(spec, summary)
             if verdict is not None:
                 summary["engine"] = verdict
         if spec.memory:  # the memory check's estimate beside the peak this process reached (VmHWM)
             from ..preflight.memory import run_summary
             summary["memory"] = run_summary(spec.memory)
 
-    def _end_telemetry(self, summary: dict, report: dict | None) -> None:
-        """However training ended: the telemetry's last export and health, a layout rank's
-        report on disk, the process group gone."""
+    def _end_telemetry(self, summary: dict, report: dict | None, error: BaseException | None = None) -> None:
+        """However the run ended: its root span (marked with ``error``), the telemetry's last
+        export and health, a layout rank's report on disk, the process group gone."""
         spec, state = self.spec, self.state
         place, out = spec.placement, spec.out
         linger_for_scrape(state.tel)
+        state.tel.end_run(error)
         state.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = state.tel.summary()
         if report is not None:
