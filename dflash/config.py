@@ -15,17 +15,19 @@ from pathlib import Path
 
 import yaml
 
+from . import family
 from .errors import ConfigError
-from .preflight.checkpoint_files import DFLASH2_FLOATS, MAX_SLIDING_WINDOW
+from .family import BLOCK_SIZE, BLOCK_SIZES, DRAFTER_LAYERS, EVAL_FIELDS, MODEL_FIELDS, TRAIN_FIELDS
+from .preflight.checkpoint_files import MAX_SLIDING_WINDOW
 from .preflight.inputs import short_repr as _short
 
 
 @dataclass
-class ModelConfig:
+class _Model:
     target: str = "tiny-qwen3"          # smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | dir | hub id
     target_seed: int = 0                 # weights of tiny random targets
     num_layers: int = 1                  # drafter decoder layers (5 in the paper; 1 for CPU)
-    block_size: int = 16
+    block_size: int = BLOCK_SIZE
     num_target_layers: int = 3           # n layers fused into the context
     target_layer_ids: list[int] = field(default_factory=list)  # empty: spread evenly
     dtype: str = "auto"                  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
@@ -37,14 +39,15 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)  # one per drafter layer: sliding_attention |
                                          # full_attention; empty: all full (docs/architectures.md)
     sliding_window: int = 0              # W of the sliding layers: a block query at t sees positions j with |t-j| < W
-    arch: str = "dflash"                 # dflash | dflash2 (grouped convs + candidate selector; model/dflash2.py)
-    conv_kernel_size: int = 2            # dflash2: taps of the convolution across a block's slots
-    conv_group_size: int = 16            # dflash2: channels sharing one per-token kernel (divides hidden size)
-    selector_rank: int = 256             # dflash2: rank of the selector's codebooks
-    selector_top_k: int = 16             # dflash2: candidates per slot the selector walks
-    output_multiplier: float = 1.0       # dflash2: scale of the candidates' logits
-    final_logit_softcapping: float = 0.0  # dflash2: soft cap of the candidates' logits (0: none)
-    input_embedding_scale: float = 1.0   # dflash2: scale of the block's token embeddings
+    arch: str = family.DEFAULT           # the drafter family: dflash | dflash2 (grouped convs + candidate selector) |
+                                         # dspark (Markov head + confidence head); dflash/family/, docs/architectures.md
+
+
+# Each section's fields, then each drafter family's own (dflash/family/<name>.py declares them, with
+# their defaults, comments and bounds): the bases' order puts this section's own fields first.
+@dataclass
+class ModelConfig(*reversed(MODEL_FIELDS), _Model):
+    pass
 
 
 @dataclass
@@ -78,16 +81,19 @@ class DataConfig:
 LOSSES = ("ce", "kl", "lk")
 ATTENTIONS = ("sdpa", "flex")    # train.attention: the drafter's block attention (model/drafter.py `attend`)
 WEIGHTINGS = ("decay", "dpace")
+OPTIMIZERS = ("adamw", "muon")   # train.optimizer (run/step.py)
+MUON_LR_RULES = ("match_rms_adamw", "original")  # train.muon_adjust_lr: torch.optim.Muon's adjust_lr_fn
 
 
-def needs_target_distribution(loss: str) -> bool:
-    """Whether `train.loss` compares against the target's next-token distribution (kl, lk),
-    which the target side must then hand over (or a capture keep)."""
-    return loss in ("kl", "lk")
+def needs_target_distribution(loss: str, arch: str = family.DEFAULT) -> bool:
+    """Whether the loss compares against the target's next-token distribution, which the target
+    side must then hand over (or a capture keep): `train.loss` kl or lk, or a drafter family
+    whose own loss does (DSpark's L1 distance: family/dspark.py)."""
+    return loss in ("kl", "lk") or family.of({"arch": arch}).reads_target_distribution
 
 
 @dataclass
-class TrainConfig:
+class _Train:
     steps: int = 200
     batch_size: int = 4
     num_anchors: int = 8
@@ -115,19 +121,30 @@ class TrainConfig:
                                          # paper's fixed decay, loss_gamma); model/losses.py
     kl_topk: int = 64                    # kl / lk: the target's k most likely tokens + one bucket for the rest;
                                          # 0: the whole distribution (online only). Captures keep k per token
-    selector_loss_alpha: float = 1.0     # dflash2: weight of the selector's k-way CE in the loss
     dpace_alpha: float = 0.5             # dpace: confidence smoothing, s = (1 - a) q + a
     lk_eta: float = 3.0                  # lk: lam = exp(-eta * acceptance) blends KL into 1 - acceptance
     loss_chunk: int = 0                  # the lm_head + loss over this many slot rows at a time, never the whole
                                          # [rows x vocab] logits (model/head_loss.py); 0: auto (4096 on CUDA, off
-                                         # on the CPU); -1: off. Not with a copy head or dflash2 (they read logits)
+                                         # on the CPU); -1: off. Not with a copy head, dflash2 or dspark (they read logits)
     attention: str = "sdpa"              # the drafter's block attention in training: sdpa (a bool mask) | flex
                                          # (flex_attention with a block mask, compiled on CUDA: skips empty tiles)
     compile: bool = False                # torch.compile each drafter layer (CUDA; the CPU runs them eagerly)
+    optimizer: str = "adamw"             # adamw | muon (torch.optim.Muon for the 2-D weight matrices, AdamW for the
+                                         # rest, as vLLM's speculators splits them: run/step.py)
+    muon_lr: float = 0.0                 # muon: its learning rate (0: train.lr, speculators' default)
+    muon_momentum: float = 0.95          # muon: momentum (Nesterov)
+    muon_weight_decay: float = 0.1       # muon: weight decay of the matrices it updates
+    muon_adjust_lr: str = "match_rms_adamw"  # muon: its per-matrix rate, match_rms_adamw (updates of AdamW's RMS, so
+                                         # AdamW's rates carry over: Moonshot's) | original (Keller Jordan's)
 
 
 @dataclass
-class EvalConfig:
+class TrainConfig(*reversed(TRAIN_FIELDS), _Train):
+    pass
+
+
+@dataclass
+class _Eval:
     prompts: int = 8
     max_new_tokens: int = 48
     max_prompt_len: int = 128
@@ -150,6 +167,11 @@ class EvalConfig:
                                          # engine starts ~100 s sooner, and decodes slower; every method alike
     engine_rounds: int = 2               # eval.engine: every prompt asked of every engine this many times, the
                                          # engines interleaved (the paired verdict: each ratio's 95% interval)
+
+
+@dataclass
+class EvalConfig(*reversed(EVAL_FIELDS), _Eval):
+    pass
 
 
 @dataclass
@@ -398,8 +420,8 @@ MIN_TEMPERATURE = 1e-6  # sampling: 0 (greedy) or at least this (check_sampling)
 # Lists and mappings are checked element by element.
 RANGES: dict[str, Range] = {
     "model.target_seed": Range(0, MAX_SEED),
-    "model.num_layers": Range(1, 128, note="drafter layers; published drafters have 1-8"),
-    "model.block_size": Range(2, 1024),
+    "model.num_layers": Range(*DRAFTER_LAYERS, note="drafter layers; published drafters have 1-8"),
+    "model.block_size": Range(*BLOCK_SIZES),
     "model.num_target_layers": Range(1, MAX_LAYERS, note="at most the target's layers"),
     "model.target_layer_ids": Range(0, MAX_LAYERS - 1, note="decoder layer indices of the target"),
     "data.num_conversations": Range(2),
@@ -426,17 +448,15 @@ RANGES: dict[str, Range] = {
     "train.loss_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.draft_vocab": Range(0, 1 << 23, note="0: the whole vocabulary"),
     "model.sliding_window": Range(0, MAX_SLIDING_WINDOW, note="0: no sliding layers"),
-    "model.conv_kernel_size": Range(1, 1024, note="dflash2"),
-    "model.conv_group_size": Range(1, 65536, note="dflash2; divides the hidden size"),
-    "model.selector_rank": Range(1, 65536, note="dflash2"),
-    "model.selector_top_k": Range(1, 65536, note="dflash2"),
-    **{f"model.{k}": Range(lo, hi, lo_open=lo_open, note="dflash2" + ("; 0: none" if not lo_open else ""))
-       for k, (lo, hi, lo_open) in DFLASH2_FLOATS.items()},
-    "train.selector_loss_alpha": Range(0, 1e6, note="dflash2"),
+    # each drafter family's own fields: their bounds are the family's (dflash/family/)
+    **{k: Range(b.lo, b.hi, lo_open=b.lo_open, note=b.note) for k, b in family.config_bounds().items()},
     "train.kl_topk": Range(0, 1 << 23, note="0: the whole distribution"),
     "train.dpace_alpha": Range(0, 1, lo_open=True),
     "train.lk_eta": Range(0, 1000),
     "train.loss_chunk": Range(-1, 1 << 30, note="0: auto; -1: off"),
+    "train.muon_lr": Range(0, 1, note="0: train.lr"),
+    "train.muon_momentum": Range(0, 1, hi_open=True),
+    "train.muon_weight_decay": Range(0, 10),
     "eval.prompts": Range(1),
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
@@ -522,11 +542,11 @@ def validate(cfg: Config) -> None:
     if m.draft_vocab and m.copy_head:
         raise ConfigError("model.draft_vocab with model.copy_head=true: a copy may propose any token, a draft "
                           "vocabulary only its own; choose one")
-    if m.arch not in ("dflash", "dflash2"):
-        raise ConfigError(f"model.arch={m.arch!r}: expected dflash or dflash2")
-    if m.arch == "dflash2" and (m.copy_head or m.draft_vocab):
-        raise ConfigError("model.arch=dflash2 with model.copy_head or model.draft_vocab: the DFlash2 selector walks "
-                          "the full-vocabulary head's top-k (as vLLM serves it); choose one")
+    if m.arch not in family.NAMES:
+        raise ConfigError(f"model.arch={m.arch!r}: expected {_one_of(family.NAMES)}")
+    err = family.get(m.arch).check(m, cfg.train)
+    if err:
+        raise ConfigError(err)
     if cfg.eval.engine not in ("none", "auto", "vllm"):
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)
@@ -546,6 +566,14 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.loss={t.loss!r}: expected {_one_of(LOSSES)}")
     if t.loss_weights not in WEIGHTINGS:
         raise ConfigError(f"train.loss_weights={t.loss_weights!r}: expected {_one_of(WEIGHTINGS)}")
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError(f"train.optimizer={t.optimizer!r}: expected {_one_of(OPTIMIZERS)}")
+    if t.muon_adjust_lr not in MUON_LR_RULES:
+        raise ConfigError(f"train.muon_adjust_lr={t.muon_adjust_lr!r}: expected {_one_of(MUON_LR_RULES)}")
+    if cfg.eval.confidence_threshold and not ("confidence_head" in family.get(m.arch).model_names
+                                              and m.confidence_head):
+        raise ConfigError(f"eval.confidence_threshold={cfg.eval.confidence_threshold}: our decoder gates drafting "
+                          "by a confidence head; train one (model.arch=dspark, model.confidence_head=true)")
     if t.attention not in ATTENTIONS:
         raise ConfigError(f"train.attention={t.attention!r}: expected {_one_of(ATTENTIONS)}")
     if t.attention == "flex" and not all(str(d).startswith("cuda") for d in p.drafter_devices):
@@ -690,3 +718,6 @@ def check_walked_eval(cfg: Config) -> None:
     if e.temperature:
         raise ConfigError(f"eval.decode=false with eval.temperature={e.temperature}: the walk is greedy; "
                           "decode to sample (eval.decode=true)")
+    if e.confidence_threshold:
+        raise ConfigError(f"eval.decode=false with eval.confidence_threshold={e.confidence_threshold}: the walk "
+                          "drafts whole blocks; decode to gate drafting (eval.decode=true)")

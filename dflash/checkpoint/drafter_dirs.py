@@ -166,10 +166,6 @@ _FIT_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "hea
                "vocab_size", "num_hidden_layers", "block_size", "target_layer_ids", "mask_token_id", "copy_head")
 
 
-# model.arch=dflash2's sizes (model/dflash2.py); a checkpoint without "arch" is a DFlash one
-_DFLASH2_FIT = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-
-
 def check_fits(have: dict, where: str, *, target=None, built=None, draft_token_max=None) -> None:
     """One line (bad input, exit 2) naming the first way a drafter does not fit, from its
     DrafterConfig fields ``have`` (config.json: before its weights are read).
@@ -182,9 +178,12 @@ def check_fits(have: dict, where: str, *, target=None, built=None, draft_token_m
     if built is not None:
         from ..preflight.checkpoint_files import CheckpointError
 
-        extra = ("arch", *(_DFLASH2_FIT if getattr(built, "arch", "dflash") == "dflash2" else ()))
+        from .. import family
+
+        # the family's own sizes (dflash/family/); a checkpoint without "arch" is a DFlash one
+        extra = ("arch", *family.of(built).fit)
         for f in (*_FIT_FIELDS, *extra):
-            a, b = have.get(f, "dflash") if f == "arch" else have[f], getattr(built, f)
+            a, b = have.get(f, family.DEFAULT) if f == "arch" else have[f], getattr(built, f)
             if a != b:
                 raise CheckpointError(f"{where}: {f}={a!r} does not fit this run's target (expected {b!r})")
     if target is not None:

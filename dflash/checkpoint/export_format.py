@@ -17,16 +17,18 @@ i, i.e. `hidden_states[i + 1]` of a Hugging Face forward (hidden_states[0] is th
 
 This module is the format in both directions: our state dict <-> its names, our
 DrafterConfig <-> its config. It reads only JSON until a drafter is built, so a bad
-directory fails before any model loads.
+directory fails before any model loads. A drafter family's own parts (DFlash2's, DSpark's:
+their architecture name, config keys and weight names) are its own to write and read
+(dflash/family/<name>.py `export_config`, `import_fields`, `is_weight`).
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+from .. import family
 from ..errors import ConfigError
 from ..preflight.checkpoint_files import BOUNDS
-from . import dflash2_format as dflash2
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -49,8 +51,14 @@ class FormatError(ConfigError):
 
 def is_export_config(raw: dict) -> bool:
     """A config.json in the served format (ours say architectures ['DFlashDrafter'])."""
-    return "dflash_config" in raw or any(str(a).startswith("DFlash") and a != "DFlashDrafter"
-                                         for a in raw.get("architectures") or [])
+    archs = [str(a) for a in raw.get("architectures") or []]
+    return "dflash_config" in raw or any(a.startswith("DFlash") and a != "DFlashDrafter" for a in archs) \
+        or any(f.architecture in archs for f in family.FAMILIES.values())
+
+
+def _family_weight(name: str) -> bool:
+    """A family's own weight (DFlash2's convolutions and selector, DSpark's heads): the same name both ways."""
+    return any(f.is_weight(name) for f in family.FAMILIES.values())
 
 
 def read_config(path: str | Path) -> dict | None:
@@ -68,7 +76,7 @@ def to_export_name(name: str) -> str:
         return name
     if name in _DRAFT_VOCAB:
         return _DRAFT_VOCAB[name]
-    if dflash2.is_dflash2_name(name):
+    if _family_weight(name):
         return name
     m = re.fullmatch(r"layers\.(\d+)\.(\w+)\.weight", name)
     if m:
@@ -91,7 +99,7 @@ def from_export_name(name: str, draft_vocab: bool = False) -> str | None:
         return next(k for k, v in _DRAFT_VOCAB.items() if v == name)
     if name in _TARGET_OWNED:
         return None
-    if dflash2.is_dflash2_name(name):
+    if _family_weight(name):
         return name
     m = re.fullmatch(r"layers\.(\d+)\.(?:(self_attn|mlp)\.)?(\w+)\.weight", name)
     if m:
@@ -163,10 +171,7 @@ def export_config(dcfg, target_config, *, dtype: str) -> dict:
         "block_size": flags["block_size"],     # older readers (MLX) look at the top level
         "num_target_layers": num_target_layers,
     }
-    if getattr(dcfg, "arch", "dflash") == "dflash2":  # conv + selector (checkpoint/dflash2_format.py)
-        cfg["architectures"] = [dflash2.ARCHITECTURE]
-        flags.update(dflash2.export_fields(dcfg))
-        cfg["is_causal"] = False
+    family.of(dcfg).export_config(dcfg, cfg, flags)  # its family's own parts (dflash/family/): DFlash's none
     if getattr(dcfg, "draft_vocab_size", 0):  # drafts from these tokens only: own lm_head + d2t (EAGLE-3's way)
         cfg["draft_vocab_size"] = int(dcfg.draft_vocab_size)
     if SLIDING in (getattr(dcfg, "layer_types", None) or []):
@@ -258,15 +263,16 @@ def spread_layer_ids(num_target_layers: int, n: int) -> list[int]:
 
 def drafter_config_fields(raw: dict, where: str) -> dict:
     """DrafterConfig fields from a served config.json; FormatError for what we cannot run."""
+    known = [f.architecture for f in family.FAMILIES.values()]
     for arch in raw.get("architectures") or []:
-        if arch not in (ARCHITECTURE, dflash2.ARCHITECTURE):
-            raise FormatError(f"{where}: architecture {arch!r}: expected {ARCHITECTURE} or {dflash2.ARCHITECTURE} "
+        if arch not in known:
+            raise FormatError(f"{where}: architecture {arch!r}: expected {', '.join(known[:-1])} or {known[-1]} "
                               f"(other variants add parts this trainer does not have)")
-    extra = dflash2.import_fields(raw, where, FormatError) if dflash2.is_dflash2(raw) else {}
+    extra = family.served(raw).import_fields(raw, where, FormatError)  # its family's own fields
     for key, neutral in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
-        if not extra and _value(raw, key, neutral) != neutral:  # NaN, "2", [1] too: never equal to 1.0
+        if key not in extra and _value(raw, key, neutral) != neutral:  # NaN, "2", [1] too: never equal to 1.0
             raise FormatError(f"{where}: {key}={_value(raw, key)!r}: this trainer's drafter supports {neutral} only")
-    if not extra and _value(raw, "final_logit_softcapping"):
+    if "final_logit_softcapping" not in extra and _value(raw, "final_logit_softcapping"):
         raise FormatError(f"{where}: final_logit_softcapping: not supported by this trainer's drafter")
     if raw.get("attention_bias"):
         raise FormatError(f"{where}: attention_bias=true: this trainer's drafter has no attention biases")
@@ -294,7 +300,7 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
             "target_layer_ids": [int(i) for i in ids],
             "mask_token_id": int(mask),
             "num_hidden_layers": layers,
-            "block_size": int(_value(raw, "block_size", 16)),
+            "block_size": int(_value(raw, "block_size", family.BLOCK_SIZE)),
             "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
             "rope_theta": float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
             "draft_vocab_size": draft_vocab_size(raw),

@@ -9,6 +9,7 @@ and schedule start fresh: this is a new run from those weights, not a resume.
 """
 from __future__ import annotations
 
+from .. import family
 from . import drafter_dirs
 
 
@@ -20,11 +21,10 @@ def init_flags(path: str) -> dict:
              "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
              "model.layer_types": list(f.get("layer_types") or []),
              "model.sliding_window": int(f.get("sliding_window") or 0)}
-    if f.get("arch") == "dflash2":  # DIR's DFlash2 parts and their sizes (model/dflash2.py)
-        flags["model.arch"] = "dflash2"
-        flags.update({f"model.{k}": f[k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                   "selector_top_k", "output_multiplier",
-                                                   "final_logit_softcapping", "input_embedding_scale")})
+    fam = family.of(f)
+    if fam.name != family.DEFAULT:  # DIR's family and its own parts' sizes (dflash/family/)
+        flags["model.arch"] = fam.name
+        flags.update({f"model.{k}": f[k] for k in fam.model_names})
     return flags
 
 
@@ -44,21 +44,20 @@ def load_into_run(cfg, target):
             raise drafter_dirs.DrafterDirError(f"{key}={have}: model.init_from={cfg.model.init_from!r} has {want} "
                                                f"(dflash train --init-from DIR takes DIR's shape)")
     src = drafter_dirs.load(d)
-    # a DFlash DIR under model.arch=dflash2 starts a DFlash2 from it: its convolutions start as
-    # the identity and its selector fresh (model/dflash2.py), the rest is DIR's
-    upgrade = cfg.model.arch == "dflash2" and src.cfg.arch != "dflash2"
-    if upgrade:
-        from ..model.build import dflash2_fields
-        src_cfg = replace(src.cfg, **dflash2_fields(cfg.model))
-    else:
-        src_cfg = src.cfg
+    # a DFlash DIR under another model.arch starts that family from it: its own parts start as
+    # they start fresh (DFlash2's convolutions as the identity and its selector new, DSpark's Markov
+    # head with a zero projection: model/dflash2.py, dspark.py), the rest is DIR's
+    upgrade = cfg.model.arch != family.DEFAULT and src.cfg.arch == family.DEFAULT
+    src_cfg = replace(src.cfg, **family.get(cfg.model.arch).drafter_fields(cfg.model)) if upgrade else src.cfg
     drafter = make_drafter(replace(src_cfg, copy_head=cfg.model.copy_head, target=cfg.model.target))
     # a copy head the source lacks starts fresh (its own init); one it has but the run
     # does not want is dropped
     state = {k: v for k, v in src.state_dict().items() if cfg.model.copy_head or not k.startswith("copy.")}
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     allowed = ("copy.",) if cfg.model.copy_head and src.copy is None else ()
-    allowed += ("candidate_selector.", "attention_conv.", "mlp_conv.") if upgrade else ()
+    if upgrade:  # the family's own weights, named as it names them
+        own = family.get(cfg.model.arch)
+        missing = [k for k in missing if not own.is_weight(k)]
     bad = list(unexpected) + [k for k in missing if not any(k.startswith(a) or f".{a}" in k for a in allowed)]
     if bad:
         raise drafter_dirs.DrafterDirError(f"--init-from {cfg.model.init_from!r}: weights that do not fit: "

@@ -7,6 +7,9 @@ then over turns (z-lab's protocol; single-turn prompts: the mean over prompts).
 mean): what engines count (vLLM's mean acceptance length), and what the held-out estimate
 during training walks (run/acceptance_estimate.py).
 `per_position_acceptance[k-1]` = the share of verify steps that accepted draft position k.
+`drafted_per_accepted` = draft tokens verified per draft token accepted (1.0: none wasted): what
+a verify step spends on drafts that are thrown away; confidence-gated drafting (a DSpark
+drafter's `confidence_threshold`) lowers it by verifying shorter blocks.
 
 "Lossless" means: for every prompt, the speculative output equals the target's own greedy
 decode by the same target object (same dtype and device). It is checked with one
@@ -101,6 +104,7 @@ class _Tally:
         self.outputs: list[list[int]] = []
         self.divergences: list[dict] = []
         self.decode_s, self.generated = 0.0, 0
+        self.drafted, self.accepted = 0, 0  # draft tokens verified / accepted (drafted: decoded results only)
 
     def add(self, turns: list[dict]) -> None:
         """turns: [{"i", "id", "turn", "prompt_ids", "res", "s", "divergence"}] of one whole dialog."""
@@ -117,6 +121,8 @@ class _Tally:
             self.steps.append(step)
             for a in res.acceptance:
                 self.hist[a] += 1
+            self.drafted += sum(getattr(res, "drafted", None) or [])
+            self.accepted += sum(a - 1 for a in res.acceptance)
             if res.acceptance:
                 taus.append(res.tau)
                 self.turn_taus.setdefault(r["turn"], []).append(res.tau)
@@ -139,6 +145,7 @@ class _Tally:
             "histogram": {str(k): self.hist[k] for k in range(1, self.B + 1)},
             "per_position_acceptance": per_position(self.hist, self.B),
             "tokens_per_s": round(self.generated / self.decode_s, 2) if self.decode_s > 0 else None,  # decoding only
+            "drafted_per_accepted": round(self.drafted / self.accepted, 4) if self.drafted and self.accepted else None,
         }
 
 
@@ -178,7 +185,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
              max_prompt_len: int, check_lossless: bool = True, progress: bool = True,
              stop=None, mode: str = "auto", keep_outputs: bool = False, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int = 0, prompt_ids: list | None = None,
-             prompt_set: PromptSet | None = None, baseline: str = "none") -> dict:
+             prompt_set: PromptSet | None = None, baseline: str = "none", confidence_threshold: float = 0.0) -> dict:
     """`stop` (a threading.Event): when set, finish the current prompt and return what was
     measured so far, marked ``interrupted`` (a preempted job must exit within its grace period).
 
@@ -194,7 +201,10 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
     seed + i, the baseline from its own with the same seed); "lossless" is then a property
     of the output distribution, which tests check, not a per-prompt comparison: it is
     reported as not checked. A later turn follows the drafter's reply (at T = 0 the
-    target's greedy one), so both methods see the same prompts."""
+    target's greedy one), so both methods see the same prompts.
+
+    `confidence_threshold` > 0: a DSpark drafter with a confidence head drafts each block only while
+    the head expects acceptance (spec_decode `_DrafterSource`); prompt lookup is not gated."""
     if baseline not in BASELINES:
         raise ValueError(f"baseline {baseline!r}: expected one of {', '.join(BASELINES)}")
     if prompt_set is None:
@@ -215,13 +225,14 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
 
     def decode(method, prompt, generator):
         t1 = time.perf_counter()
+        gate = {"confidence_threshold": confidence_threshold} if method is drafter and confidence_threshold else {}
         if sampled:
             res = speculative_sample(target, method, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
                                      temperature=temperature, top_p=top_p, top_k=top_k, generator=generator,
-                                     stop=stop)
+                                     stop=stop, **gate)
         else:
             res = speculative_generate(target, method, prompt, max_new_tokens=max_new_tokens, eos_ids=eos, mode=mode,
-                                       stop=stop)
+                                       stop=stop, **gate)
         return res, time.perf_counter() - t1
 
     def divergence(i, t, prompt, out):
@@ -281,6 +292,7 @@ def evaluate(target, drafter, tokenizer, convs, *, prompts: int, max_new_tokens:
         "dtype": str(target.dtype).removeprefix("torch."),
         "max_new_tokens": max_new_tokens,
         "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "confidence_threshold": confidence_threshold,
         "per_prompt_steps": main.steps,  # [{prompt_ids, id, turn, acceptance_lengths (accepted + 1 per step), output_ids}]
         "stop_token_ids": sorted(eos),
         "interrupted": bool(stop is not None and stop.is_set()),

@@ -61,6 +61,7 @@ MODES = ("auto", "crop", "snapshot", "rerun")
 class DecodeResult:
     tokens: list[int]
     acceptance: list[int] = field(default_factory=list)  # per verify step, 1..B
+    drafted: list[int] = field(default_factory=list)     # per verify step, the draft tokens it verified
 
     @property
     def tau(self) -> float:
@@ -267,11 +268,15 @@ def copy_source(drafter, seq: list[int], anchor: int, dev) -> dict:
 
 
 class _DrafterSource:
-    """A verify step's draft from a DFlash drafter: its context keys/values grow by the
-    target features of the newly committed positions, then it fills one block."""
+    """A verify step's draft from a DFlash-family drafter: its context keys/values grow by the
+    target features of the newly committed positions, then it fills one block (its family's
+    `draft` / `sample_chain`: DFlash2's selector walk, DSpark's Markov chain). ``threshold`` > 0
+    (a DSpark drafter with a confidence head): it drafts only while the head expects the drafts
+    so far to be accepted (model/dspark.py `chain`), so a block may be shorter."""
 
-    def __init__(self, drafter: DFlashDrafter, target):
+    def __init__(self, drafter: DFlashDrafter, target, threshold: float = 0.0):
         self.drafter = drafter
+        self.gate = {"threshold": threshold} if threshold > 0 else {}
         self.embed, self.lm_head = target.get_input_embeddings(), target.get_output_embeddings()
         self.layer_ids, self.block_size = drafter.cfg.target_layer_ids, drafter.cfg.block_size
         self.ctx_kv = None  # the drafter's per-layer context keys/values, grown by the new positions only
@@ -284,13 +289,13 @@ class _DrafterSource:
 
     def greedy(self, seq: list[int], anchor: int, new_feats) -> list[int]:
         args, kw = self._args(seq, anchor, new_feats)
-        return self.drafter.draft(*args, **kw)[0].tolist()
+        return self.drafter.draft(*args, **kw, **self.gate)[0].tolist()
 
     def sample(self, seq: list[int], anchor: int, new_feats, dist, generator):
         """(drafted tokens, q: the distribution they were drawn from, [K, V])."""
         args, kw = self._args(seq, anchor, new_feats)
-        if hasattr(self.drafter, "sample_chain"):  # DFlash2: each slot drawn from its selector row
-            tokens, q = self.drafter.sample_chain(*args, dist, generator)
+        if hasattr(self.drafter, "sample_chain"):  # DFlash2 / DSpark: each slot drawn given the one before it
+            tokens, q = self.drafter.sample_chain(*args, dist, generator, **self.gate)
             return tokens.tolist(), q
         q = dist(self.drafter.draft_logits(*args, **kw)[0])
         return sampling.draw(q, generator).tolist(), q
@@ -313,18 +318,20 @@ class _LookupSource:
         return self.greedy(seq, anchor, new_feats), None  # q None: a point mass on each draft token
 
 
-def draft_source(drafter, target):
+def draft_source(drafter, target, threshold: float = 0.0):
     """What drafts a verify step's block: a DFlash drafter or prompt lookup, one loop for both."""
-    return _LookupSource(drafter) if isinstance(drafter, PromptLookup) else _DrafterSource(drafter, target)
+    return _LookupSource(drafter) if isinstance(drafter, PromptLookup) else _DrafterSource(drafter, target, threshold)
 
 
 @torch.no_grad()
 def speculative_generate(target, drafter: DFlashDrafter | PromptLookup, prompt: list[int], *, max_new_tokens: int,
-                         eos_ids: set[int] = frozenset(), mode: str = "auto", stop=None) -> DecodeResult:
+                         eos_ids: set[int] = frozenset(), mode: str = "auto", stop=None,
+                         confidence_threshold: float = 0.0) -> DecodeResult:
     """``drafter``: a DFlash drafter or `PromptLookup` (the baseline): the same target
     verify and acceptance rule either way. ``stop`` (a threading.Event): set, the decode
-    returns after the current verify step (a signal must not wait for a long prompt to finish)."""
-    source = draft_source(drafter, target)
+    returns after the current verify step (a signal must not wait for a long prompt to finish).
+    ``confidence_threshold``: a DSpark drafter's confidence-gated drafting (`_DrafterSource`)."""
+    source = draft_source(drafter, target, confidence_threshold)
     B = source.block_size
     runner = _TargetRunner(target, source.layer_ids, mode, max_pending=B)
 
@@ -333,6 +340,7 @@ def speculative_generate(target, drafter: DFlashDrafter | PromptLookup, prompt: 
     new_feats = feats  # features of committed positions not yet in the drafter's context cache
     out: list[int] = [int(preds[-1])]
     acceptance: list[int] = []
+    drafted: list[int] = []
     while len(out) < max_new_tokens and out[-1] not in eos_ids and not (stop is not None and stop.is_set()):
         anchor = out[-1]
         draft = source.greedy(runner.seq, anchor, new_feats)  # B - 1 tokens (prompt lookup: up to)
@@ -345,11 +353,12 @@ def speculative_generate(target, drafter: DFlashDrafter | PromptLookup, prompt: 
         new_feats = None if feats is None else feats[: accepted + 1]
         new = draft[:accepted] + [preds[accepted]]
         acceptance.append(accepted + 1)
+        drafted.append(len(draft))
         for t in new:  # stop exactly where plain greedy decoding would
             out.append(t)
             if len(out) >= max_new_tokens or t in eos_ids:
                 break
-    return DecodeResult(tokens=out[:max_new_tokens], acceptance=acceptance)
+    return DecodeResult(tokens=out[:max_new_tokens], acceptance=acceptance, drafted=drafted)
 
 
 @torch.no_grad()
@@ -450,11 +459,12 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def speculative_sample(target, drafter: DFlashDrafter | PromptLookup, prompt: list[int], *, max_new_tokens: int,
                        temperature: float, top_p: float = 1.0, top_k: int = 0,
                        eos_ids: set[int] = frozenset(), mode: str = "auto",
-                       generator: torch.Generator | None = None, stop=None) -> DecodeResult:
+                       generator: torch.Generator | None = None, stop=None,
+                       confidence_threshold: float = 0.0) -> DecodeResult:
     """``drafter``: a DFlash drafter, or `PromptLookup` whose proposal is a point mass (q =
     one-hot: accepted with probability p(x)). ``stop`` (a threading.Event): set, return
     after the current verify step."""
-    source = draft_source(drafter, target)
+    source = draft_source(drafter, target, confidence_threshold)
     B = source.block_size
     runner = _TargetRunner(target, source.layer_ids, mode, max_pending=B)
 
@@ -465,6 +475,7 @@ def speculative_sample(target, drafter: DFlashDrafter | PromptLookup, prompt: li
     runner.commit(prompt, len(prompt))
     out = [int(sampling.draw(dist(logits[-1]), generator))]
     acceptance: list[int] = []
+    drafted: list[int] = []
     while len(out) < max_new_tokens and out[-1] not in eos_ids and not (stop is not None and stop.is_set()):
         anchor = out[-1]
         draft, q = source.sample(runner.seq, anchor, new_feats, dist, generator)
@@ -474,8 +485,9 @@ def speculative_sample(target, drafter: DFlashDrafter | PromptLookup, prompt: li
         runner.commit(block, accepted + 1)
         new_feats = None if feats is None else feats[: accepted + 1]
         acceptance.append(accepted + 1)
+        drafted.append(len(draft))
         for t in draft[:accepted] + [nxt]:  # stop exactly where plain sampling would
             out.append(t)
             if len(out) >= max_new_tokens or t in eos_ids:
                 break
-    return DecodeResult(tokens=out[:max_new_tokens], acceptance=acceptance)
+    return DecodeResult(tokens=out[:max_new_tokens], acceptance=acceptance, drafted=drafted)

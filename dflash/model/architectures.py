@@ -1,15 +1,19 @@
-"""The drafter a DrafterConfig names (``cfg.arch``): DFlash (model/drafter.py) or DFlash2
-(model/dflash2.py). Every place that builds a drafter from a config builds it here."""
+"""The drafter a DrafterConfig names (``cfg.arch``): one network per drafter family, registered
+here once (their torch-free halves, config fields and served format: dflash/family/).
+Every place that builds a drafter from a config builds it here."""
 from __future__ import annotations
 
 import torch
 
 from .dflash2 import DFlash2Drafter
 from .drafter import DFlashDrafter
+from .dspark import DSparkDrafter
+
+NETWORKS = {"dflash": DFlashDrafter, "dflash2": DFlash2Drafter, "dspark": DSparkDrafter}
 
 
 def make_drafter(cfg) -> DFlashDrafter:
-    return DFlash2Drafter(cfg) if getattr(cfg, "arch", "dflash") == "dflash2" else DFlashDrafter(cfg)
+    return NETWORKS[getattr(cfg, "arch", "dflash") or "dflash"](cfg)
 
 
 def expected_shapes(cfg) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import family
 from ..config import Config
 from . import target as target_mod
 from .architectures import make_drafter
@@ -19,16 +20,7 @@ def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
         copy_head=cfg.model.copy_head, draft_vocab_size=min(cfg.model.draft_vocab, vocab_rows),
         layer_types=list(cfg.model.layer_types), sliding_window=cfg.model.sliding_window,
-        **dflash2_fields(cfg.model))
-
-
-def dflash2_fields(m) -> dict:
-    """The DrafterConfig fields of model.arch=dflash2 (none for dflash: its config stays as it was)."""
-    if m.arch != "dflash2":
-        return {}
-    keys = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "output_multiplier",
-            "final_logit_softcapping", "input_embedding_scale")
-    return {"arch": "dflash2", **{k: getattr(m, k) for k in keys}}
+        **family.get(cfg.model.arch).drafter_fields(cfg.model))  # its family's own (none for dflash)
 
 
 def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:

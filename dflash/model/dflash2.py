@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DFlashDrafter, DrafterLayer, apply_rope, attend, compute_precision
+from .drafter import DFlashDrafter, DrafterLayer, apply_rope, attend, compute_precision, leading_matches
+from .losses import selector_loss
 
 
 def _f32(x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,8 @@ def walk(candidate_ids: torch.Tensor, scores: torch.Tensor, pick=None) -> tuple[
 
 
 class DFlash2Drafter(DFlashDrafter):
-    """What model/architectures.make_drafter builds for cfg.arch == "dflash2"."""
+    """What model/architectures.make_drafter builds for cfg.arch == "dflash2" (its config fields,
+    bounds and served format: family/dflash2.py)."""
 
     def __init__(self, cfg):
         err = check(cfg)
@@ -169,7 +171,6 @@ class DFlash2Drafter(DFlashDrafter):
             layer.mlp_conv.reset_identity()
         self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.selector_rank,
                                                     cfg.selector_top_k)
-        self.selector_ce = None  # the last train_forward's per-slot selector CE [B, A, Bk-1] (weighted: model/losses.py)
 
     def blocks_hidden(self, block_emb, block_pos, ctx_kv, mask):
         scale = self.cfg.input_embedding_scale
@@ -184,19 +185,30 @@ class DFlash2Drafter(DFlashDrafter):
 
     # -- training -------------------------------------------------------------------------
     def train_forward(self, features, input_ids, anchors, anchor_valid, embed, lm_head, labels=None):
-        """DFlashDrafter.train_forward's logits (output_multiplier and soft cap applied), and the
-        selector's per-slot CE on ``labels`` [B, A, Bk-1] kept in ``selector_ce`` for the loss."""
-        if lm_head is None or labels is None:
-            raise ValueError("DFlash2 trains from the full logits and the labels (its selector reads both)")
+        """DFlashDrafter.train_forward's logits, output_multiplier and soft cap applied (the unary
+        scores the selector ranks)."""
+        if lm_head is None:
+            raise ValueError("DFlash2 trains from the full logits (its selector reads each slot's top-k)")
+        logits, _ = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
+        return self.unary(logits)
+
+    def train_terms(self, features, input_ids, anchors, anchor_valid, embed, lm_head, labels):
+        """(train_forward's logits, the selector's per-slot k-way CE [B, A, Bk-1] on ``labels``), one pass."""
         logits, h = self.slot_outputs(features, input_ids, anchors, anchor_valid, embed, lm_head)
         logits = self.unary(logits)
         with compute_precision(embed.weight):
-            self.selector_ce = self._selector_ce(logits, h, labels, input_ids, anchors, lm_head)
-        return logits
+            return logits, self.selector_ce(logits, h, labels, input_ids, anchors, lm_head)
 
-    forward = train_forward
+    def forward(self, features, slots, objective):
+        """DFlash's per-slot loss on the unary logits plus the selector's term (model/losses.py
+        `selector_loss`: its k-way CE weighted as the paper's loss, x train.selector_loss_alpha)."""
+        logits, ce = self.train_terms(features, slots.ids, slots.anchors, slots.valid, objective.embed, slots.head,
+                                      slots.labels)
+        loss, acc = objective.slot_loss(logits, slots)
+        sel = selector_loss(ce, objective.weights, slots.label_mask, slots.valid, objective.train.selector_loss_alpha)
+        return loss + sel, acc, {"selector_loss": sel.detach()}
 
-    def _selector_ce(self, logits, h, labels, input_ids, anchors, lm_head):
+    def selector_ce(self, logits, h, labels, input_ids, anchors, lm_head):
         """Per-slot k-way CE of the selector [B, A, K], predecessors teacher-forced."""
         k = min(self.cfg.selector_top_k, logits.shape[-1])
         ids = getattr(lm_head, "ids", None)  # a loss-vocabulary head (RowsHead): logits over its rows
@@ -239,6 +251,11 @@ class DFlash2Drafter(DFlashDrafter):
         scores = self.candidate_selector.chain_scores(cand, self.unary(_f32(values)), hidden.flatten(0, -3),
                                                       anchor_ids.flatten())
         return walk(cand, scores)[0].view(*lead, -1)
+
+    def walk_accepted(self, logits, hidden, input_ids, anchors, labels, ok, lm_head):
+        """The held-out walk's hook: the selector's greedy chains, as decoding drafts them."""
+        drafts = self.chain_drafts(logits, hidden, torch.gather(input_ids, 1, anchors))
+        return leading_matches(drafts, labels, ok)
 
     @torch.no_grad()
     def draft(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head, context_ids=None):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import family
 from .copy_head import CopyHead
 
 
@@ -36,7 +37,7 @@ COMPILE_BACKEND = "inductor"  # `train.compile`'s; the CPU twin test traces with
 
 
 @dataclass
-class DrafterConfig:
+class _Drafter:
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -46,7 +47,7 @@ class DrafterConfig:
     target_layer_ids: list[int]
     mask_token_id: int
     num_hidden_layers: int = 1
-    block_size: int = 16
+    block_size: int = family.BLOCK_SIZE
     copy_head: bool = False          # mix in copies from the context, weight learned (copy_head.py)
     draft_vocab_size: int = 0        # > 0: drafts come from these tokens only, through a head of their rows
                                      # (draft_head, draft_ids): what an engine reads per step shrinks with it
@@ -58,22 +59,25 @@ class DrafterConfig:
     target: str = ""
     architectures: list[str] = field(default_factory=lambda: ["DFlashDrafter"])
     model_type: str = "dflash_drafter"
-    # model.arch=dflash2: the DFlash2 parts and their sizes (model/dflash2.py; unused by dflash);
+    # model.arch: the drafter family (dflash/family/); its own parts' fields are inherited below, and
     # model/architectures.py builds the drafter cfg.arch names
-    arch: str = "dflash"
-    conv_kernel_size: int = 2
-    conv_group_size: int = 16
-    selector_rank: int = 256
-    selector_top_k: int = 16
-    output_multiplier: float = 1.0
-    final_logit_softcapping: float = 0.0
-    input_embedding_scale: float = 1.0
+    arch: str = family.DEFAULT
+
+
+@dataclass
+class DrafterConfig(*reversed(family.MODEL_FIELDS), _Drafter):
+    """A drafter's shape: the backbone's fields, then each family's own (dflash/family/), of which
+    its config.json keeps its own family's only."""
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        if d["arch"] == "dflash":  # a DFlash drafter's config.json stays what it was
-            for k in _DFLASH2_FIELDS:
-                del d[k]
+        own = family.of(self)
+        for f in family.FAMILIES.values():
+            if f is not own:
+                for k in f.model_names:
+                    del d[k]
+        if own.name == family.DEFAULT:  # a DFlash drafter's config.json stays what it was
+            del d["arch"]
         return d
 
     def layer_window(self, i: int) -> int | None:
@@ -108,10 +112,6 @@ class DrafterConfig:
             rope_theta=float(theta),
             **kw,
         )
-
-
-_DFLASH2_FIELDS = ("arch", "conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k",
-                   "output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 
 
 def compute_precision(frozen: torch.Tensor):
@@ -342,7 +342,7 @@ class DFlashDrafter(nn.Module):
         drafts token p+k); with a copy head, its proposals are mixed in (the logits are then
         log-probabilities). ``lm_head`` None: the slots' final hidden states [B, A, Bk-1, H]
         instead, for a loss that applies the head itself, chunk by chunk (model/head_loss.py;
-        never with a copy head). ``labels`` [B, A, Bk-1]: unused here (DFlash2's selector
+        never with a copy head). ``labels`` [B, A, Bk-1]: unused by DFlash (DSpark's Markov head
         reads them); the loss builds them (model/objective.py `slot_labels`)."""
         if lm_head is None:
             if self.copying:
@@ -391,7 +391,24 @@ class DFlashDrafter(nn.Module):
             return logits
         return self.copy(logits, hidden, input_ids, anchors, getattr(lm_head, "to_subset", None))
 
-    forward = train_forward  # what DDP wraps
+    def forward(self, features, slots, objective):
+        """One batch's loss, as nanoGPT's ``model(X, Y) -> loss`` (what DDP wraps): (loss, accuracy,
+        metrics), device tensors. ``slots``: the batch's scored slots (model/objective.py `Slots`),
+        ``objective``: the loss settings and the per-slot loss every family shares (`DraftLoss`).
+        A DFlash drafter's loss is that per-slot loss alone, the head chunk by chunk where asked."""
+        if objective.chunked():
+            hidden = self.train_forward(features, slots.ids, slots.anchors, slots.valid, objective.embed, None)
+            return (*objective.chunked_loss(hidden, slots), {})
+        logits = self.train_forward(features, slots.ids, slots.anchors, slots.valid, objective.embed, slots.head)
+        return (*objective.slot_loss(logits, slots), {})
+
+    # -- the held-out walk's decode hook (run/acceptance_estimate.py) ------------------------
+    def walk_accepted(self, logits, hidden, input_ids, anchors, labels, ok, lm_head):
+        """The drafts a verify step anchored at each of ``anchors`` [B, A] accepts, from one pass's
+        slot logits and hidden [B, A, Bk-1, ...] (`slot_outputs`, through the served head): the
+        leading slots whose draft, as our decoder drafts it, is the label (``ok``: the label exists).
+        DFlash: each slot's argmax, a copy head's proposals mixed in."""
+        return leading_matches(self.add_copies(logits, hidden, input_ids, anchors, lm_head).argmax(-1), labels, ok)
 
     @property
     def copying(self) -> bool:
@@ -453,6 +470,11 @@ class DFlashDrafter(nn.Module):
         in the same precision as training (see compute_precision)."""
         with compute_precision(embed.weight):
             return self.context_kv(self.fuse(features.to(embed.weight.dtype)), positions)
+
+
+def leading_matches(drafts: torch.Tensor, labels: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """Per block [...]: how many leading slots' drafts [..., K] equal their labels where ``ok``."""
+    return ((drafts == labels) & ok).int().cumprod(-1).sum(-1)
 
 
 class DraftVocabHead(nn.Module):

@@ -2,9 +2,10 @@
 
 Here, in model/ (not run/): the loss is a function of the drafter's logits, the labels and
 the target's distribution, no more; it needs nothing of the run (workers, channels,
-placement), and model/ is where the networks it scores live (dflash2.py's selector CE is
-computed in the model's forward, and weighted here). run/step.py's `TrainStep` calls
-`training_loss` once per step. The loss names (`LOSSES`, `WEIGHTINGS`) and
+placement), and model/ is where the networks it scores live. Each drafter family's forward
+(model/drafter.py, dflash2.py, dspark.py) calls `training_loss` once per step, through
+model/objective.py's `slot_loss`, and adds its own terms, defined here too: DFlash2's selector
+CE (weighted by `selector_loss`), DSpark's L1 distance and acceptance (`l1_per_slot`). The loss names (`LOSSES`, `WEIGHTINGS`) and
 `needs_target_distribution` are config.py's: config validates `train.loss` with them and
 must stay importable without torch (and below model/ in the import floors), so this module
 reads them from there rather than the other way round.
@@ -44,6 +45,12 @@ label's loss mask x the anchor's validity.
 - DFlash2's selector (model/dflash2.py, SpecForge's `dflash2_selector_loss_alpha`): its
   per-slot k-way CE, weighted as the paper's loss is (decay x mask), times
   `train.selector_loss_alpha`, added to the loss.
+- DSpark (model/dspark.py; arXiv 2607.05147, NeMo's and speculators' recipes): per slot, on the
+  logits with the Markov bias of the true previous token, `train.dspark_ce_alpha` x CE +
+  `train.dspark_tv_alpha` x the L1 distance sum_v |p_v - q_v| to the target's distribution
+  (`l1_per_slot`, over the same buckets as the KL when the target is kept as its top-k), weighted
+  by `train.loss_weights`; with a confidence head, `train.dspark_confidence_alpha` x the BCE of
+  its per-slot estimate against the acceptance sum_v min(p_v, q_v) = 1 - L1 / 2, decay-weighted.
 
 With ``train.loss_vocab`` (the loss over a vocabulary subset V', model/loss_vocab.py) the
 drafter's q lives on V' only. The KL's buckets are then the top-k tokens that are in V'
@@ -64,7 +71,7 @@ from ..config import LOSSES, WEIGHTINGS, needs_target_distribution
 
 __all__ = ["LOSSES", "WEIGHTINGS", "needs_target_distribution", "decay_weights", "slot_weights",
            "accuracy", "weighted_block_loss", "SlotTargets", "target_slot_dist", "sparse_targets",
-           "kl_per_slot", "lk_per_slot", "dpace_weights", "block_loss", "training_loss", "selector_loss",
+           "kl_per_slot", "lk_per_slot", "l1_per_slot", "dpace_weights", "block_loss", "training_loss", "selector_loss",
            "feature_ids", "SlotTerms", "per_slot", "slot_terms", "reduce_terms", "is_papers"]
 
 
@@ -211,6 +218,20 @@ def lk_per_slot(logits: torch.Tensor, tgt: SlotTargets, eta: float) -> torch.Ten
     return (lam * kl + (1.0 - lam) * (1.0 - alpha)).view(lead)
 
 
+# -- the L1 distance (DSpark) ------------------------------------------------------------------
+def l1_per_slot(logits: torch.Tensor, tgt: SlotTargets) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum_v |p_v - q_v|, sum_v min(p_v, q_v)) per slot: logits [..., V'] -> two [...]. Over the
+    buckets the KL uses (the target's top-k and a tail, or every column); the second, the
+    probability that a draft sampled from q is accepted against p, is 1 - the first / 2."""
+    lead = logits.shape[:-1]
+    p, _, q, _, tail = _bucket_terms(logits.reshape(-1, logits.shape[-1]), _flat(tgt))
+    l1, alpha = (p - q).abs().sum(-1), torch.minimum(p, q).sum(-1)
+    if tail is not None:
+        q_rest = tail[1].exp()
+        l1, alpha = l1 + (tail[0] - q_rest).abs(), alpha + torch.minimum(tail[0], q_rest)
+    return l1.view(lead), alpha.view(lead)
+
+
 # -- every other (loss, weighting) pair --------------------------------------------------------
 @dataclass
 class SlotTerms:
@@ -303,12 +324,13 @@ def selector_loss(selector_ce: torch.Tensor, decay: torch.Tensor, label_mask: to
 
 
 # -- what the loss needs from the target ---------------------------------------------------------
-def feature_ids(train_cfg, layer_ids, from_capture: bool) -> list[int]:
+def feature_ids(train_cfg, layer_ids, from_capture: bool, arch: str = "dflash") -> list[int]:
     """What the target side hands the drafter per token: the fused layers' features, and,
-    when the loss needs the target's distribution and no capture brings it (a capture keeps
-    top-k log-probs instead), the target's last hidden state (`target.FINAL`) after them."""
+    when the loss needs the target's distribution (`train.loss`, or the drafter family ``arch``'s
+    own loss) and no capture brings it (a capture keeps top-k log-probs instead), the target's
+    last hidden state (`target.FINAL`) after them."""
     from .target import FINAL
 
-    if needs_target_distribution(train_cfg.loss) and not from_capture:
+    if needs_target_distribution(train_cfg.loss, arch) and not from_capture:
         return list(layer_ids) + [FINAL]
     return list(layer_ids)

@@ -1,6 +1,11 @@
 """What a training step minimises, and every input it is computed from, in one place:
-``DraftLoss(features, batch) -> (loss, accuracy)``, as nanoGPT's ``model(X, Y) -> loss``;
-run/step.py then only runs the backward and the optimizer.
+``DraftLoss(features, batch) -> (loss, accuracy)``; run/step.py then only runs the backward and
+the optimizer. The batch's scored slots (`Slots`: anchors, labels, head, the target's
+distribution) are built here, for every family alike; the loss itself is the family's forward,
+nanoGPT's ``model(X, Y) -> loss``: ``drafter(features, slots, objective) -> (loss, accuracy,
+metrics)`` (DFlash: model/drafter.py, DFlash2: model/dflash2.py, DSpark: model/dspark.py), which
+is what DDP wraps. The per-slot loss they share is `slot_loss` (model/losses.py `training_loss`)
+or, chunk by chunk, `chunked_loss` (model/head_loss.py).
 
     anchors       up to `train.num_anchors` per sequence, from a generator seeded by
                   (train.seed, batch id): the same whichever worker or loop runs the batch
@@ -13,11 +18,14 @@ run/step.py then only runs the backward and the optimizer.
                   (`train.loss_chunk`, model/head_loss.py)
     targets       the target's distribution at each slot, for KL and LK (`slot_targets`)
     weights, loss the per-slot loss, the decay or D-PACE weights, the normalisation
-                  (model/losses.py); DFlash2's selector term (model/dflash2.py)
+                  (model/losses.py); a family's own terms (DFlash2's selector, DSpark's L1
+                  distance and confidence BCE) in its forward
 
 Everything stays on the device: no host reads (run/step.py's contract).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -26,8 +34,7 @@ from ..data.batch import Batch
 from . import head_loss
 from .drafter import DFlashDrafter, compute_precision
 from .loss_vocab import RowsHead, batch_vocab, frequent_tokens
-from .losses import (decay_weights, is_papers, reduce_terms, selector_loss, slot_terms, sparse_targets,
-                     target_slot_dist, weighted_block_loss)
+from .losses import SlotTargets, decay_weights, reduce_terms, sparse_targets, target_slot_dist, training_loss
 
 # `train.loss_chunk=0` (auto) on CUDA: rows per chunk. A chunk holds its logits ~4 times over (bf16, the fp32
 # copy, the log-softmax, the gradient): 4096 x 151,936 x ~16 B = ~10 GB, while 4096-row products keep the GPU busy
@@ -88,6 +95,23 @@ def loss_chunk_rows(setting: int, device: torch.device) -> int:
     return CUDA_LOSS_CHUNK if setting == 0 and device.type == "cuda" else 0
 
 
+@dataclass
+class Slots:
+    """One batch's scored slots, on the device: what a family's forward reads beside the features.
+    ``labels`` / ``label_mask`` [B, A, Bk-1]: slot k of the block at anchor p drafts token p+k,
+    counted where the loss mask is set there; ``head``: the target's lm_head or its rows of the
+    loss vocabulary, ``cols`` the labels' columns of its logits; ``targets``: the target's
+    distribution at each slot on those columns (None when the loss reads none)."""
+    ids: torch.Tensor
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    labels: torch.Tensor
+    label_mask: torch.Tensor
+    head: torch.nn.Module
+    cols: torch.Tensor
+    targets: SlotTargets | None = None
+
+
 class DraftLoss:
     """The loss of one batch for the drafter on one device: ``self(features, batch) -> (loss,
     acc)`` device scalars. ``model`` is what the forward goes through (a DDP wrapper or the
@@ -100,8 +124,9 @@ class DraftLoss:
         # the fixed decay of slots 1..B-1: the paper's weights, and always the accuracy's
         self.weights = decay_weights(block_size, train.loss_gamma or None).to(self.device)[1:]
         self.loss_vocab = None   # train.loss_vocab: the frequent token ids (see use_loss_vocab)
-        self.target_dist = needs_target_distribution(train.loss)
+        self.target_dist = needs_target_distribution(train.loss, drafter.cfg.arch)
         self.chunk = loss_chunk_rows(train.loss_chunk, self.device)
+        self.metrics: dict = {}  # the last batch's family metrics (device scalars; DSpark's terms)
         drafter.attention = train.attention
 
     def use_loss_vocab(self, samples) -> None:
@@ -112,8 +137,25 @@ class DraftLoss:
 
     def chunked(self) -> bool:
         """Whether the head runs chunk by chunk (model/head_loss.py): asked for, and the drafter
-        reads nothing of the full logits itself (no copy head, not DFlash2's selector)."""
-        return self.chunk > 0 and not self.drafter.copying and self.drafter.cfg.arch == "dflash"
+        reads nothing of the full logits itself (no copy head; not a family whose own terms read
+        them: family/ `reads_full_logits`, DFlash2's selector, DSpark's Markov head)."""
+        from .. import family
+        return self.chunk > 0 and not self.drafter.copying and not family.of(self.drafter.cfg).reads_full_logits
+
+    def slot_loss(self, logits, slots: Slots):
+        """The per-slot loss `train.loss` names over the slots' logits [B, A, Bk-1, V'], weighted and
+        normalised (model/losses.py `training_loss`): (loss, accuracy) device scalars."""
+        return training_loss(logits, slots.cols, slots.valid, slots.label_mask, self.weights, self.train,
+                             slots.targets)
+
+    def chunked_loss(self, hidden, slots: Slots):
+        """`slot_loss` from the slots' final hidden states, the head applied chunk by chunk
+        (model/head_loss.py): never the whole [rows x vocabulary] logits at once."""
+        t = self.train
+        terms = head_loss.chunked_terms(hidden, slots.head, slots.cols, chunk=self.chunk, loss=t.loss,
+                                        weighting=t.loss_weights, targets=slots.targets, lk_eta=t.lk_eta)
+        return reduce_terms(terms, slots.valid, slots.label_mask, self.weights, weighting=t.loss_weights,
+                            dpace_alpha=t.dpace_alpha)
 
     def __call__(self, features: torch.Tensor, batch: Batch):
         """(loss, accuracy) of the batch. With train.loss=kl|lk the features end with the
@@ -135,24 +177,10 @@ class DraftLoss:
             head = RowsHead(self.lm_head, batch_vocab(self.loss_vocab, batch.input_ids).to(dev, non_blocking=True))
         cols = head.to_subset(labels) if head is not self.lm_head else labels  # the labels' logit columns
         targets = self.slot_targets(last, batch, anchors, head) if self.target_dist else None
-        kw = dict(loss=train.loss, weighting=train.loss_weights, targets=targets, lk_eta=train.lk_eta)
-        if self.chunked():
-            # fp32 master weights; the drafter autocasts to the frozen embedding's dtype itself
-            hidden = self.model(features, ids, anchors, valid, self.embed, None)
-            terms = head_loss.chunked_terms(hidden, head, cols, chunk=self.chunk, **kw)
-            loss, acc = reduce_terms(terms, valid, label_mask, self.weights, weighting=train.loss_weights,
-                                     dpace_alpha=train.dpace_alpha)
-        else:
-            logits = self.model(features, ids, anchors, valid, self.embed, head, labels)
-            if is_papers(train):  # the paper's loss, computed as it always was (bit for bit: the loss guard)
-                loss, acc = weighted_block_loss(logits, cols, valid, label_mask, self.weights)
-            else:
-                loss, acc = reduce_terms(slot_terms(logits, cols, **kw), valid, label_mask, self.weights,
-                                         weighting=train.loss_weights, dpace_alpha=train.dpace_alpha)
-        ce = getattr(self.drafter, "selector_ce", None)  # DFlash2 (model/dflash2.py): its selector's CE
-        if ce is not None:
-            self.drafter.selector_ce = None  # taken: the module holds no graph between steps (deepcopy, memory)
-            loss = loss + selector_loss(ce, self.weights, label_mask, valid, train.selector_loss_alpha)
+        slots = Slots(ids, anchors, valid, labels, label_mask, head, cols, targets)
+        # the family's forward (through DDP when wrapped): fp32 master weights, the drafter autocasts
+        # to the frozen embedding's dtype itself
+        loss, acc, self.metrics = self.model(features, slots, self)
         return loss, acc
 
     def slot_targets(self, last, batch: Batch, anchors, head):

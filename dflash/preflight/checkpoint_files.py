@@ -14,6 +14,7 @@ import math
 import os
 from pathlib import Path
 
+from .. import family
 from ..errors import UserError
 from .inputs import (MAX_JSON_FILE_BYTES, NotRegularFile, SafetensorsHeaderError, open_regular, read_json_object,
                      read_safetensors_header)
@@ -43,26 +44,24 @@ EXPORT_WRITTEN = (CONFIG, WEIGHTS, "README.md", EVAL_PROMPTS, EVAL_SETTINGS, EXP
 # layers and blocks of 8-16.
 BOUNDS = {"hidden_size": (1, 65536), "num_attention_heads": (1, 1024), "num_key_value_heads": (1, 1024),
           "head_dim": (2, 1024), "intermediate_size": (1, 1 << 20), "vocab_size": (1, 1 << 23),
-          "num_hidden_layers": (1, 128), "block_size": (2, 1024)}
+          "num_hidden_layers": family.DRAFTER_LAYERS, "block_size": family.BLOCK_SIZES}
 MAX_PARAMETERS = 20_000_000_000   # a drafter larger than this is not a drafter (the paper's: ~1 B for 8B)
 # config.RANGES takes these for model.* too: one bound, whether a value comes from a config or a drafter dir.
 # A sliding window past any context a target has is a typo (or a crafted config), not a window.
 MAX_SLIDING_WINDOW = 1 << 24
-# DFlash2's float fields (model/dflash2.py): (lo, hi, lo excluded); finite, as vLLM multiplies logits by them
-DFLASH2_FLOATS = {"output_multiplier": (0.0, 1e6, True), "final_logit_softcapping": (0.0, 1e6, False),
-                  "input_embedding_scale": (0.0, 1e6, True)}
 COPY_MAX_NGRAM = 3  # model/prompt_lookup.py MAX_NGRAM: the copy head's bias has a column per match length
 
 
 def parameter_count(fields: dict) -> int:
     """The drafter's trainable parameters from its config alone: DrafterLayer x n, fc, the
-    norms, DFlash2's convolutions and selector, a copy head. (A draft vocabulary's head is a
-    frozen buffer, not a parameter: `training_bytes` counts it.)"""
+    norms, its family's own parts (family/: DFlash2's convolutions and selector, DSpark's
+    heads), a copy head. (A draft vocabulary's head is a frozen buffer, not a parameter:
+    `training_bytes` counts it.)"""
     h, nh, nkv, hd = (fields[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
     layer = h * nh * hd * 2 + h * nkv * hd * 2 + 3 * h * fields["intermediate_size"] + 2 * h + 2 * hd
     copy = (fields["block_size"] - 1) * (COPY_MAX_NGRAM + 1) + h if fields.get("copy_head") else 0
     return fields["num_hidden_layers"] * layer + len(fields["target_layer_ids"]) * h * h + 2 * h + copy \
-        + _dflash2_parameters(fields)
+        + family.of(fields).parameters(fields)
 
 
 def training_bytes(fields: dict) -> int:
@@ -99,11 +98,12 @@ def bounds_error(fields: dict, where: str) -> str | None:
         v = fields.get(key, lo + 1e-6)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v <= hi:
             return f"{where}: {key}={v!r}: expected a finite number in ({lo:g}, {hi:g}]"
-    for key, (lo, hi, lo_open) in DFLASH2_FLOATS.items():  # a DFlash2 config's (absent in a DFlash one)
-        v = fields.get(key, hi)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                or not (lo < v if lo_open else lo <= v) or v > hi:
-            return f"{where}: {key}={v!r}: expected a finite number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    arch = fields.get("arch", family.DEFAULT)
+    if arch not in family.NAMES:
+        return f"{where}: arch={arch!r}: expected {', '.join(family.NAMES)}"
+    err = family.get(arch).fields_error(fields, where)  # its own fields, by its own bounds (absent: not judged)
+    if err:
+        return err
     win = fields.get("sliding_window", 0)
     if isinstance(win, bool) or not isinstance(win, int) or not 0 <= win <= MAX_SLIDING_WINDOW:
         return f"{where}: sliding_window={win!r}: expected an integer in [0, {MAX_SLIDING_WINDOW}] (0: no sliding layers)"
@@ -114,16 +114,6 @@ def bounds_error(fields: dict, where: str) -> str | None:
     if isinstance(dv, bool) or not isinstance(dv, int) or not 0 <= dv <= fields["vocab_size"]:
         return f"{where}: draft_vocab_size={dv!r}: expected an integer in [1, vocab_size={fields['vocab_size']}]"
     return None
-
-
-def _dflash2_parameters(fields: dict) -> int:
-    """What the DFlash2 parts (checkpoint/dflash2_format.py) add to a drafter's parameters."""
-    if fields.get("arch") != "dflash2":
-        return 0
-    h, layers, v = fields["hidden_size"], fields["num_hidden_layers"], fields["vocab_size"]
-    taps, group, rank = (int(fields.get(k) or 1) for k in ("conv_kernel_size", "conv_group_size", "selector_rank"))
-    conv = 2 * (2 * taps * h + h * 2 * taps * max(1, h // group))
-    return layers * conv + 2 * v * rank + h * rank
 
 
 # -- reading a checkpoint back --------------------------------------------------------------

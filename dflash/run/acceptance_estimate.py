@@ -60,6 +60,7 @@ from ..data.batch import Batch
 from ..data.dataset import collate
 from ..data.sample import Sample
 from ..decode.evaluate import per_position, per_step_tau
+from ..model.drafter import leading_matches
 from ..model.features import target_features
 from ..model.objective import slot_labels
 from .readback import DeferredScalars
@@ -147,7 +148,7 @@ def walk(acc: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
 
 def _leading(logits, labels, ok):
     """Drafts a verify step accepts per block: leading slots whose greedy guess is the label."""
-    return ((logits.argmax(-1) == labels) & ok).int().cumprod(-1).sum(-1)
+    return leading_matches(logits.argmax(-1), labels, ok)
 
 
 class AcceptanceEstimate:
@@ -226,11 +227,9 @@ class AcceptanceEstimate:
                 logits, hidden = model.slot_outputs(feats, ids, anchors, valid, st.embed,
                                                     model.serving_head(st.lm_head), ctx_kv=kv)
                 labels = slot_labels(ids, anchors, self.block_size)
-                if hasattr(model, "chain_drafts"):  # DFlash2: the selector's chain, as decoding drafts it
-                    drafts = model.chain_drafts(logits, hidden, torch.gather(ids, 1, anchors))
-                    acc.append(((drafts == labels) & ok).int().cumprod(-1).sum(-1))
-                    continue
-                acc.append(_leading(model.add_copies(logits, hidden, ids, anchors, st.lm_head), labels, ok))
+                # the family's decode hook: its drafts as our decoder drafts them (DFlash2's selector
+                # chain, DSpark's Markov chain, a copy head's proposals)
+                acc.append(model.walk_accepted(logits, hidden, ids, anchors, labels, ok, st.lm_head))
                 if model.copying:
                     own.append(_leading(logits, labels, ok))
             accs.append(torch.cat(acc, 1))
@@ -307,6 +306,7 @@ class AcceptanceEstimate:
             "block_size": B, "prompts": n, "prompt_set": "held-out", "prompt_source": {"kind": "held_out"},
             "lossless": None, "lossless_note": note, "lossless_divergent_prompts": 0, "lossless_divergences": [],
             "dtype": dtype, "max_new_tokens": max_new_tokens, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+            "confidence_threshold": 0.0,  # the walk drafts whole blocks (config.check_walked_eval)
             "per_prompt_steps": tallies["drafter"].steps, "stop_token_ids": sorted(eos), "interrupted": False,
             "prompts_cut": 0, "method": "walked", "wall_s": round(time.perf_counter() - t0, 2)}
         res["tokens_per_s"] = None  # nothing decoded

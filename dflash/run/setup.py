@@ -103,7 +103,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
         # what regeneration keeps for the feature cache: what the target side would compute
         with phases.phase("prepare_data") as ph:
             prep = _prepare_data(cfg, place, groups, target, tok, resume,
-                                 feature_ids(cfg.train, layer_ids, False))
+                                 feature_ids(cfg.train, layer_ids, False, cfg.model.arch))
             ph.set(samples=len(prep.samples), held_out=len(prep.eval_convs),
                    **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))})
     start_step = _start_step(place, out, groups, resume)
@@ -125,7 +125,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
             tokens = jstate.get("tokens", 0) if place.lead else 0
             history = [tuple(h) for h in jstate.get("history", [])]
     spec = RunSpec(cfg=cfg, placement=place, out=out, run_id=run_id, tokenizer=tok, layer_ids=layer_ids,
-                   feature_ids=feature_ids(cfg.train, layer_ids, store is not None), start_step=start_step,
+                   feature_ids=feature_ids(cfg.train, layer_ids, store is not None, cfg.model.arch), start_step=start_step,
                    target_config=target.config, samples=samples, held_out=held_out, eval_convs=prep.eval_convs,
                    feature_store=store, groups=groups, warmup_s=warmup_s, regen_counts=prep.counts,
                    memory=memory)

@@ -1,8 +1,15 @@
 """One training step of the drafter and its learning-rate schedule, free of host reads of
 device tensors:
 
-    drafter_forward (`forward`: the loss of the batch, model/objective.py) -> backward
-    -> optimizer_step (clip, AdamW, cosine schedule)
+    drafter_forward (`forward`: the loss of the batch, its family's forward through
+    model/objective.py) -> backward -> optimizer_step (clip, AdamW or Muon, cosine schedule)
+
+`train.optimizer=muon` (`muon_split`, as vLLM's speculators splits them): torch.optim.Muon
+orthogonalizes the update of every 2-D weight matrix (attention, MLP, the fusion's fc, DFlash2's
+kernel projections and selector projection) at `train.muon_lr`; AdamW keeps the rest (norms,
+biases, vectors) at `train.lr`, and the 2-D tables Muon skips for their shape, not their step
+(DFlash2's codebooks, DSpark's Markov factors), at Muon's rate and weight decay. Both follow
+the one schedule.
 
 Loss, accuracy and grad norm come back as device tensors and are read later
 (run/readback.py `DeferredScalars` copies them to the host without stalling the loop).
@@ -25,6 +32,26 @@ from ..model.drafter import DFlashDrafter
 from ..model.objective import DraftLoss
 
 
+# 2-D parameters speculators leaves to AdamW (optimizers.py `_ADAMW_NAME_HINTS`): vocabulary-indexed
+# tables, whose rows are not a linear map's; ours are DFlash2's codebooks and DSpark's Markov factors
+MUON_SKIPS = ("codebook", "markov_w1", "markov_w2")
+
+
+def muon_split(named_params) -> tuple[list, list, list]:
+    """(Muon's, AdamW's, the 2-D tables AdamW takes at Muon's rate) of (name, parameter) pairs:
+    a matrix with both sides > 1 goes to Muon unless its name marks a table (`MUON_SKIPS`);
+    everything else (norms, biases, [1, N] rows) to AdamW."""
+    muon, adamw, tables = [], [], []
+    for name, p in named_params:
+        if p.ndim != 2 or min(p.shape) == 1:
+            adamw.append(p)
+        elif any(h in name for h in MUON_SKIPS):
+            tables.append(p)
+        else:
+            muon.append(p)
+    return muon, adamw, tables
+
+
 class TrainStep:
     """Owns the trainable drafter, its loss (`loss`: model/objective.py), its optimizer and LR
     schedule on one device, and counts the optimizer steps taken (`step`). Takes the `train`
@@ -39,17 +66,29 @@ class TrainStep:
         self.loss = DraftLoss(train, block_size, drafter, embed, lm_head, self.device, model=ddp or drafter)
         if train.compile:
             drafter.compile_layers()
-        params = [p for p in drafter.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+        schedule = cosine_with_warmup(max(1, train.steps), train.warmup_ratio)
+        self.muon = self.muon_sched = None
+        self.muon_params: list = []
+        params, tables = [p for _, p in named], []
+        if train.optimizer == "muon":
+            self.muon_params, params, tables = muon_split(named)
+            muon_lr = train.muon_lr or train.lr
+            self.muon = torch.optim.Muon(self.muon_params, lr=muon_lr, weight_decay=train.muon_weight_decay,
+                                         momentum=train.muon_momentum, nesterov=True,
+                                         adjust_lr_fn=train.muon_adjust_lr)
+            self.muon_sched = torch.optim.lr_scheduler.LambdaLR(self.muon, schedule)
         # a parameter may ask for a multiple of the learning rate (`lr_scale`: the copy head's
         # bias, model/copy_head.py); the schedule scales every group alike
         scales = sorted({getattr(p, "lr_scale", 1.0) for p in params})
         groups = [{"params": [p for p in params if getattr(p, "lr_scale", 1.0) == sc], "lr": train.lr * sc}
                   for sc in scales]
+        if tables:  # skipped by Muon for their shape: Muon's rate and weight decay (speculators' rule)
+            groups.append({"params": tables, "lr": train.muon_lr or train.lr, "weight_decay": train.muon_weight_decay})
         # fused AdamW: one kernel, and it honours `found_inf` on the device (see optimizer_step)
         self.opt = torch.optim.AdamW(groups, lr=train.lr, betas=(0.9, 0.95),
                                      weight_decay=train.weight_decay, fused=True)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, cosine_with_warmup(max(1, train.steps), train.warmup_ratio))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule)
         self.step = 0
 
     def use_loss_vocab(self, samples) -> None:
@@ -66,11 +105,20 @@ class TrainStep:
     def optimizer_step(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clip, then update only when loss and grad norm are finite — decided on the device
         (no host read): fused AdamW skips the whole update (weights, moments, step count)
-        when `found_inf` is set, the mechanism GradScaler uses. The LR schedule advances."""
+        when `found_inf` is set, the mechanism GradScaler uses. torch's Muon has no such flag:
+        on a non-finite step its matrices' gradients are zeroed on the device instead, so only
+        its momentum and weight decay move them. The LR schedule advances."""
         params = [p for p in self.drafter.parameters() if p.grad is not None]
         gnorm = torch.nn.utils.clip_grad_norm_(params, self.train.grad_clip)
         finite = torch.isfinite(loss) & torch.isfinite(gnorm)
         self.opt.found_inf = (~finite).to(torch.float32)
+        if self.muon is not None:
+            for p in self.muon_params:
+                if p.grad is not None:
+                    p.grad.masked_fill_(~finite, 0.0)
+            self.muon.step()
+            self.muon_sched.step()
+            self.muon.zero_grad(set_to_none=True)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
@@ -78,12 +126,23 @@ class TrainStep:
         return gnorm.detach(), ~finite
 
     def state(self) -> dict:
-        return {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
-                "torch_rng": torch.get_rng_state()}
+        st = {"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(), "step": self.step,
+              "torch_rng": torch.get_rng_state()}
+        if self.muon is not None:
+            st |= {"muon": self.muon.state_dict(), "muon_scheduler": self.muon_sched.state_dict()}
+        return st
 
     def load_state(self, st: dict):
+        if ("muon" in st) != (self.muon is not None):
+            from ..errors import ConfigError
+            saved = "muon" if "muon" in st else "adamw"
+            raise ConfigError(f"train.optimizer={self.train.optimizer}: the checkpoint was trained with {saved}; "
+                              f"resume with --set train.optimizer={saved}")
         self.opt.load_state_dict(st["optimizer"])
         self.sched.load_state_dict(st["scheduler"])
+        if self.muon is not None:
+            self.muon.load_state_dict(st["muon"])
+            self.muon_sched.load_state_dict(st["muon_scheduler"])
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"])
 

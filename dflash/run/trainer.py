@@ -254,7 +254,7 @@ def run_eval(spec: RunSpec, state: RunState, label: str, *, served: bool = False
         res = evaluate(target, drafter, spec.tokenizer, spec.eval_convs, stop=state.stop,
                        prompts=e.prompts, max_new_tokens=e.max_new_tokens, max_prompt_len=e.max_prompt_len,
                        temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, seed=spec.cfg.train.seed,
-                       baseline=e.baseline if served else "none",
+                       baseline=e.baseline if served else "none", confidence_threshold=e.confidence_threshold,
                        check_lossless=not (checked and checked.get("lossless") is not None))
     if checked and checked.get("lossless") is not None:  # equal outputs: lossless exactly when those were
         same = [a["output_ids"] == b["output_ids"] for a, b in zip(res["per_prompt_steps"], checked["per_prompt_steps"])]

@@ -180,6 +180,7 @@ def _export(path: Path, **over) -> Path:
 UNSERVABLE = {
     "dflash2": ({"num_hidden_layers": 1, "arch": "dflash2", "conv_group_size": 16, "selector_rank": 8,
                  "selector_top_k": 4}, "a DFlash2 drafter"),
+    "dspark": ({"num_hidden_layers": 1, "arch": "dspark", "markov_rank": 8, "confidence_head": True}, "a DSpark drafter"),
     "mixed": ({"num_hidden_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 8},
               "both sliding and full attention layers"),
 }

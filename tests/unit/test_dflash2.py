@@ -166,8 +166,7 @@ def test_selector_loss_trains_the_selector_and_injects_the_missing_gold():
     anchors = torch.tensor([[2, 11], [5, 20]])
     valid = torch.ones_like(anchors, dtype=torch.bool)
     labels = slot_labels(ids, anchors, d.cfg.block_size)
-    logits = d.train_forward(feats, ids, anchors, valid, embed, head, labels)
-    ce = d.selector_ce
+    logits, ce = d.train_terms(feats, ids, anchors, valid, embed, head, labels)
     assert ce.shape == labels.shape and torch.isfinite(ce).all() and (ce > 0).all()
     ce.sum().backward()
     g = d.candidate_selector.successor_codebook.grad
@@ -262,9 +261,8 @@ def test_selector_loss_through_a_loss_vocabulary_head():
     anchors, valid = torch.tensor([[3, 14]]), torch.ones(1, 2, dtype=torch.bool)
     rows = RowsHead(head, torch.arange(0, 60))  # the batch's tokens (< 40) and more
     labels = slot_labels(ids, anchors, d.cfg.block_size)
-    logits = d.train_forward(feats, ids, anchors, valid, embed, rows, labels)
-    sub = d.selector_ce
+    logits, sub = d.train_terms(feats, ids, anchors, valid, embed, rows, labels)
     assert logits.shape[-1] == 60 and torch.isfinite(sub).all()
-    d.train_forward(feats, ids, anchors, valid, embed, head, labels)
+    _, full = d.train_terms(feats, ids, anchors, valid, embed, head, labels)
     # the k-way CE differs only through which candidates the subset's top-k holds: same where equal
-    assert sub.shape == d.selector_ce.shape
+    assert sub.shape == full.shape

@@ -62,7 +62,7 @@ def test_subset_loss_is_the_restricted_softmax_and_trains(tiny):
     from dflash.model.losses import weighted_block_loss
     anchors, valid = sample_anchors(b.loss_mask, 4, 4, generator=g)
     labels = slot_labels(b.input_ids, anchors, 4)
-    logits = step.drafter(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
+    logits = step.drafter.train_forward(feats, b.input_ids, anchors, valid, step.embed, step.lm_head)
     pos = anchors[..., None] + torch.arange(1, 4)
     lm = torch.gather(b.loss_mask, 1, pos.clamp(max=b.padded_len - 1).view(4, -1)).view_as(pos).float()
     want, _ = weighted_block_loss(logits[..., vocab], torch.searchsorted(vocab, labels.contiguous()), valid, lm, step.loss.weights)
