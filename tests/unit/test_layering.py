@@ -9,8 +9,6 @@ third parties). No exceptions list. Bottom to top, and why each floor sits where
                its steps there, from the input checks on.
   family       the drafter families' torch-free halves (config fields, bounds, served format), which
                the checks before torch (preflight), config and every floor above read.
-  family       the drafter families' torch-free halves (config fields, bounds, served format), which
-               the checks before torch (preflight), config and every floor above read.
   preflight    the checks before torch loads, and what dflash writes (checkpoint_files.py):
                only errors beneath, so every command can check its input first.
   data         conversations, tokenization, batches, prompt sets: files in, tokens out; no
