@@ -53,8 +53,9 @@ def training_memory_error(fields: dict, shape: memory.RunShape, available: tuple
                           now: int = 0, device: str = "cpu", est: dict | None = None) -> tuple[dict, str | None]:
     """(memory.estimate of the run, or ``est``; one line when its peak does not fit ``available``
     (available_memory's) on top of ``now``, naming the peak's phase, its parts and the limit)."""
-    knobs = ", model.selector_rank and model.conv_group_size / conv_kernel_size" \
-        if fields.get("arch") == "dflash2" else ""
+    from .. import family
+
+    knobs = family.of(fields).size_knobs  # its family's own sizes (dflash/family/)
     est = est if est is not None else memory.estimate(fields, shape)
     return est, memory.refusal(est, available, now=now, knobs=knobs, device=device, steps=shape.steps)
 
