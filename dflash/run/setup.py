@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .. import family
 from ..checkpoint import checkpoint as ckpt
 from ..checkpoint.drafter_dirs import check_fits
 from ..config import Config, local_device, resolve_dtype
@@ -183,8 +184,9 @@ def _check_memory(cfg, place, target, tok, layer_ids, *, resume: bool, dtype, fe
     fields = drafter_config(cfg, target, tok, layer_ids).to_dict()
     dev = torch.device(place.drafter_device)
     tr = cfg.train
-    chunk = loss_chunk_rows(tr.loss_chunk, dev) if not cfg.model.copy_head and fields.get("arch", "dflash") == "dflash" \
-        else 0
+    # the head runs chunked where the loss allows it (model/objective.py `DraftLoss.chunked`: no copy head,
+    # not a family whose own terms read the full logits)
+    chunk = 0 if cfg.model.copy_head or family.of(fields).reads_full_logits else loss_chunk_rows(tr.loss_chunk, dev)
     tshare = {}
     if not features and place.has_target and place.drafter_device in place.target_devices:
         tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
