@@ -112,8 +112,11 @@ def test_smollm2_engine_verdict_from_the_command_line(tmp_path):
     run_dflash("train", "--config", "configs/demo.yaml", "--out", run, "--steps", 2, "--no-telemetry",
                "--set", "data.regenerate=off", "--set", "train.feature_cache=false", "--set", "train.estimate_every=0",
                "--set", "data.num_conversations=60")
+    # one k and one round: the agreement is what this checks (the paired verdict, its rounds and
+    # its picked k: tests/engine/test_paired_verdict.py)
     p = run_dflash("eval", "--checkpoint", run / "export", "--target", "smollm2", "--prompts", 3,
-                   "--max-new-tokens", 24, "--engine", "vllm", "--json", timeout=1500)
+                   "--max-new-tokens", 24, "--engine", "vllm", "--engine-k", 3, "--engine-rounds", 1, "--json",
+                   timeout=1500)
     assert "engine verdict: vLLM" in p.stdout and "tau per verify step" in p.stdout
     v = last_json(p.stdout)["engine"]
     m = v["methods"]
