@@ -172,18 +172,22 @@ def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: fl
                  env=engine_env(offline=local), cwd=work)
     t0 = time.monotonic()
     keep = False  # the dir is kept when it holds the log a failure names
+    from ..phases import phase
     try:
-        while proc.poll() is None:
-            if stop is not None and stop.is_set():
-                raise EngineFailed(f"vLLM ({label}): stopped by a signal")
-            if time.monotonic() - t0 > timeout_s:
+        with phase("engine_job", engine=label, log=str(log)) as ph:  # the engine's start and its job, in the run's trace
+            while proc.poll() is None:
+                if stop is not None and stop.is_set():
+                    raise EngineFailed(f"vLLM ({label}): stopped by a signal")
+                if time.monotonic() - t0 > timeout_s:
+                    keep = True
+                    raise EngineFailed(f"vLLM ({label}): no result after {timeout_s:.0f} s; its log: {log}")
+                time.sleep(0.2)
+            if proc.returncode != 0 or not (work / "result.json").is_file():
                 keep = True
-                raise EngineFailed(f"vLLM ({label}): no result after {timeout_s:.0f} s; its log: {log}")
-            time.sleep(0.2)
-        if proc.returncode != 0 or not (work / "result.json").is_file():
-            keep = True
-            raise EngineFailed(f"vLLM ({label}) {exited(proc.returncode, log)}")
-        return json.loads((work / "result.json").read_text())
+                raise EngineFailed(f"vLLM ({label}) {exited(proc.returncode, log)}")
+            result = json.loads((work / "result.json").read_text())
+            ph.set(**{k: result[k] for k in ("load_s", "run_s") if isinstance(result.get(k), (int, float))})
+        return result
     finally:
         stop_group(proc)
         if keep and log.parent == work:
