@@ -28,6 +28,7 @@ class Prepared:
     regenerated: bool
     features: dict | None = None  # token ids -> target features kept by regeneration (see _regen_cached)
     counts: dict = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
+    data_counts: dict = field(default_factory=dict)  # records read, conversations, dropped by reason, cut
 
 
 def first_samples(samples: list, max_samples: int) -> list:
@@ -118,4 +119,5 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard:
             f"no training samples left after filtering (need >= {2 * cfg.model.block_size} response tokens "
             f"within data.max_len={cfg.data.max_len}); raise data.num_conversations or data.max_len ({report})")
     print(report, file=sys.stderr)
-    return Prepared(samples=samples, eval_convs=eval_convs, regenerated=regen, features=feats, counts=counts)
+    return Prepared(samples=samples, eval_convs=eval_convs, regenerated=regen, features=feats, counts=counts,
+                    data_counts=data_counts)

@@ -106,7 +106,8 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
             prep = _prepare_data(cfg, place, groups, target, tok, resume,
                                  feature_ids(cfg.train, layer_ids, False, cfg.model.arch))
             ph.set(samples=len(prep.samples), held_out=len(prep.eval_convs),
-                   **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))})
+                   **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))},
+                   **{f"data.{k}": v for k, v in (prep.data_counts or {}).items() if isinstance(v, int)})
     start_step = _start_step(place, out, groups, resume)
     samples, held_out = prep.samples, []
     train_step = vote = sync_timer = None
