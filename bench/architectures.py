@@ -59,6 +59,16 @@ def arms(base: str) -> dict[str, list[str]]:
         "dflash2": ["--set", "model.arch=dflash2", "--set", "model.draft_vocab=0"],
         # DFlash on the head DFlash2 has (the full vocabulary): what the draft vocabulary is worth
         "dflash-fullvocab": ["--set", "model.draft_vocab=0"],
+        # issue 53: Muon (train.optimizer=muon, at the recipe's lr) and DSpark (its Markov head; with and
+        # without its confidence head), all on the full vocabulary as DFlash2 and DSpark need it
+        "dflash-muon": ["--set", "model.draft_vocab=0", "--set", "train.optimizer=muon"],
+        "dspark": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0"],
+        "dspark-conf": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0",
+                        "--set", "model.confidence_head=true"],
+        "dspark-muon": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0", "--set", "train.optimizer=muon"],
+        # the Markov tables are 2 x V x r parameters (2 x 49,152 x 256 = 25 M on SmolLM2, 3x the drafter's
+        # layers): AdamW over them is most of a CPU step; rank 64 is a quarter of that
+        "dspark-r64": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0", "--set", "model.markov_rank=64"],
         f"sliding-w{w}": ["--set", f"model.layer_types={slide}", "--set", f"model.sliding_window={w}"],
         f"mixed-w{w}": (["--set", "model.layer_types=sliding_attention,full_attention",
                          "--set", f"model.sliding_window={w}"] if two else None),
