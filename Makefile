@@ -66,9 +66,11 @@ bench: setup
 	$(PY) bench/otel/hot_path.py && $(PY) bench/otel/gil_stall.py && $(PY) bench/otel/exporter_priority.py && $(PY) bench/otel/dead_collector.py && $(PY) bench/pipeline.py
 
 # Local Collector + Jaeger v2 (built from source once, cached in ~/.cache/dflash/bin) and
-# Debian's Prometheus on 127.0.0.1, no Docker: pids and logs under runs/backends/.
+# Debian's Prometheus on 127.0.0.1, no Docker: pids and logs under runs/backends/. Jaeger's
+# web UI is built too (npm, once); without it Jaeger still runs, with a placeholder page.
 backend-bins:
 	bash deploy/build.sh all
+	@bash deploy/build.sh jaeger-ui || echo "warning: Jaeger's UI did not build (deploy/build.sh jaeger-ui needs node 20.19+, npm, GitHub and the npm registry): Jaeger will serve its placeholder page" >&2
 
 backends: backend-bins
 	python3 deploy/backends.py up

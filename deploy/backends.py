@@ -86,6 +86,15 @@ def binary(name: str, build: bool = True) -> Path | None:
     return Path(p.stdout.strip().splitlines()[-1])
 
 
+def jaeger_ui() -> Path | None:
+    """Jaeger's web UI as built by `deploy/build.sh jaeger-ui` (`make backend-bins` does), or
+    None when it is not built: then Jaeger serves the placeholder page a Go build embeds."""
+    p = subprocess.run(["bash", str(DEPLOY / "build.sh"), "jaeger-ui", "--print"], capture_output=True, text=True,
+                       check=True)
+    path = Path(p.stdout.strip())
+    return path if (path / "index.html").is_file() else None
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, str]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -195,9 +204,11 @@ class Backends:
         exe = binary("jaeger")
         if exe is None:
             raise RuntimeError("jaeger is not built and Go is missing (deploy/build.sh)")
+        ui = jaeger_ui()
         self._spawn("jaeger", [str(exe), f"--config=file:{JAEGER_CONFIG}"], env={
             "JAEGER_QUERY_PORT": str(p.jaeger_query), "JAEGER_QUERY_GRPC_PORT": str(p.jaeger_query_grpc),
-            "JAEGER_OTLP_GRPC_PORT": str(p.jaeger_otlp_grpc), "JAEGER_OTLP_HTTP_PORT": str(p.jaeger_otlp_http)})
+            "JAEGER_OTLP_GRPC_PORT": str(p.jaeger_otlp_grpc), "JAEGER_OTLP_HTTP_PORT": str(p.jaeger_otlp_http),
+            **({"JAEGER_UI_ASSETS": str(ui)} if ui else {})})
         self._wait("jaeger", lambda: http_get(f"{self.jaeger_url}/api/services")[0] == 200
                    and port_open(p.jaeger_otlp_grpc))
 
@@ -345,7 +356,8 @@ def main(argv=None) -> int:
     print(f"backends up in {time.monotonic() - t0:.1f} s (pids and logs in {workdir}):")
     print(f"  Collector  OTLP gRPC 127.0.0.1:{p.otlp_grpc}, HTTP 127.0.0.1:{p.otlp_http}; "
           f"metrics :{p.collector_metrics}, own :{p.collector_self}, health :{p.collector_health}")
-    print(f"  Jaeger     {b.jaeger_url}  (query API /api/traces; OTLP in on :{p.jaeger_otlp_grpc})")
+    print(f"  Jaeger     {b.jaeger_url}  (query API /api/traces; OTLP in on :{p.jaeger_otlp_grpc})"
+          + ("" if jaeger_ui() else "; UI not built, a placeholder page: deploy/build.sh jaeger-ui"))
     if b.with_prometheus:
         print(f"  Prometheus {b.prometheus_url}  (rules: deploy/prometheus/alerts.yml)")
     else:
