@@ -101,10 +101,10 @@ class Dflash:
             assert self.p.poll() is None and time.monotonic() < deadline, (marker, self.p.poll(), self.text()[-3000:])
             time.sleep(0.1)
 
-    def record_tree(self, at_least: int, engine: bool = False) -> list[psutil.Process]:
+    def record_tree(self, at_least: int, engine: bool = False, timeout_s: float = 60.0) -> list[psutil.Process]:
         """dflash's descendants, once there are ``at_least`` (the engine's tree is up); with
         ``engine``, ``at_least`` of the stand-in engine's own (itself and its worker)."""
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 self.tree = psutil.Process(self.p.pid).children(recursive=True)
@@ -114,7 +114,7 @@ class Dflash:
                 mine = []
             if len(mine) >= at_least:
                 return self.tree
-            assert time.monotonic() < deadline, (self.tree, self.text()[-3000:])
+            assert self.p.poll() is None and time.monotonic() < deadline, (self.tree, self.text()[-3000:])
             time.sleep(0.1)
 
     def assert_tree_gone(self, timeout_s: float = 30.0) -> None:
@@ -217,10 +217,9 @@ def test_no_temp_dir_or_session_of_dflash_escapes_the_one_place():
 @pytest.mark.slow  # loads the tiny target and decodes before its engine starts
 def test_eval_engine_killed_by_sigkill_takes_its_engine_tree_along(tmp_path, env, served):
     d = Dflash(tmp_path, env, "eval", "--checkpoint", served, "--target", "tiny-qwen3", "--prompts", 1,
-               "--max-new-tokens", 4, "--baseline", "none", "--engine", "vllm")
-    try:
-        d.wait_for("vLLM on 1 prompts", timeout_s=300)  # the engine phase: its first job is starting
-        d.record_tree(2, engine=True)
+               "--max-new-tokens", 4, "--baseline", "none", "--engine", "vllm", "--engine-k", 1)
+    try:  # --engine-k 1: three engines (none, ngram, the drafter), which the memory check lets start
+        d.record_tree(2, engine=True, timeout_s=300)  # the paired verdict's first engine is up
         d.p.kill()
         d.p.wait()
         d.assert_tree_gone()
