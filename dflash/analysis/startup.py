@@ -77,6 +77,28 @@ def startup(spans: list[dict]) -> dict | None:
     return out
 
 
+def coverage(spans: list[dict], t0_ns: int, t1_ns: int) -> dict:
+    """How much of a wall [t0, t1] (a process's, timed from outside) the run's trace covers: the
+    union of the root span's direct children (its phases) over that wall, the longest stretch
+    outside them, and the root's own span against the wall (what starts before it or ends
+    after it is dark)."""
+    root = next(s for s in spans if (s.get("attributes") or {}).get(KIND) == "run")
+    kids = sorted((s for s in spans if s.get("parent_span_id") == root["span_id"]), key=lambda s: s["start_ns"])
+    covered, reached, gap, gap_at = 0, t0_ns, 0, t0_ns
+    for s in kids:
+        a, b = max(s["start_ns"], reached), min(s["end_ns"], t1_ns)
+        if a - reached > gap:
+            gap, gap_at = a - reached, reached
+        if b > a:
+            covered += b - a
+        reached = max(reached, s["end_ns"])
+    if t1_ns - reached > gap:
+        gap, gap_at = t1_ns - reached, reached
+    return {"wall_s": _s(t1_ns - t0_ns), "share": covered / (t1_ns - t0_ns), "longest_gap_s": _s(gap),
+            "longest_gap_at_s": _s(gap_at - t0_ns), "root_starts_after_s": _s(root["start_ns"] - t0_ns),
+            "root_ends_before_s": _s(t1_ns - root["end_ns"]), "phases": len(kids)}
+
+
 def _error_of(span) -> str:
     for e in span.get("events") or []:
         if e.get("name") == "exception":

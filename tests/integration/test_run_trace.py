@@ -15,6 +15,7 @@ import time
 import pytest
 
 from helpers import NO_OTEL_ENV, ROOT, TINY, free_port, run_dflash
+from dflash.analysis import startup
 from otel import read_metrics, read_spans
 
 FAST_EVAL = ["--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--set", "eval.before=false"]
@@ -27,18 +28,8 @@ def run_spans(tdir) -> list[dict]:
 
 def coverage(spans, t0_s: float, t1_s: float) -> tuple[float, float]:
     """(share of [t0, t1] inside the root's phases, the longest stretch outside them)."""
-    root = next(s for s in spans if s["attributes"]["otel.kind"] == "run")
-    kids = sorted((s for s in spans if s["parent_span_id"] == root["span_id"]), key=lambda s: s["start_ns"])
-    t0, t1 = int(t0_s * 1e9), int(t1_s * 1e9)
-    covered, reached, gap = 0, t0, 0
-    for s in kids:
-        a, b = max(s["start_ns"], reached), min(s["end_ns"], t1)
-        gap = max(gap, a - reached)
-        if b > a:
-            covered += b - a
-        reached = max(reached, s["end_ns"])
-    gap = max(gap, t1 - reached)
-    return covered / (t1 - t0), gap / 1e9
+    c = startup.coverage(spans, int(t0_s * 1e9), int(t1_s * 1e9))
+    return c["share"], c["longest_gap_s"]
 
 
 def timed(*args, env=None, timeout=600):

@@ -58,3 +58,18 @@ def test_a_run_stopped_before_its_first_step_reports_its_start_up():
 
 def test_spans_without_a_run_trace_have_no_start_up_section():
     assert startup([s for s in two_ranks() if s["attributes"].get("otel.kind") is None]) is None
+
+
+def test_coverage_is_the_union_of_the_roots_phases_over_the_wall_and_names_the_longest_gap():
+    spans = [span("dflash train", "run", "root", "", 0.2, 9.5, 0),
+             span("load_target", "phase", "a", "root", 0.2, 3.0, 0),
+             span("regen_batch", "phase", "n", "a", 1.0, 2.0, 0),   # nested: not counted twice
+             span("prepare_data", "phase", "b", "root", 2.5, 5.0, 0),  # overlaps the one before
+             span("train", "phase", "c", "root", 7.0, 9.5, 0)]       # 2 s dark before it
+    from dflash.analysis.startup import coverage
+
+    c = coverage(spans, 0, 10 * S)
+    assert abs(c["share"] - 0.73) < 1e-9  # 0.2-5.0 and 7.0-9.5 of 0-10
+    assert abs(c["longest_gap_s"] - 2.0) < 1e-9 and abs(c["longest_gap_at_s"] - 5.0) < 1e-9
+    assert abs(c["root_starts_after_s"] - 0.2) < 1e-9 and abs(c["root_ends_before_s"] - 0.5) < 1e-9
+    assert c["phases"] == 3
