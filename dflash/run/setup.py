@@ -144,7 +144,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
             from . import acceptance_estimate as est_mod
             # the held-out estimate's prompts (walked: the target's greedy continuations, batched as
             # regeneration batches them) and the target's features on them (one forward, seconds)
-            with phases.phase("estimate_prompts", walked=bool(walk_prompts), prompts=cfg.train.estimate_samples):
+            with phases.phase("estimate_prompts", walked=bool(walk_prompts)) as ph:
                 if walk_prompts:
                     gen_batch = cfg.data.regen_batch_size or (64 if str(targets[0].device).startswith("cuda") else 16)
                     rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
@@ -156,6 +156,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
                     rows = est_mod.held_out_rows(held_out, pad_id=tok.pad_token_id)
                 estimate = est_mod.AcceptanceEstimate(train_step, targets[0], rows, layer_ids=layer_ids,
                                                       feature_store=store, every=cfg.train.estimate_every)
+                ph.set(prompts=len(rows.start))  # walked or held out: the rows the estimate reads
             if resume and jstate:  # the earlier part's points: the summary's history is the whole run's
                 estimate.restore(jstate.get("estimate_history"))
     del target  # a drafter rank keeps no target: only its copies of the embedding and lm_head
