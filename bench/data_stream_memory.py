@@ -19,9 +19,10 @@ import tempfile
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys, time
+import json, sys, time
 from pathlib import Path
 from dflash.data.conversations import _iter_records, drop_counts
+from dflash.preflight.memory import process_memory  # VmHWM: ru_maxrss would count our parent (bench/peak_rss.py)
 t0 = time.perf_counter()
 n = 0
 def counted(it):
@@ -31,7 +32,7 @@ def counted(it):
         yield r
 drops = drop_counts(counted(_iter_records(Path(sys.argv[1]))))
 print(json.dumps({"records": n, "dropped": sum(drops.values()), "s": time.perf_counter() - t0,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+                  "peak_rss_mb": process_memory()[1] / 2**20}))
 """
 
 

@@ -1,6 +1,6 @@
 """The memory check's calibration (preflight/memory.py; docs/failures.md, "The memory check"):
 real `dflash train` runs, each a child process, its peak resident set as the kernel measured it
-(ru_maxrss from wait4) beside what the run estimated at its check (summary.json "memory").
+(ru_maxrss from wait4, via bench/peak_rss.py) beside what the run estimated at its check (summary.json "memory").
 
     .venv/bin/python bench/memory_peak.py --layers 1,16,64,128
     .venv/bin/python bench/memory_peak.py --layers 16,64 --set train.save_every=2
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -51,11 +50,11 @@ def run_one(out: Path, layers: int, steps: int, sets: list[str]) -> dict:
     cmd = [sys.executable, "-m", "dflash", "train", "--out", str(out), "--target", "tiny-qwen3", "--steps", str(steps),
            "--no-telemetry", "--overwrite", *TINY, "--set", f"model.num_layers={layers}",
            *[x for s in sets for x in ("--set", s)]]
+    peak = out.parent / f"{out.name}.peak"  # reaped by peak_rss.py: the run's own peak, never this process's
     with open(out.parent / f"{out.name}.log", "w") as log:
-        p = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        _, status, ru = os.wait4(p.pid, 0)
-    rc = os.waitstatus_to_exitcode(status)
-    row = {"layers": layers, "steps": steps, "set": sets, "rc": rc, "measured_peak_bytes": ru.ru_maxrss * 1024}
+        rc = subprocess.run([sys.executable, str(ROOT / "bench" / "peak_rss.py"), str(peak), "--", *cmd], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT).returncode
+    row = {"layers": layers, "steps": steps, "set": sets, "rc": rc, "measured_peak_bytes": int(peak.read_text())}
     if rc == 0:
         mem = json.loads((out / "summary.json").read_text())["memory"]
         row |= {k: mem[k] for k in ("parameters", "estimated_peak_bytes", "held_at_check_bytes", "estimated_phase")}

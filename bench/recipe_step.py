@@ -525,7 +525,7 @@ def fill(torch, target, tok, tdir, shape, levers, *, batch, max_len, steps, warm
 
 def isolated(args, shape: str, arms: list[str], root: str) -> dict:
     """`--isolate` (CPU): every (round, arm) in a child process of its own, arms interleaved and
-    the order flipped each round, so each arm's peak resident memory (os.wait4) is its own: the
+    the order flipped each round, so each arm's peak resident memory (wait4, bench/peak_rss.py) is its own: the
     CPU has no allocator statistics, and a process's peak never comes down."""
     import subprocess
 
@@ -539,14 +539,17 @@ def isolated(args, shape: str, arms: list[str], root: str) -> dict:
             for flag, v in (("--batch", args.batch), ("--max-len", args.max_len), ("--threads", args.threads)):
                 if v:
                     cmd += [flag, str(v)]
-            p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-            stdout = p.stdout.read()
-            _, status, usage = os.wait4(p.pid, 0)
-            p.returncode = os.waitstatus_to_exitcode(status)
+            # reaped by peak_rss.py: straight from this process (torch imported) a small arm's peak would
+            # read as ours, as Linux counts a child's pre-exec image in its ru_maxrss
+            peak = os.path.join(root, f"peak-{arm}-{rnd}")
+            cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_rss.py"), peak,
+                   "--", *cmd]
+            stdout = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
             res = json.loads(stdout.strip().splitlines()[-1])[shape]
             a = res["arms"][arm]
             if "stages" in a:
-                a["peak_rss_mb"] = round(usage.ru_maxrss / 1024)  # KiB on Linux
+                with open(peak) as f:
+                    a["peak_rss_mb"] = round(int(f.read()) / 2**20)
                 runs[arm].append(a)
             out |= {k: res[k] for k in ("shape", "batch", "max_len", "dtype")}
     for arm, rs in runs.items():

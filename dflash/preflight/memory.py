@@ -194,7 +194,7 @@ def process_memory() -> tuple[int, int]:
                     got[line.split(":")[0]] = int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    if "VmHWM" not in got:
+    if "VmHWM" not in got:  # no /proc: ru_maxrss, which also counts what the parent held before our exec
         try:
             import resource
             got.setdefault("VmHWM", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

@@ -34,13 +34,15 @@ def _run_py(code: str, *args, env=None, timeout=300) -> subprocess.CompletedProc
 
 # ----------------------------------------------------------------------------- data records
 
+# the peak as VmHWM, this process image's own: ru_maxrss would carry pytest's resident set from
+# before the exec (bench/peak_rss.py says why)
 _LOAD_AND_MEASURE = """
-import json, resource, sys
+import json, sys
 from dflash.data import conversations as C
+from dflash.preflight.memory import process_memory
 counts = {}
 convs = C.load_conversations(sys.argv[1], limit=int(sys.argv[2]), counts=counts)
-print(json.dumps({"conversations": len(convs), "counts": counts,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024}))
+print(json.dumps({"conversations": len(convs), "counts": counts, "peak_rss_mb": process_memory()[1] // 2**20}))
 """
 
 
