@@ -63,6 +63,17 @@ _LAYER_MAP = {
 # by (1 + w). Copying w there gave a drafter whose every norm was ~0: uniform logits, a loss
 # stuck at ln V and no word said. What is copied is the scale the target's norm applies,
 # read off the module by running it (norm_scale), so any family's convention carries over.
+#
+# Roles, not names (Gemma 2/3's layer differs from the drafter's Qwen3 layer in three places):
+# - its norm before the MLP is `pre_feedforward_layernorm`; its `post_attention_layernorm`
+#   normalises the attention's output before the residual, a norm the drafter has no place for;
+# - its attention scales by query_pre_attn_scalar^-1/2, not head_dim^-1/2: the q norm's copy
+#   takes the ratio, so the drafter's attention logits are the target's (RoPE is linear in q);
+# - its MLP is GELU-gated, the drafter's SiLU-gated: the same weights would compute another
+#   function, so the MLP stays random and the run says so.
+# Embeddings and the head need nothing: the drafter calls the target's own modules, so a
+# scaled embedding (Gemma's x·sqrt(H)) and a tied head are the target's as they are.
+_SILU = {"silu", "swish"}
 
 
 def _decoder(target):
@@ -145,14 +156,36 @@ def init_from_target(drafter, target) -> list[str]:
               f"drafter layers {len(chosen)}..{len(drafter.layers) - 1} of {len(drafter.layers)} stay random",
               file=sys.stderr)
     copied: list[str] = []
+    tcfg = getattr(target, "config", None)
+    tcfg = getattr(tcfg, "get_text_config", lambda: tcfg)() if tcfg is not None else None
+    act = getattr(tcfg, "hidden_activation", None) or getattr(tcfg, "hidden_act", None) or "silu"
+    mlp_fits = act in _SILU
+    q_scalar = getattr(tcfg, "query_pre_attn_scalar", None)
+    q_ratio = (drafter.cfg.head_dim / q_scalar) ** 0.5 if q_scalar else 1.0
+    not_carried = set()
     for i, t_idx in enumerate(chosen):
-        src = dict(layers[t_idx].named_parameters())
+        layer = layers[t_idx]
+        src = dict(layer.named_parameters())
         for name, p in drafter.layers[i].named_parameters():
             mapped = _LAYER_MAP.get(name, "")
+            if name == "post_attention_layernorm.weight" and hasattr(layer, "pre_feedforward_layernorm"):
+                mapped = "pre_feedforward_layernorm.weight"  # Gemma: the norm in front of the MLP
+                not_carried.add("its norms on the attention's and the MLP's outputs (no place in the drafter)")
+            if name.startswith(("gate_proj", "up_proj", "down_proj")) and not mlp_fits:
+                not_carried.add(f"the MLP (the target's is {act}-gated, the drafter's SiLU: it stays random)")
+                continue
             if name.endswith("norm.weight"):
-                _copy_norm(p, _submodule(layers[t_idx], mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
+                n0 = len(copied)
+                _copy_norm(p, _submodule(layer, mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
+                if name == "q_norm.weight" and len(copied) > n0 and q_ratio != 1.0:
+                    p.mul_(q_ratio)  # the target's attention scale, carried by the q norm
             else:
                 _copy(p, src.get(mapped), copied, f"layers.{i}.{name}")
+    if not_carried:
+        import sys
+        print(f"dflash: model.drafter_init=target: the target's {type(layers[chosen[0]]).__name__} is not the "
+              f"drafter's (Qwen3) layer; copied what has the same role, not {'; nor '.join(sorted(not_carried))}",
+              file=sys.stderr)
     if chosen:
         _copy_norm(drafter.hidden_norm.weight, getattr(layers[chosen[0]], "input_layernorm", None), copied,
                    "hidden_norm.weight")
