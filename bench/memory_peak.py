@@ -76,7 +76,7 @@ def main(argv=None) -> int:
         print(f"bench/memory_peak.py: error: {err}", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="memory-peak-") as tmp:
-        where = Path(a.out or tmp)
+        where = Path(a.out or tmp).resolve()  # the runs' cwd is ROOT: absolute paths read back
         where.mkdir(parents=True, exist_ok=True)
         print(f"{'layers':>6} {'params':>12} {'held at check':>14} {'estimate':>10} {'measured':>10} {'error':>7}  phase")
         rows = []

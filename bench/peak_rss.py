@@ -11,15 +11,32 @@ that is larger than its own peak. Measured: a Python parent holding 1.5 GB, its 
 the integration tier, and a 0.9 GiB `dflash train` child measured 1.59 GiB there (CI,
 tests/integration/test_memory_peak.py). Spawned from here, the floor is this process's ~10 MB.
 
-Exits as the command did (a signal's death is passed on as the same signal), so callers read
-its exit code as the command's; SIGTERM and SIGINT sent here are passed on to the command.
+Exits as the command did: a death by signal is passed on as the same signal (an OOM kill still
+reads -9 / 137). SIGTERM and SIGHUP sent here are passed on to the command; SIGINT is left to
+the command alone (a terminal's Ctrl-C reaches the whole process group, the command included,
+and a second one would hard-stop it). If this process dies, the command gets SIGKILL.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
+
+_FORWARDED = (signal.SIGTERM, signal.SIGHUP)
+
+
+def _in_the_command() -> None:
+    """In the command, before its exec: the signal state it would have had without us (an
+    ignored disposition and a blocked mask both survive exec), and SIGKILL when this process
+    dies (PR_SET_PDEATHSIG)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def main(argv: list[str]) -> int:
@@ -27,15 +44,21 @@ def main(argv: list[str]) -> int:
         print("usage: bench/peak_rss.py PEAK_FILE -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     peak_file, cmd = argv[0], argv[2:]
-    p = subprocess.Popen(cmd)
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # held until the command exists, so a signal in between is passed on, not lost or fatal
+    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    p = subprocess.Popen(cmd, preexec_fn=_in_the_command)
+    for sig in _FORWARDED:
         signal.signal(sig, lambda n, _f: p.send_signal(n))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
     _, status, usage = os.wait4(p.pid, 0)
     with open(peak_file, "w") as f:
         f.write(f"{usage.ru_maxrss * 1024}\n")  # KiB on Linux
-    if os.WIFSIGNALED(status):  # die of the same signal: a caller's rc of -9 / 137 still means a kill
+    if os.WIFSIGNALED(status):  # die of the same signal, so the caller reads it as the command's
         sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled, nor reset
+            signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)
 

@@ -544,8 +544,11 @@ def isolated(args, shape: str, arms: list[str], root: str) -> dict:
             peak = os.path.join(root, f"peak-{arm}-{rnd}")
             cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_rss.py"), peak,
                    "--", *cmd]
-            stdout = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True).stdout
-            res = json.loads(stdout.strip().splitlines()[-1])[shape]
+            done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            if done.returncode != 0 or not done.stdout.strip():
+                sys.exit(f"recipe_step.py: the isolated {arm} arm (round {rnd}) exited {done.returncode}:\n"
+                         f"{done.stderr[-2000:]}")
+            res = json.loads(done.stdout.strip().splitlines()[-1])[shape]
             a = res["arms"][arm]
             if "stages" in a:
                 with open(peak) as f:

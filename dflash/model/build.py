@@ -68,7 +68,10 @@ _LAYER_MAP = {
 # - its norm before the MLP is `pre_feedforward_layernorm`; its `post_attention_layernorm`
 #   normalises the attention's output before the residual, a norm the drafter has no place for;
 # - its attention scales by query_pre_attn_scalar^-1/2, not head_dim^-1/2: the q norm's copy
-#   takes the ratio, so the drafter's attention logits are the target's (RoPE is linear in q);
+#   takes the ratio of the target attention's own `scaling` to the drafter's (any family's:
+#   1 for Llama and Qwen), so the logits scale as the target's (RoPE is linear in q). The
+#   drafter has one RoPE base, so on a target whose layers differ in theirs (Gemma 3: sliding
+#   and full) the copy is exact only on the layers whose base it has;
 # - its MLP is GELU-gated, the drafter's SiLU-gated: the same weights would compute another
 #   function, so the MLP stays random and the run says so.
 # Embeddings and the head need nothing: the drafter calls the target's own modules, so a
@@ -160,8 +163,6 @@ def init_from_target(drafter, target) -> list[str]:
     tcfg = getattr(tcfg, "get_text_config", lambda: tcfg)() if tcfg is not None else None
     act = getattr(tcfg, "hidden_activation", None) or getattr(tcfg, "hidden_act", None) or "silu"
     mlp_fits = act in _SILU
-    q_scalar = getattr(tcfg, "query_pre_attn_scalar", None)
-    q_ratio = (drafter.cfg.head_dim / q_scalar) ** 0.5 if q_scalar else 1.0
     not_carried = set()
     for i, t_idx in enumerate(chosen):
         layer = layers[t_idx]
@@ -177,7 +178,9 @@ def init_from_target(drafter, target) -> list[str]:
             if name.endswith("norm.weight"):
                 n0 = len(copied)
                 _copy_norm(p, _submodule(layer, mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
-                if name == "q_norm.weight" and len(copied) > n0 and q_ratio != 1.0:
+                scaling = getattr(getattr(layer, "self_attn", None), "scaling", None)
+                q_ratio = scaling * drafter.cfg.head_dim ** 0.5 if isinstance(scaling, float) else 1.0
+                if name == "q_norm.weight" and len(copied) > n0 and abs(q_ratio - 1.0) > 1e-6:
                     p.mul_(q_ratio)  # the target's attention scale, carried by the q norm
             else:
                 _copy(p, src.get(mapped), copied, f"layers.{i}.{name}")

@@ -40,7 +40,10 @@ def _wait(p: subprocess.Popen, timeout: float = 600) -> tuple[int, int]:
         rc = p.wait(timeout)
     except subprocess.TimeoutExpired:
         p.terminate()  # peak_rss.py passes it on to the run
-        p.wait(30)
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()  # and the run with it (peak_rss.py's PR_SET_PDEATHSIG)
         raise AssertionError(f"dflash train did not end within {timeout} s") from None
     return rc, int(Path(p.args[2]).read_text())
 
@@ -63,6 +66,15 @@ def test_a_runs_peak_is_its_own_not_its_parents(tmp_path):
                           str(tmp_path / "peak")], capture_output=True, text=True, check=True).stdout.split()
     direct, measured = int(out[0]), int(out[1])
     assert direct >= 768 * 2**20 and measured < 128 * 2**20, (direct / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize("shell, rc", [("exit 3", 3), ("kill -TERM $$", -15), ("kill -KILL $$", -9)])
+def test_the_reaper_exits_as_its_command_did(tmp_path, shell, rc):
+    """An OOM kill must still read as one (-9) through bench/peak_rss.py, and the peak is written."""
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "peak_rss.py"), str(tmp_path / "peak"), "--",
+                        "sh", "-c", shell], capture_output=True, text=True)
+    assert p.returncode == rc and not p.stderr, (p.returncode, p.stderr)
+    assert 0 < int((tmp_path / "peak").read_text()) < 128 * 2**20
 
 
 def test_the_estimate_is_within_a_quarter_of_the_measured_peak(tmp_path):
