@@ -312,10 +312,11 @@ def main() -> None:
     ap.add_argument("--mt-bench", type=int, default=0, metavar="N",
                     help="with --decode: also score every export on the first N MT-Bench prompts (80: all)")
     ap.add_argument("--mt-tokens", type=int, default=48, metavar="T",
-                    help="new tokens per MT-Bench prompt (default %(default)s: 80 prompts x 4 arms x 3 seeds in "
-                         "~15 min on 2 cores)")
+                    help="new tokens per MT-Bench prompt (default %(default)s: 40 prompts x 4 arms took 15 min a seed "
+                         "on 2 cores)")
     ap.add_argument("--time-steps", type=int, default=0,
-                    help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time)")
+                    help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time; on a CPU "
+                         "the first ~100 steps of an AdamW arm run at half its later speed, so time more than that)")
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
