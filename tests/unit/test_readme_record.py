@@ -71,3 +71,12 @@ def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
                    "1.35x [1.30, 1.40] | 0.93x [0.90, 0.96] | 8 min 39 s, cache empty | "
                    "AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels |"), row
     assert json.loads((records / "demo.json").read_text())["machine"]["cpu"] == "AMD EPYC"
+
+
+def test_a_run_that_regenerated_most_of_its_replies_is_not_called_warm():
+    """make demo-long after make demo found 162 of its 1,494 replies cached: "partly warm"."""
+    from dflash.analysis.demo_record import _cache
+
+    assert _cache({"regen_total": 1494, "regenerated": 1332, "regen_cached": 162}).startswith("partly warm: 162 of 1494")
+    assert _cache({"regen_total": 282, "regenerated": 0, "regen_cached": 282}).startswith("warm: 282 of 282")
+    assert _cache({"regen_total": 282, "regenerated": 282, "regen_cached": 0}).startswith("empty")
