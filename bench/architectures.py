@@ -316,7 +316,7 @@ def main() -> None:
                          "on 2 cores)")
     ap.add_argument("--time-steps", type=int, default=0,
                     help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time; on a CPU "
-                         "the first ~100 steps of an AdamW arm run at half its later speed, so time more than that)")
+                         "the first epoch, ~70 steps on the demo, runs at up to half the later speed: time more than that)")
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
