@@ -2,6 +2,8 @@
 token from its tokenizer, optionally decoder layers from the target's own."""
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .. import family
@@ -154,7 +156,6 @@ def init_from_target(drafter, target) -> list[str]:
     layers = list(getattr(dec, "layers", []))
     chosen = init_layers(target, drafter.cfg.target_layer_ids, len(drafter.layers))
     if len(chosen) < len(drafter.layers):
-        import sys
         print(f"dflash: model.drafter_init=target: the target has {len(chosen)} attention layer(s) to copy; "
               f"drafter layers {len(chosen)}..{len(drafter.layers) - 1} of {len(drafter.layers)} stay random",
               file=sys.stderr)
@@ -167,6 +168,8 @@ def init_from_target(drafter, target) -> list[str]:
     for i, t_idx in enumerate(chosen):
         layer = layers[t_idx]
         src = dict(layer.named_parameters())
+        scaling = getattr(getattr(layer, "self_attn", None), "scaling", None)  # the target's attention scale
+        q_ratio = scaling * drafter.cfg.head_dim ** 0.5 if isinstance(scaling, float) else 1.0
         for name, p in drafter.layers[i].named_parameters():
             mapped = _LAYER_MAP.get(name, "")
             if name == "post_attention_layernorm.weight" and hasattr(layer, "pre_feedforward_layernorm"):
@@ -178,14 +181,11 @@ def init_from_target(drafter, target) -> list[str]:
             if name.endswith("norm.weight"):
                 n0 = len(copied)
                 _copy_norm(p, _submodule(layer, mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
-                scaling = getattr(getattr(layer, "self_attn", None), "scaling", None)
-                q_ratio = scaling * drafter.cfg.head_dim ** 0.5 if isinstance(scaling, float) else 1.0
                 if name == "q_norm.weight" and len(copied) > n0 and abs(q_ratio - 1.0) > 1e-6:
                     p.mul_(q_ratio)  # the target's attention scale, carried by the q norm
             else:
                 _copy(p, src.get(mapped), copied, f"layers.{i}.{name}")
     if not_carried:
-        import sys
         print(f"dflash: model.drafter_init=target: the target's {type(layers[chosen[0]]).__name__} is not the "
               f"drafter's (Qwen3) layer; copied what has the same role, not {'; nor '.join(sorted(not_carried))}",
               file=sys.stderr)
