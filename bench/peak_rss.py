@@ -14,12 +14,14 @@ tests/integration/test_memory_peak.py). Spawned from here, the floor is this pro
 Exits as the command did: a death by signal is passed on as the same signal (an OOM kill still
 reads -9 / 137). SIGTERM and SIGHUP sent here are passed on to the command; SIGINT is left to
 the command alone (a terminal's Ctrl-C reaches the whole process group, the command included,
-and a second one would hard-stop it). If this process dies, the command gets SIGKILL.
+and a second one would hard-stop it); the command starts with the SIGINT disposition and signal
+mask this process started with. If this process dies, the command gets SIGKILL.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -27,16 +29,20 @@ import sys
 _FORWARDED = (signal.SIGTERM, signal.SIGHUP)
 
 
-def _in_the_command() -> None:
-    """In the command, before its exec: the signal state it would have had without us (an
-    ignored disposition and a blocked mask both survive exec), and SIGKILL when this process
-    dies (PR_SET_PDEATHSIG)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _in_the_command(sigint, mask, reaper: int):
+    """In the command, before its exec: the signal state it would have had without us, as it
+    was when we started (an ignored disposition and a blocked mask both survive exec), and
+    SIGKILL when this process dies (PR_SET_PDEATHSIG; if it died before that was set, at once)."""
+    def restore() -> None:
+        signal.signal(signal.SIGINT, sigint)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != reaper:  # the reaper is already gone: the death signal would never come
+            os.kill(os.getpid(), signal.SIGKILL)
+    return restore
 
 
 def main(argv: list[str]) -> int:
@@ -44,13 +50,17 @@ def main(argv: list[str]) -> int:
         print("usage: bench/peak_rss.py PEAK_FILE -- COMMAND [ARG...]", file=sys.stderr)
         return 2
     peak_file, cmd = argv[0], argv[2:]
+    sigint = signal.getsignal(signal.SIGINT)
+    sigint = signal.SIG_DFL if sigint is None else sigint  # None: set outside Python; default is what exec gives
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # held until the command exists, so a signal in between is passed on, not lost or fatal
-    signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
-    p = subprocess.Popen(cmd, preexec_fn=_in_the_command)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
+    p = subprocess.Popen(cmd, preexec_fn=_in_the_command(sigint, mask, os.getpid()))
     for sig in _FORWARDED:
-        signal.signal(sig, lambda n, _f: p.send_signal(n))
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _FORWARDED)
+        # os.kill, not p.send_signal: that polls first, and a poll that reaps an exited command
+        # loses its status and rusage to wait4 below; the pid stays ours until wait4 collects it
+        signal.signal(sig, lambda n, _f: os.kill(p.pid, n))
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _, status, usage = os.wait4(p.pid, 0)
     with open(peak_file, "w") as f:
         f.write(f"{usage.ru_maxrss * 1024}\n")  # KiB on Linux
@@ -58,6 +68,8 @@ def main(argv: list[str]) -> int:
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two cannot be handled, nor reset
             signal.signal(sig, signal.SIG_DFL)
+        # a SIGSEGV or SIGABRT passed on must not dump a second core over the command's
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
         os.kill(os.getpid(), sig)
     return os.waitstatus_to_exitcode(status)

@@ -100,9 +100,11 @@ def _cache(data: dict) -> str:
     """What the run found cached, as the wall's qualifier: a run that regenerated most of its
     replies is not "warm" (make demo-long with make demo's 162 of its 1,494 cached)."""
     total, cached = data.get("regen_total"), data.get("regen_cached") or 0
-    if not total or data.get("regenerated") == total:
-        return "empty: every reply regenerated" if total else "warm: nothing to regenerate"
-    kind = "warm" if cached == total else "partly warm"
+    if not total:  # no regeneration in the run: no cache to speak of
+        return "n/a: no replies regenerated"
+    if not cached:  # every reply regenerated, or some dropped and none found cached
+        return f"empty: none of {total} replies cached"
+    kind = "warm" if cached >= total else "partly warm"
     return f"{kind}: {cached} of {total} replies cached"
 
 

@@ -69,15 +69,18 @@ _LAYER_MAP = {
 # Roles, not names (Gemma 2/3's layer differs from the drafter's Qwen3 layer in three places):
 # - its norm before the MLP is `pre_feedforward_layernorm`; its `post_attention_layernorm`
 #   normalises the attention's output before the residual, a norm the drafter has no place for;
-# - its attention scales by query_pre_attn_scalar^-1/2, not head_dim^-1/2: the q norm's copy
-#   takes the ratio of the target attention's own `scaling` to the drafter's (any family's:
-#   1 for Llama and Qwen), so the logits scale as the target's (RoPE is linear in q). The
-#   drafter has one RoPE base, so on a target whose layers differ in theirs (Gemma 3: sliding
-#   and full) the copy is exact only on the layers whose base it has;
+# - its attention scales by query_pre_attn_scalar^-1/2, not head_dim^-1/2: the drafter's q norm
+#   (copied, or left at 1 where the target has none, as Gemma 2) takes the ratio of the target
+#   attention's own `scaling` to the drafter's (any family's: 1 for Llama and Qwen), so the
+#   logits scale as the target's (RoPE is linear in q). The drafter has one RoPE base, so on a
+#   target whose layers differ in theirs (Gemma 3: sliding and full) the copy is exact only on
+#   the layers whose base it has; Gemma 2's soft-capped attention logits are not carried (the
+#   drafter's attention has no cap), and the run says so;
 # - its MLP is GELU-gated, the drafter's SiLU-gated: the same weights would compute another
 #   function, so the MLP stays random and the run says so.
-# Embeddings and the head need nothing: the drafter calls the target's own modules, so a
-# scaled embedding (Gemma's x·sqrt(H)) and a tied head are the target's as they are.
+# Embeddings and the head need nothing: the drafter calls the target's own modules (or one
+# copy of the pair, model/target.py `embed_and_head`), so a scaled embedding (Gemma's x·sqrt(H))
+# and a tied head are the target's as they are.
 _SILU = {"silu", "swish"}
 
 
@@ -165,6 +168,9 @@ def init_from_target(drafter, target) -> list[str]:
     act = getattr(tcfg, "hidden_activation", None) or getattr(tcfg, "hidden_act", None) or "silu"
     mlp_fits = act in _SILU
     not_carried = set()
+    if getattr(tcfg, "attn_logit_softcapping", None):  # Gemma 2: tanh-capped attention logits
+        not_carried.add(f"its attention's logit soft-capping at {tcfg.attn_logit_softcapping} (the drafter's "
+                        "attention has none)")
     for i, t_idx in enumerate(chosen):
         layer = layers[t_idx]
         src = dict(layer.named_parameters())
@@ -179,10 +185,11 @@ def init_from_target(drafter, target) -> list[str]:
                 not_carried.add(f"the MLP (the target's is {act}-gated, the drafter's SiLU: it stays random)")
                 continue
             if name.endswith("norm.weight"):
-                n0 = len(copied)
                 _copy_norm(p, _submodule(layer, mapped[:-len(".weight")]), copied, f"layers.{i}.{name}")
-                if name == "q_norm.weight" and len(copied) > n0 and abs(q_ratio - 1.0) > 1e-6:
-                    p.mul_(q_ratio)  # the target's attention scale, carried by the q norm
+                if name == "q_norm.weight" and abs(q_ratio - 1.0) > 1e-6:
+                    # the target's attention scale, carried by the q norm: copied or not (Gemma 2
+                    # has no q norm; the drafter's starts at 1), its logits scale as the target's
+                    p.mul_(q_ratio)
             else:
                 _copy(p, src.get(mapped), copied, f"layers.{i}.{name}")
     if not_carried:

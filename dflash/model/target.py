@@ -17,6 +17,8 @@ Target specs (``--target``):
 
 from __future__ import annotations
 
+import copy
+
 import os
 import shutil
 import tempfile
@@ -301,6 +303,17 @@ def capture_hidden(model, input_ids, attention_mask, layer_ids) -> torch.Tensor:
 
 def embedding(model) -> torch.nn.Embedding:
     return model.get_input_embeddings()
+
+
+def embed_and_head(model, device=None, dtype=None):
+    """The frozen (embedding, lm_head) modules the drafter reads: the target's own, or, for a
+    drafter on another device, one deepcopy of the pair moved there, so that a tied head stays
+    tied and a family's embedding keeps its own forward (Gemma's scale by sqrt(H))."""
+    embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if device is None:
+        return embed, head
+    embed, head = copy.deepcopy((embed, head))
+    return embed.to(device, dtype), head.to(device, dtype)
 
 
 def choose_mask_token_id(tokenizer, vocab_rows: int) -> tuple[int, str]:

@@ -4,7 +4,6 @@ the telemetry. A drafter-only rank keeps no target, only its copies of the embed
 lm_head; every target worker gets a frozen replica (and a feature cache) on its device."""
 from __future__ import annotations
 
-import copy
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -259,11 +258,9 @@ def _setup_drafter(cfg: Config, place: Placement, out: Path, groups: Groups | No
     """(the training step, the stop vote, a layout's all-reduce timer, the resumed run's
     trainer_state or None)."""
     ddev = place.drafter_device
-    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
-    if not place.has_target or torch.device(ddev) != target.device:
-        # the drafter's own frozen copies; one deepcopy of the pair: a tied lm_head stays tied
-        embed, head = copy.deepcopy((embed, head))
-        embed, head = embed.to(ddev, dtype), head.to(ddev, dtype)
+    # the drafter's own frozen copies where it has no target beside it (one copy of the pair)
+    own = not place.has_target or torch.device(ddev) != target.device
+    embed, head = target_mod.embed_and_head(target, ddev if own else None, dtype)
     tstate = jstate = None
     if resume:
         drafter, _ = ckpt.load_drafter(out / "checkpoint", device=ddev, dtype=torch.float32)

@@ -56,8 +56,8 @@ def test_training_from_features_matches_the_online_run(tmp_path, offline):
     a, b = _history(online), _history(offline)
     print(f"\nonline  {a}\noffline {b}\nidentical: {a == b}")
     assert len(a) == len(b) == STEPS
-    if a != b:  # features captured in other batches can differ in the last bits on some CPUs
-        assert a == pytest.approx(b, rel=1e-5), (a, b)
+    if a != b:  # features captured in other batches can differ a little on some CPUs (SAME_ROWS)
+        assert a == pytest.approx(b, rel=SAME_ROWS["rtol"]), (a, b)
 
 
 def test_the_index_counts_every_sample_once(feats):

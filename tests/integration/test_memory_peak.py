@@ -77,6 +77,34 @@ def test_the_reaper_exits_as_its_command_did(tmp_path, shell, rc):
     assert 0 < int((tmp_path / "peak").read_text()) < 128 * 2**20
 
 
+def test_a_signal_as_the_command_exits_is_passed_on_and_its_status_kept(tmp_path):
+    """A SIGTERM to the whole group (timeout(1), a cancelled job) reaches the reaper as its
+    command exits: passing it on must not reap the command first (its status and rusage would
+    be lost and wait4 would raise). A race, so twenty tries (it lost 2 in 10 before the fix)."""
+    for i in range(20):
+        peak = tmp_path / f"peak{i}"
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "peak_rss.py"), str(peak), "--",
+                            "sh", "-c", "kill -TERM $PPID; exit 3"], capture_output=True, text=True)
+        assert p.returncode in (3, -15) and not p.stderr, (i, p.returncode, p.stderr[-2000:])
+        assert 0 < int(peak.read_text()) < 128 * 2**20
+
+
+def _ignore_int_block_term():
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+
+
+def test_the_command_starts_with_the_signal_state_it_would_have_had(tmp_path):
+    """Started with SIGINT ignored and SIGTERM blocked (a background job of a script, say), the
+    command sees the same through the reaper as without it."""
+    show = ["sh", "-c", "grep -E '^Sig(Ign|Blk)' /proc/$$/status"]
+    direct = subprocess.run(show, capture_output=True, text=True, preexec_fn=_ignore_int_block_term).stdout
+    reaped = subprocess.run([sys.executable, str(ROOT / "bench" / "peak_rss.py"), str(tmp_path / "peak"), "--",
+                             *show], capture_output=True, text=True, preexec_fn=_ignore_int_block_term).stdout
+    assert "SigIgn" in direct and reaped == direct, (direct, reaped)
+
+
 def test_the_estimate_is_within_a_quarter_of_the_measured_peak(tmp_path):
     """1, 16 and 64 layers (0.8 M, 9.6 M and 38 M parameters), side by side (peaks, not times:
     sharing the cores does not move them). The 64-layer run peaks at ~1.7 GiB, 16 bytes a

@@ -146,10 +146,36 @@ def test_gemma3_drafter_init_copies_by_role_and_says_what_it_cannot(gemma3, caps
     torch.testing.assert_close(d.k_norm.weight, 1 + layer.self_attn.k_norm.weight)
     torch.testing.assert_close(d.q_proj.weight, layer.self_attn.q_proj.weight)
     assert not torch.equal(d.gate_proj.weight, layer.mlp.gate_proj.weight)
+    from dflash.model.target import embed_and_head
+
     x = torch.randint(20, 1000, (1, 6))
-    with torch.no_grad():
-        torch.testing.assert_close(model.get_input_embeddings()(x), model(x, output_hidden_states=True).hidden_states[0])
-    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    for where in (None, "cpu"):  # the target's own modules, and a drafter rank's copy of the pair
+        embed, head = embed_and_head(model, where, torch.float32)
+        with torch.no_grad():
+            torch.testing.assert_close(embed(x), model(x, output_hidden_states=True).hidden_states[0])  # x·sqrt(H)
+        assert head.weight.data_ptr() == embed.weight.data_ptr(), where  # still tied
+    assert embed is not model.get_input_embeddings()
+
+
+def test_gemma2_drafter_init_scales_the_q_norm_it_has_no_copy_for_and_says_the_soft_cap(capsys):
+    """Gemma 2 has no q norm: the drafter's (at 1) still takes the attention scale ratio
+    (query_pre_attn_scalar 144 over head_dim 64: (64/144)^1/2), and the attention's logit soft cap,
+    which the drafter cannot carry, is said."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from dflash.model.target import load_tokenizer
+
+    tok = load_tokenizer("tiny-qwen3")
+    cfg = Gemma2Config(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=144,
+                       attn_logit_softcapping=50.0, max_position_embeddings=4096, sliding_window=512,
+                       pad_token_id=tok.pad_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM(cfg).float().eval()
+    _, _, drafter = _build(model, tok, spec="tiny-qwen3")
+    assert "soft-capping at 50.0" in capsys.readouterr().err
+    torch.testing.assert_close(drafter.layers[0].q_norm.weight, torch.full((64,), (64 / 144) ** 0.5))
 
 
 def test_gemma3_drafter_init_target_learns(gemma3):

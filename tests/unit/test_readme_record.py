@@ -80,3 +80,6 @@ def test_a_run_that_regenerated_most_of_its_replies_is_not_called_warm():
     assert _cache({"regen_total": 1494, "regenerated": 1332, "regen_cached": 162}).startswith("partly warm: 162 of 1494")
     assert _cache({"regen_total": 282, "regenerated": 0, "regen_cached": 282}).startswith("warm: 282 of 282")
     assert _cache({"regen_total": 282, "regenerated": 282, "regen_cached": 0}).startswith("empty")
+    assert _cache({"regen_total": 282, "regenerated": 270}).startswith("empty")  # 12 dropped, none cached
+    assert _cache({}).startswith("n/a")  # no regeneration: not "warm"
+    assert _cache({"regen_total": 282, "regenerated": 282, "regen_cached": 0}).startswith("empty")
