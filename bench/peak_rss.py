@@ -19,6 +19,7 @@ mask this process started with. If this process dies, the command gets SIGKILL.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import resource
@@ -56,10 +57,16 @@ def main(argv: list[str]) -> int:
     # held until the command exists, so a signal in between is passed on, not lost or fatal
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     p = subprocess.Popen(cmd, preexec_fn=_in_the_command(sigint, mask, os.getpid()))
-    for sig in _FORWARDED:
+    def forward(n, _frame) -> None:
         # os.kill, not p.send_signal: that polls first, and a poll that reaps an exited command
-        # loses its status and rusage to wait4 below; the pid stays ours until wait4 collects it
-        signal.signal(sig, lambda n, _f: os.kill(p.pid, n))
+        # loses its status and rusage to wait4 below. A signal that lands as wait4 returns runs
+        # this after the reap: the command is gone, nothing to pass on (pids are handed out in
+        # order, so the next process does not get its pid within that instant)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, n)
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
     signal.pthread_sigmask(signal.SIG_SETMASK, mask)
     _, status, usage = os.wait4(p.pid, 0)
     with open(peak_file, "w") as f:
