@@ -350,7 +350,7 @@ def main() -> None:
                     help="with --decode: also score every export on the first N MT-Bench prompts (80: all), decoded 40 at a "
                          "time (each 40 cached: raising N decodes only the new ones)")
     ap.add_argument("--mt-tokens", type=int, default=48, metavar="T",
-                    help="new tokens per MT-Bench prompt (default %(default)s: 40 prompts x 4 arms took 15 min a seed "
+                    help="new tokens per MT-Bench prompt (default %(default)s: 40 prompts x 4 arms took 15-18 min a seed "
                          "on 2 cores)")
     ap.add_argument("--time-steps", type=int, default=0,
                     help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time; on a CPU "
