@@ -57,6 +57,7 @@ def main(argv: list[str]) -> int:
     # held until the command exists, so a signal in between is passed on, not lost or fatal
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, _FORWARDED)
     p = subprocess.Popen(cmd, preexec_fn=_in_the_command(sigint, mask, os.getpid()))
+
     def forward(n, _frame) -> None:
         # os.kill, not p.send_signal: that polls first, and a poll that reaps an exited command
         # loses its status and rusage to wait4 below. A signal that lands as wait4 returns runs
