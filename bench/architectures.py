@@ -168,8 +168,7 @@ def decode_side_by_side(rows: list[dict], base: str, out: Path, mt_bench: int = 
                   "per_position": res["per_position_acceptance"],
                   "positions": _positions(res["per_prompt_steps"])}
             if mt:
-                m = mt[str(Path(r["run"]) / "export")]
-                m = next(iter(m["sets"].values())) if "sets" in m else m
+                m = mt[str(Path(r["run"]) / "export")]  # one set, unwrapped by _mt_decoded
                 r["mt"] = {"tau": m["tau_per_step"], "per_prompt": m["per_prompt"], "lossless": m["lossless"],
                            "per_position": m["per_position_acceptance"], "positions": _positions(m["per_prompt_steps"])}
 
@@ -184,14 +183,14 @@ def _mt_decoded(base: str, rs: list[dict], out: Path, seed: int, n: int, tokens:
     records), then merged into one result as if decoded at once."""
     from dflash.data.prompt_sets import bench_file
 
-    parts = []
+    parts, recs = [], None
     for lo in range(0, n, MT_CHUNK):
         hi = min(n, lo + MT_CHUNK)
         if lo == 0:
             path, flags = out / f"{base}-s{seed}-mt{hi}x{tokens}.json", ["--bench", "mt-bench", "--prompts", str(hi)]
         else:
             src = out / f"mt-bench-{lo + 1}-{hi}.jsonl"
-            recs = [ln for ln in bench_file("mt-bench").read_text(encoding="utf-8").splitlines() if ln.strip()]
+            recs = recs or [ln for ln in bench_file("mt-bench").read_text(encoding="utf-8").splitlines() if ln.strip()]
             src.write_text("\n".join(recs[lo:hi]) + "\n", encoding="utf-8")
             path, flags = out / f"{base}-s{seed}-mt{lo + 1}-{hi}x{tokens}.json", ["--prompts-from", str(src)]
         got = _decoded(base, rs, path, [*flags, "--max-new-tokens", str(tokens)], f"MT-Bench {lo + 1}-{hi} seed {seed}")

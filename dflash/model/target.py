@@ -18,7 +18,6 @@ Target specs (``--target``):
 from __future__ import annotations
 
 import copy
-
 import os
 import shutil
 import tempfile
