@@ -139,16 +139,19 @@ def _positions(steps: list[dict], k: int = 3) -> list[list[float]]:
 
 
 def _decoded(base: str, rs: list[dict], path: Path, flags: list[str], tag: str) -> dict:
-    """Our decoder over the rows' exports (one `dflash eval`, cached in ``path``): by export dir."""
-    def read():
-        if not path.is_file():
-            path.write_text(eval_exports(base, rs, flags, tag)[-1])
-        got = json.loads(path.read_text())
+    """Our decoder over the rows' exports, by export dir, cached in ``path``: an arm added later
+    is decoded alone (its own `dflash eval`, on the same prompts: a seed's held-out prompts are
+    its data split's) and added to the cache, so the arms already decoded are not decoded again."""
+    def results(lines: list[str]) -> dict:
+        got = json.loads(lines[-1])
         return {res["checkpoint"]: res for res in got.get("drafters", [got])}
-    by_dir = read()
-    if any(str(Path(r["run"]) / "export") not in by_dir for r in rs):  # another set of arms: decode again
-        path.unlink()
-        by_dir = read()
+    by_dir = json.loads(path.read_text()) if path.is_file() else {}
+    if "drafters" in by_dir or "checkpoint" in by_dir:  # a cache written as one eval's JSON (before)
+        by_dir = results([json.dumps(by_dir)])
+    missing = [r for r in rs if str(Path(r["run"]) / "export") not in by_dir]
+    if missing:
+        by_dir |= results(eval_exports(base, missing, flags, tag))
+        path.write_text(json.dumps(by_dir))
     return by_dir
 
 

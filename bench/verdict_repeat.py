@@ -18,6 +18,15 @@ engine's second of polling does to the served engine beside it, measured.
     .venv/bin/python bench/verdict_repeat.py --run runs/demo-long
     .venv/bin/python bench/verdict_repeat.py --run runs/demo --rounds 3 --prompts 6   # another R x prompts
 
+`--recorded` starts no engine: it reads the verdict the run already holds (summary.json's
+per-request seconds) and prints each drafter ratio's interval both ways, over prompts and
+rounds and over the rounds of these prompts alone (the machine's jitter), and how many
+prompts the full interval would need for a half-width of 0.05 (the half-width shrinks as
+one over the square root of the prompts: it is their spread that widens it), with the
+seconds of requests that would take at the recorded speeds.
+
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo --recorded
+
 The verdicts write no k into the export (the demo's own verdict does). The last line printed
 is one JSON object.
 """
@@ -60,6 +69,39 @@ def _overlap(ivs: list[list[float]]) -> bool:
     return max(lo for lo, _ in ivs) <= min(hi for _, hi in ivs)
 
 
+GOAL = 0.05  # issue 55's half-width
+
+
+def recorded(run: Path) -> dict:
+    """The run's own verdict, read back (no engine): per drafter and base, the interval over
+    prompts and rounds, the one over these prompts' rounds alone, and the prompts (and
+    seconds of requests, every engine once per prompt and round) a half-width of GOAL needs."""
+    import math
+
+    from dflash.engine.pairing import interval
+
+    eng = json.loads((run / "summary.json").read_text())["engine"]
+    methods = eng["methods"]
+    times = {k: m["per_request_s"] for k, m in methods.items()}
+    prompts, rounds = len(times["none"]), len(times["none"][0])
+    per_prompt_s = sum(sum(sum(t) for t in ts) for ts in times.values()) / prompts  # every engine, every round
+    out = {"prompts": prompts, "rounds": rounds, "engines": len(times), "machine": eng.get("machine"), "ratios": {}}
+    for label in times:
+        if label in ("none", "ngram"):
+            continue
+        for base in ("none", "ngram"):
+            full = interval(times[base], times[label])
+            fixed = interval(times[base], times[label], these_prompts=True) if rounds > 1 else None
+            need = math.ceil(prompts * (full["half_width"] / GOAL) ** 2)
+            out["ratios"][f"{label} vs {base}"] = {
+                "point": full["point"], "prompts_and_rounds": [full["low"], full["high"]],
+                "half_width": full["half_width"],
+                "these_prompts": [fixed["low"], fixed["high"]] if fixed else None,
+                "half_width_these_prompts": fixed["half_width"] if fixed else None,
+                "prompts_for_goal": need, "request_s_for_goal": round(need * per_prompt_s)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--run", default=str(ROOT / "runs" / "demo"), help="a `train --eval` run dir with its export")
@@ -68,6 +110,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, help="default: the run's eval.engine_prompts")
     ap.add_argument("--idle", choices=("frozen", "both"), default="frozen",
                     help="both: one more verdict with the idle engines left running")
+    ap.add_argument("--recorded", action="store_true",
+                    help="no engine: the run's own recorded verdict, its intervals both ways and the prompts a "
+                         f"half-width of {GOAL} needs")
     a = ap.parse_args()
     run = Path(a.run)
     for what, ok in (("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
@@ -77,6 +122,21 @@ def main() -> None:
             print(f"verdict_repeat: {what}: expected {'a train --eval run dir (summary.json, export/)' if what == '--run' else 'an integer >= 1'}",
                   file=sys.stderr)
             sys.exit(2)
+    if a.recorded:
+        if "engine" not in json.loads((run / "summary.json").read_text()):
+            print(f"verdict_repeat: --run {run}: expected a run whose summary.json holds an engine verdict",
+                  file=sys.stderr)
+            sys.exit(2)
+        r = recorded(run)
+        print(f"{r['prompts']} prompts x {r['rounds']} rounds, {r['engines']} engines; half-width goal {GOAL}")
+        for name, x in r["ratios"].items():
+            fixed = (f"[{x['these_prompts'][0]:.3f}, {x['these_prompts'][1]:.3f}] (+-{x['half_width_these_prompts']:.3f})"
+                     if x["these_prompts"] else "- (one round)")
+            print(f"{name}: {x['point']:.3f}x; over prompts and rounds [{x['prompts_and_rounds'][0]:.3f}, "
+                  f"{x['prompts_and_rounds'][1]:.3f}] (+-{x['half_width']:.3f}); these prompts alone {fixed}; "
+                  f"+-{GOAL} needs ~{x['prompts_for_goal']} prompts (~{x['request_s_for_goal']} s of requests)")
+        print(json.dumps(r))
+        return
     from dflash.config import load_config
     from dflash.engine.machine import describe
     from dflash.engine.targets import engine_target

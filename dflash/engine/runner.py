@@ -108,8 +108,10 @@ def engine_env(*, offline: bool) -> dict:
     """The child's environment: ours, plus the CPU engine's settings where they are unset, and
     TRACEPARENT: the run's current phase (dflash/phases.py), so what the engine traces joins it."""
     from ..phases import child_env
+    from .machine import isa_env
 
     env = child_env()
+    env.update(isa_env(env))  # checked before any engine starts (_check_engine, serve)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
     if offline:  # local dirs only: no hub lookups (and no waiting for them on a closed network)
         env.setdefault("HF_HUB_OFFLINE", "1")

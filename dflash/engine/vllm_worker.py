@@ -182,7 +182,8 @@ def _machine() -> dict:
                "worker_threads": int(env["OMP_NUM_THREADS"]) if env.get("OMP_NUM_THREADS", "").isdigit() else None,
                "worker_cores": status.get("Cpus_allowed_list", "").strip() or None,
                "omp": {k: env[k] for k in ("OMP_NUM_THREADS", "KMP_BLOCKTIME", "OMP_WAIT_POLICY", "KMP_AFFINITY")
-                       if k in env}}
+                       if k in env},
+               "isa_cap": os.environ.get("DFLASH_VLLM_ISA") or None}  # set by our parent, applied here (_cap_isa)
         break
     return out
 
@@ -326,9 +327,31 @@ def _profile_window(llm, prof_dir: str | None, ids: list[int], one) -> dict:
             "rest_s": step - (parts["verify_s"] + parts["draft_s"]) / n}
 
 
+# What a CPU without AVX-512 runs, on one that has it (DFLASH_VLLM_ISA=avx2; engine/machine.py
+# sets the kernel libraries' own caps in the environment): vLLM picks its kernel library from
+# torch's CPU check in every process it starts (platforms/cpu.py `import_kernels`), and starts
+# them by spawn, so the check is answered "no AVX-512" by a sitecustomize each interpreter reads.
+_CAP_SITE = """import torch.cpu
+torch.cpu._is_avx512_supported = lambda: False
+torch.cpu._is_avx512_bf16_supported = lambda: False
+"""
+
+
+def _cap_isa(work: str) -> None:
+    if os.environ.get("DFLASH_VLLM_ISA", "").lower() != "avx2":
+        return
+    site = os.path.join(work, "isa-cap")
+    os.makedirs(site, exist_ok=True)
+    with open(os.path.join(site, "sitecustomize.py"), "w", encoding="utf-8") as f:
+        f.write(_CAP_SITE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (site, os.environ.get("PYTHONPATH", "")) if x)
+    exec(compile(_CAP_SITE, "isa-cap", "exec"), {})  # this interpreter started before the file existed
+
+
 def main(job_path: str, result_path: str) -> int:
     with open(job_path, encoding="utf-8") as f:
         job = json.load(f)
+    _cap_isa(os.path.dirname(os.path.abspath(job_path)))
     if job.get("kind") == "paired":
         return _paired(job)
     if job.get("kind"):

@@ -31,6 +31,14 @@ def test_bad_train_values_are_one_line_before_torch(tmp_path, args, needle):
     assert not (tmp_path / "run").exists()
 
 
+def test_a_bad_isa_cap_is_one_line_before_torch(tmp_path):
+    out, lines = cli_before_torch("train", "--eval", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY,
+                                  "--set", "eval.engine=auto", env={"DFLASH_VLLM_ISA": "sse2"})
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+    assert "DFLASH_VLLM_ISA='sse2': expected avx2" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("command,args,needle", [
     ("train", ["--target-devices", "cuda:0", "--drafter-devices", "cuda:0"],
      "pipeline.target_devices=['cuda:0']: this host has no CUDA device"),

@@ -42,6 +42,8 @@ def test_one_paired_verdict_on_tiny_qwen3_with_intervals(tmp_path, tiny_export):
     from dflash.engine.pairing import interval
     iv = interval(m["none"]["per_request_s"], m[label]["per_request_s"])
     assert [iv["low"], iv["high"]] == m[label]["speedup_vs_none"]["concurrency_1_interval"]
+    fixed = interval(m["none"]["per_request_s"], m[label]["per_request_s"], these_prompts=True)
+    assert [fixed["low"], fixed["high"]] == m[label]["speedup_vs_none"]["these_prompts"]["interval"]
     # idle engines frozen: the CPU they used while another served is a rounding error of the timed seconds
     idle = v["idle_engines"]
     assert idle["frozen"] and idle["timed_s"] > 0 and idle["cpu_s"] < 0.05 * idle["timed_s"], idle

@@ -22,3 +22,20 @@ def test_this_host_and_what_the_engine_saw():
     line = machine.describe(m | {"cpu": "AMD EPYC", "logical_cpus": 2})
     assert line == "AMD EPYC, 2 CPUs, AVX2 kernels (vllm._C_AVX2), 1 worker thread on core 0"
     assert machine.describe(None) == "machine not recorded"
+
+
+def test_an_isa_cap_sets_every_kernel_librarys_own_variable_and_is_named_in_the_line():
+    """DFLASH_VLLM_ISA=avx2 runs vLLM's AVX2 kernels (and torch's, oneDNN's and MKL's capped at
+    AVX2) on an AVX-512 CPU: the record says so, so an emulated AVX2 figure is never read as
+    an AVX2 machine's."""
+    assert machine.isa_env({}) == {}
+    env = machine.isa_env({"DFLASH_VLLM_ISA": "AVX2"})
+    assert env["DFLASH_VLLM_ISA"] == "avx2" and env["ATEN_CPU_CAPABILITY"] == "avx2"
+    assert env["ONEDNN_MAX_CPU_ISA"] == env["MKL_ENABLE_INSTRUCTIONS"] == "AVX2"
+    try:
+        machine.isa_env({"DFLASH_VLLM_ISA": "avx512"})
+        raise AssertionError("avx512 accepted")
+    except ValueError as e:
+        assert str(e) == "DFLASH_VLLM_ISA='avx512': expected avx2 (run vLLM's AVX2 kernels on this CPU) or unset"
+    line = machine.describe({"cpu": "Intel Xeon", "logical_cpus": 2, "vllm_kernels": "_C_AVX2", "isa_cap": "avx2"})
+    assert line == "Intel Xeon, 2 CPUs, AVX2 kernels (vllm._C_AVX2), capped at AVX2 (DFLASH_VLLM_ISA)"

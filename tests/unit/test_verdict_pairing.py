@@ -54,6 +54,19 @@ def test_the_interval_holds_the_prompts_spread_not_only_the_rounds():
     assert decided(iv) == "undecided"
 
 
+def test_these_prompts_alone_keeps_the_jitter_and_drops_the_prompts_spread():
+    """The same two prompts (0.8x and 1.25x, no jitter): on these prompts the ratio is known
+    exactly, while the interval over prompts spans both; jitter between rounds widens both."""
+    base = [[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    fixed = interval(base, [[1.25, 1.25, 1.25], [0.8, 0.8, 0.8]], these_prompts=True)
+    assert fixed["low"] == fixed["point"] == fixed["high"] and fixed["half_width"] == 0, fixed
+    jitter = [[1.2, 1.3, 1.25], [0.75, 0.85, 0.8]]
+    full, fixed = interval(base, jitter), interval(base, jitter, these_prompts=True)
+    assert fixed["low"] < fixed["point"] < fixed["high"], fixed
+    assert full["low"] < fixed["low"] and fixed["high"] < full["high"], (full, fixed)
+    assert full["point"] == fixed["point"]
+
+
 def test_no_spread_gives_a_point_interval_and_jitter_widens_it():
     base = [[2.0, 2.0]] * 4
     same = interval(base, [[1.0, 1.0]] * 4)
