@@ -18,6 +18,13 @@ engine's second of polling does to the served engine beside it, measured.
     .venv/bin/python bench/verdict_repeat.py --run runs/demo-long
     .venv/bin/python bench/verdict_repeat.py --run runs/demo --rounds 3 --prompts 6   # another R x prompts
 
+`--isa native,avx2` runs each repeat once per instruction set, alternating: `avx2` with
+DFLASH_VLLM_ISA=avx2 (vLLM's AVX2 kernels, torch's, oneDNN's and MKL's capped at AVX2, on this
+CPU: engine/machine.py), so what the AVX2 kernels change in a verify step is measured side by
+side with the native one on the same machine and prompts.
+
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo --repeats 1 --isa native,avx2
+
 `--recorded` starts no engine: it reads the verdict the run already holds (summary.json's
 per-request seconds) and prints each drafter ratio's interval both ways, over prompts and
 rounds and over the rounds of these prompts alone (the machine's jitter), and how many
@@ -34,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -110,17 +118,22 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, help="default: the run's eval.engine_prompts")
     ap.add_argument("--idle", choices=("frozen", "both"), default="frozen",
                     help="both: one more verdict with the idle engines left running")
+    ap.add_argument("--isa", default="native",
+                    help="comma list of native and avx2: each repeat once per instruction set, alternating")
     ap.add_argument("--recorded", action="store_true",
                     help="no engine: the run's own recorded verdict, its intervals both ways and the prompts a "
                          f"half-width of {GOAL} needs")
     a = ap.parse_args()
     run = Path(a.run)
-    for what, ok in (("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
+    isas = a.isa.split(",")
+    for what, ok in (("--isa", bool(isas) and set(isas) <= {"native", "avx2"} and len(set(isas)) == len(isas)),
+                     ("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
                      ("--prompts", a.prompts is None or a.prompts >= 1),
                      ("--run", (run / "summary.json").is_file() and (run / "export").is_dir())):
         if not ok:
-            print(f"verdict_repeat: {what}: expected {'a train --eval run dir (summary.json, export/)' if what == '--run' else 'an integer >= 1'}",
-                  file=sys.stderr)
+            want = {"--run": "a train --eval run dir (summary.json, export/)",
+                    "--isa": "a comma list of native and avx2, each once"}.get(what, "an integer >= 1")
+            print(f"verdict_repeat: {what}={getattr(a, what[2:])!r}: expected {want}", file=sys.stderr)
             sys.exit(2)
     if a.recorded:
         if "engine" not in json.loads((run / "summary.json").read_text()):
@@ -150,18 +163,24 @@ def main() -> None:
     k = after["block_size"] - 1
     target = engine_target(cfg.model.target, cfg.model.target_seed)
     rounds = a.rounds or cfg.eval.engine_rounds
-    arms = [("frozen", True)] * a.repeats + ([("spinning", False)] if a.idle == "both" else [])
+    arms = [(f"frozen{'' if isa == 'native' else ', ' + isa}", True, isa) for _ in range(a.repeats) for isa in isas]
+    arms += [("spinning", False, "native")] if a.idle == "both" else []
     rows = []
-    for n, (arm, freeze) in enumerate(arms, 1):
+    for n, (arm, freeze, isa) in enumerate(arms, 1):
         print(f"verdict_repeat: verdict {n} of {len(arms)} ({arm} idle engines, {len(steps)} prompts x {rounds} "
               "rounds)", file=sys.stderr, flush=True)
+        if isa == "avx2":  # read by every engine the verdict starts (engine/runner.py engine_env)
+            os.environ["DFLASH_VLLM_ISA"] = "avx2"
+        else:
+            os.environ.pop("DFLASH_VLLM_ISA", None)
         v = engine_verdict(target=target, dtype=after["dtype"], steps=steps,
                            drafters=[{"label": export, "export": export, "k": k, "steps": steps}],
                            ngram_k=k, batched=False, eager=cfg.eval.engine_eager, rounds=rounds, auto_k=True,
                            record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed)
         print(table(v), file=sys.stderr, flush=True)
         rows.append({"arm": arm} | _row(v, export))
-    frozen = [r for r in rows if r["arm"] == "frozen"]
+    frozen = ([r for r in rows if r["arm"] == "frozen"]  # the native repeats: what the checks are about
+              or [r for r in rows if r["arm"].startswith("frozen")])
     checks = {}
     for key in ("vs_none", "vs_ngram"):
         ivs = [r[key]["concurrency_1_interval"] for r in frozen]
@@ -170,18 +189,19 @@ def main() -> None:
     print(f"\nmachine: {describe(frozen[0]['machine'])}; {len(steps)} prompts x {rounds} rounds, "
           f"{cfg.eval.engine_eager and 'eager' or 'compiled'} engines", file=sys.stderr)
     print("| verdict | wall | tok/s none / ngram / drafter (k) | drafter vs none [95%] | drafter vs ngram [95%] | "
-          "predicted vs none | ms/step draft / verify / rest | k auto vs block - 1 [95%] | idle engines' CPU |",
-          file=sys.stderr)
-    print("|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
+          "predicted vs none | ms/step draft / verify / rest | none's step ms | k auto vs block - 1 [95%] | "
+          "idle engines' CPU |", file=sys.stderr)
+    print("|---|---|---|---|---|---|---|---|---|---|", file=sys.stderr)
     for i, r in enumerate(rows, 1):
         t = r["tokens_per_s"]
         c = r["cost_per_step_ms"][r["served"]] or {}
         split = f"{c['drafter']:.1f} / {c['verify']:.1f} / {c['rest']:.1f}" if "step" in c else "-"
+        none_step = (r["cost_per_step_ms"].get("none") or {}).get("step")
         km = r["k_auto_measured"]
         kcmp = f"k={r['k_auto']}: {km['point']:.2f}x [{km['low']:.2f}, {km['high']:.2f}]" if km else f"k={r['k_auto']} (= block - 1)"
         print(f"| {i} ({r['arm']}) | {r['wall_s']:.0f} s | {t['none']:.1f} / {t['ngram']:.1f} / "
               f"{t[r['served']]:.1f} (k={r['k_auto']}) | {_iv(r['vs_none'])} | {_iv(r['vs_ngram'])} | "
-              f"{r['predicted_vs_none'] or 0:.2f}x | {split} | {kcmp} | {r['idle_engines']['cpu_s']:.2f} s of "
+              f"{r['predicted_vs_none'] or 0:.2f}x | {split} | {none_step or 0:.1f} | {kcmp} | {r['idle_engines']['cpu_s']:.2f} s of "
               f"{r['idle_engines']['timed_s']:.0f} s |", file=sys.stderr)
     for key, c in checks.items():
         print(f"{key}: intervals overlap: {c['overlap']}; largest half-width {c['max_half_width']:.3f} "

@@ -31,7 +31,10 @@ ORDER = ("demo", "demo-long")  # the table's rows, then any other record by name
 def _ratio(sp: dict | None) -> dict | None:
     if not sp or "concurrency_1" not in sp:
         return None
-    return {"point": sp["concurrency_1"], "interval": sp.get("concurrency_1_interval")}
+    out = {"point": sp["concurrency_1"], "interval": sp.get("concurrency_1_interval")}
+    if sp.get("these_prompts"):  # the rounds of these prompts alone: the machine's jitter (engine/pairing.py)
+        out["these_prompts"] = sp["these_prompts"]["interval"]
+    return out
 
 
 def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None,

@@ -43,3 +43,25 @@ def test_a_run_without_a_verdict_is_one_line(tmp_path):
     (tmp_path / "export").mkdir()
     p = run("--run", tmp_path, "--recorded")
     assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "engine verdict" in p.stderr, p.stderr
+
+
+def test_verdict_design_prices_shorter_replies_from_a_runs_decoded_steps(tmp_path):
+    """bench/verdict_design.py: each prompt cut to L tokens and priced per method from its
+    decoded steps and the verdict's step costs; more prompts fit at shorter L."""
+    steps = [{"prompt_ids": [1, 2, 3, 1, 2], "output_ids": [3, 1, 2, 3, 1, 2, 3, 1], "acceptance_lengths": [2, 2, 2, 2]},
+             {"prompt_ids": [5, 6], "output_ids": [7, 8, 9, 10, 11, 12, 13, 14], "acceptance_lengths": [1] * 8},
+             {"prompt_ids": [4, 4], "output_ids": [4] * 8, "acceptance_lengths": [4, 4]}]
+    costs = {"none": 0.05, "ngram": 0.055, "drafter": 0.06}
+    (tmp_path / "summary.json").write_text(json.dumps({
+        "eval_after": {"per_prompt_steps": steps, "block_size": 4},
+        "engine": {"methods": {k: {"cost_per_step_ms": {"step": v * 1e3}} for k, v in costs.items()}}}))
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
+                        "--lengths", "4,8", "--budget-s", "10"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout.strip().splitlines()[-1])["rows"]
+    assert [r["tokens"] for r in rows] == [4, 8] and rows[0]["prompts_in_budget"] > rows[1]["prompts_in_budget"]
+    # 8 tokens: none 8 steps each; the drafter 4, 8 and 2 steps: (3 x (0.1 + 0.4)) / (0.1 x 3 + 14 x 0.06)
+    assert rows[1]["vs_none"]["ratio"] == round(1.5 / (0.3 + 14 * 0.06), 3), rows[1]
+    bad = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
+                          "--lengths", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lengths 0" in bad.stderr, bad.stderr

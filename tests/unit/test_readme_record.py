@@ -56,10 +56,12 @@ def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
                                   "lossless": True, "predicted_speedup_vs_none": 1.33,
                                   "speedup_vs_none": {"concurrency_1": 1.35, "concurrency_1_interval": [1.3, 1.4]},
                                   "speedup_vs_ngram": {"concurrency_1": 0.93,
-                                                       "concurrency_1_interval": [0.9, 0.96]}}}}}
+                                                       "concurrency_1_interval": [0.9, 0.96],
+                                                       "these_prompts": {"interval": [0.92, 0.94]}}}}}}
     rec = demo_record.from_summary(summary, name="demo", command="make demo", wall_s=519.2, date="2026-12-06")
     assert rec["verdict"]["k"] == 2 and rec["verdict"]["k_block"] == 3, "the served k is the picked one"
     assert rec["verdict"]["drafter_vs_none"] == {"point": 1.35, "interval": [1.3, 1.4]}
+    assert rec["verdict"]["drafter_vs_ngram"]["these_prompts"] == [0.92, 0.94], "the machine's own interval, kept"
     assert rec["cache"].startswith("empty") and rec["wall_s"] == 519 and rec["phases_s"]["verdict"] == 231.0
     records = tmp_path / "records"
     demo_record.write(rec, records)
