@@ -67,6 +67,10 @@ def arms(base: str) -> dict[str, list[str]]:
         "dspark": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0"],
         "dspark-conf": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0",
                         "--set", "model.confidence_head=true"],
+        # DSpark on the demo's own 4,096-token draft vocabulary (vLLM's reduced-vocabulary DSpark: markov_w2
+        # one row per draft token, the drafter's head and d2t exported): the one change from the demo is the arch
+        "dspark-dv": ["--set", "model.arch=dspark"],
+        "dspark-conf-dv": ["--set", "model.arch=dspark", "--set", "model.confidence_head=true"],
         "dspark-muon": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0", "--set", "train.optimizer=muon"],
         # the Markov tables are 2 x V x r parameters (2 x 49,152 x 256 = 25 M on SmolLM2, 3x the drafter's
         # layers): AdamW over them is most of a CPU step; rank 64 is a quarter of that

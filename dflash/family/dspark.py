@@ -14,7 +14,9 @@ DFlash Qwen3 backbone and DSparkMarkovHead / DSparkConfidenceHead; config/specul
   first prediction, is DeepSeek's own checkpoints'). Serve with num_speculative_tokens =
   block_size - 1, as DFlash.
 - weights: `markov_head.markov_w1.weight` [V, r] (an embedding of the previous token),
-  `markov_head.markov_w2.weight` [V, r] (its projection to the bias), and with a confidence head
+  `markov_head.markov_w2.weight` [V, r] (its projection to the bias; [V', r] with a draft
+  vocabulary of V' tokens, exported with its `lm_head.weight` and `d2t` as DFlash's, which
+  vLLM's reduced-vocabulary DSpark reads: `draft_vocab_size` in config.json), and with a confidence head
   `confidence_head.proj.weight` [1, H (+ r with the Markov embedding)] and `.bias` [1]; vLLM's
   load_weights prefixes `model.`. Ours are the same names, passed through both ways.
 vLLM runs the Markov sampling in its V2 GPU runner only: its CPU build refuses "dspark
@@ -76,9 +78,9 @@ class DSpark(Family):
     cpu_engine_refusal = "dspark speculative decoding"
 
     def check(self, model, train) -> str | None:
-        if model.copy_head or model.draft_vocab:
-            return ("model.arch=dspark with model.copy_head or model.draft_vocab: its Markov head biases the "
-                    "full-vocabulary logits (as vLLM's DSpark reads them); choose one")
+        if model.copy_head:
+            return ("model.arch=dspark with model.copy_head: no engine drafts a DSpark block with a copy head; "
+                    "choose one")
         if train.loss != "ce":
             return (f"model.arch=dspark with train.loss={train.loss}: DSpark's loss is its own (CE + the L1 distance "
                     "to the target's distribution + the confidence BCE: train.dspark_*_alpha); leave train.loss=ce")
@@ -92,7 +94,7 @@ class DSpark(Family):
     def parameters(self, fields: dict) -> int:
         h, v, r = fields["hidden_size"], fields["vocab_size"], int(fields.get("markov_rank") or 1)
         conf = (h + (r if fields.get("confidence_with_markov", True) else 0) + 1) if fields.get("confidence_head") else 0
-        return 2 * v * r + conf
+        return (v + (fields.get("draft_vocab_size") or v)) * r + conf  # markov_w1 [V, r], markov_w2 [V' or V, r]
 
     def is_weight(self, name: str) -> bool:
         return _NAME.fullmatch(name) is not None

@@ -15,6 +15,13 @@ v1/worker/gpu/spec_decode/dspark/speculator.py). Config fields, bounds, served f
   that the slots before it were. Our decoder can stop drafting where the product of those
   falls below ``eval.confidence_threshold`` (`draft`'s ``threshold``): a shorter block to verify.
 
+With a draft vocabulary (``cfg.draft_vocab_size``, `model.draft_vocab`: drafts come from the
+most frequent training tokens only, as DFlash's do) the Markov head is vLLM's reduced-vocabulary
+one: ``markov_w1`` still embeds any target token (the anchor, or a draft mapped back to its
+target id), ``markov_w2`` has one row per draft token (weight [V', r]), and the bias is added
+to the draft head's logits; the export carries that head and `d2t` as a DFlash export does, and
+vLLM's `Qwen3DSparkForCausalLM` maps each sampled draft id to its target id before it embeds it.
+
 Training is teacher-forced (NeMo's and speculators' training forward): prev is the true previous
 token, so the whole block's logits come from one pass. The walk of the held-out estimate
 (run/acceptance_estimate.py) reads those same teacher-forced logits, and that is exact: a verify
@@ -33,28 +40,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .drafter import DFlashDrafter, compute_precision, leading_matches
+from .drafter import DFlashDrafter, DraftVocabHead, compute_precision, leading_matches
 from .losses import SlotTerms, l1_per_slot, reduce_terms
 
 
 class MarkovHead(nn.Module):
-    """vLLM's DSparkMarkovHead: ``markov_w1`` embeds the previous token (V x r), ``markov_w2``
-    (weight [V, r]) projects that embedding to a bias over the vocabulary."""
+    """vLLM's DSparkMarkovHead: ``markov_w1`` embeds the previous token (target vocabulary V x r),
+    ``markov_w2`` (weight [V', r]: the draft vocabulary's rows, V' = V without one) projects that
+    embedding to a bias over the drafts' vocabulary."""
 
-    def __init__(self, vocab_size: int, rank: int):
+    def __init__(self, vocab_size: int, rank: int, draft_vocab_size: int = 0):
         super().__init__()
         self.markov_w1 = nn.Embedding(vocab_size, rank)
-        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.markov_w2 = nn.Linear(rank, draft_vocab_size or vocab_size, bias=False)
         nn.init.normal_(self.markov_w1.weight, std=0.02)
         nn.init.zeros_(self.markov_w2.weight)  # a fresh DSpark is the DFlash it wraps
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(token_ids)
-
-    def bias(self, markov_embed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., r] -> [..., V] (``rows``: a loss vocabulary's token ids: the bias on those columns only)."""
-        w = self.markov_w2.weight if rows is None else self.markov_w2.weight.index_select(0, rows)
-        return F.linear(markov_embed, w)
 
 
 class ConfidenceHead(nn.Module):
@@ -82,13 +85,12 @@ class DSparkDrafter(DFlashDrafter):
     """What model/architectures.make_drafter builds for cfg.arch == "dspark"."""
 
     def __init__(self, cfg):
-        if cfg.copy_head or cfg.draft_vocab_size:
+        if cfg.copy_head:
             from ..errors import ConfigError
-            raise ConfigError("DSpark: no copy head and no draft vocabulary (its Markov head biases the "
-                              "full-vocabulary logits, as vLLM's DSpark reads them)")
+            raise ConfigError("DSpark: no copy head (no engine drafts a DSpark block with one)")
         super().__init__(cfg)
         # after the backbone: the DFlash weights are drawn as for a DFlash drafter of the same seed
-        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
+        self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank, cfg.draft_vocab_size)
         self.confidence_head = None
         if cfg.confidence_head:
             with_markov = bool(cfg.confidence_with_markov)
@@ -96,10 +98,28 @@ class DSparkDrafter(DFlashDrafter):
                                                   with_markov)
 
     # -- the Markov bias, teacher-forced (training, the walk) --------------------------------------
+    def markov_bias(self, markov_embed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[..., r] -> the bias on every target token's column [..., V], or with ``rows`` (a loss
+        vocabulary's sorted target ids) on those columns only. With a draft vocabulary, tokens
+        outside it get no bias: they are never drafted (their served logits are -inf)."""
+        w2 = self.markov_head.markov_w2.weight
+        if not self.cfg.draft_vocab_size:
+            return F.linear(markov_embed, w2 if rows is None else w2.index_select(0, rows))
+        ids = self.draft_ids  # sorted target ids of the draft rows (set_draft_vocab)
+        if rows is None:
+            sub = F.linear(markov_embed, w2)
+            full = sub.new_zeros(*sub.shape[:-1], self.cfg.vocab_size)
+            return full.scatter_(-1, ids.expand(*sub.shape[:-1], -1), sub)
+        at = torch.searchsorted(ids, rows).clamp_max(ids.numel() - 1)  # each column's draft row, if it has one
+        w = w2.index_select(0, at) * (ids.index_select(0, at) == rows)[:, None].to(w2.dtype)
+        return F.linear(markov_embed, w)
+
     def markov(self, logits, prev_ids, head):
-        """(logits + the Markov bias of ``prev_ids`` [...] on ``head``'s columns, the Markov embedding)."""
+        """(logits + the Markov bias of ``prev_ids`` [...] on ``head``'s columns, the Markov embedding):
+        a loss vocabulary's columns (``head.ids``), else every target token's."""
         e = self.markov_head.embed(prev_ids)
-        return logits + self.markov_head.bias(e, getattr(head, "ids", None)).to(logits.dtype), e
+        rows = None if isinstance(head, DraftVocabHead) else getattr(head, "ids", None)
+        return logits + self.markov_bias(e, rows).to(logits.dtype), e
 
     def train_terms(self, features, input_ids, anchors, anchor_valid, embed, lm_head, labels):
         """One pass: (the slots' teacher-forced logits [B, A, Bk-1, V'], the confidence head's logits
@@ -167,7 +187,7 @@ class DSparkDrafter(DFlashDrafter):
         ctx_kv, mask = self.windowed_context(ctx_kv, anchor_pos)
         with compute_precision(embed.weight):
             h = self.blocks_hidden(embed(ids), pos, ctx_kv, mask)[:, 1:]
-            return lm_head(h), h
+            return self.serving_head(lm_head)(h), h
 
     @torch.no_grad()
     def chain(self, anchor_id, anchor_pos, ctx_kv, embed, lm_head, pick=None, threshold: float = 0.0):
@@ -186,7 +206,7 @@ class DSparkDrafter(DFlashDrafter):
                     expect = expect * torch.sigmoid(self.confidence_head(h[:, k], e))
                     if bool((expect < threshold).all()):  # the host decides the block's length (one sequence)
                         break
-                row = base[:, k] + self.markov_head.bias(e).to(base.dtype)
+                row = base[:, k] + self.markov_bias(e).to(base.dtype)
                 tok = row.argmax(-1) if pick is None else pick(row, k)
                 toks.append(tok)
                 rows.append(row)

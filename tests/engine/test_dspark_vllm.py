@@ -27,8 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("with_markov", [True, False], ids=["confidence-with-markov", "confidence-alone"])
-def test_vllm_dspark_heads_compute_our_drafts_bias_and_confidence(tmp_path, engine_venv, with_markov):
+@pytest.mark.parametrize("with_markov, draft_vocab", [(True, 0), (False, 0), (True, 40)],
+                         ids=["confidence-with-markov", "confidence-alone", "draft-vocabulary"])
+def test_vllm_dspark_heads_compute_our_drafts_bias_and_confidence(tmp_path, engine_venv, with_markov, draft_vocab):
     from safetensors.torch import save_file
 
     from dflash.checkpoint import export_format as fmt
@@ -40,7 +41,7 @@ def test_vllm_dspark_heads_compute_our_drafts_bias_and_confidence(tmp_path, engi
     cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=96, vocab_size=V, target_layer_ids=[0, 2, 3], mask_token_id=V - 1,
                         num_hidden_layers=2, block_size=BK, arch="dspark", markov_rank=8, confidence_head=True,
-                        confidence_with_markov=with_markov)
+                        confidence_with_markov=with_markov, draft_vocab_size=draft_vocab)
     torch.manual_seed(0)
     d = make_drafter(cfg)
     with torch.no_grad():  # off their fresh values: a Markov bias that changes drafts, a confidence that varies
@@ -49,6 +50,10 @@ def test_vllm_dspark_heads_compute_our_drafts_bias_and_confidence(tmp_path, engi
         d.confidence_head.proj.weight.normal_(std=0.5)
         d.confidence_head.proj.bias.fill_(0.3)
     embed, head = nn.Embedding(V, H), nn.Linear(H, V, bias=False)
+    ids = (torch.tensor(sorted([5, 42] + [i for i in range(0, V - 1, 2) if i != 42][:draft_vocab - 2]))
+           if draft_vocab else None)
+    if draft_vocab:  # the anchors in it too, so the test's two blocks can start from them
+        d.set_draft_vocab(ids, head)
     tc = type("T", (), {"num_hidden_layers": 4, "max_position_embeddings": 512, "rope_parameters": None,
                         "rope_scaling": None})()
     export = tmp_path / "export"
@@ -66,8 +71,11 @@ def test_vllm_dspark_heads_compute_our_drafts_bias_and_confidence(tmp_path, engi
         drafts = d.draft(anchors, p, kv, embed, head)
         prev = torch.cat([anchors[:, None], drafts[:, :-1]], 1)
         e = d.markov_head.embed(prev)
-        bias = d.markov_head.bias(e)
+        bias = d.markov_bias(e)
         confidence = d.confidence(hidden, prev)
+    if draft_vocab:  # vLLM's logits and biases are over the draft tokens: ours on their columns
+        base, bias = base[..., ids], bias[..., ids]
+        assert set(drafts.flatten().tolist()) <= set(ids.tolist())
     rec = {"hidden": hidden, "lm_head": head.weight.detach(), "anchors": anchors, "base": base, "bias": bias,
            "drafts": drafts, "confidence": confidence, "port": _free_port()}
     torch.save(rec, tmp_path / "record.pt")

@@ -1,7 +1,9 @@
 """Run in vLLM's venv (tests/engine/test_dspark_vllm.py): vLLM 0.32's own DSpark pieces with our
 export's weights, on what our drafter recorded for two blocks; prints one JSON line.
 
-argv: EXPORT_DIR RECORD_PT. The record holds the blocks' final hidden states at the mask slots
+argv: EXPORT_DIR RECORD_PT. With a draft vocabulary (`draft_vocab_size` in config.json) vLLM's
+head is the exported `lm_head.weight`, its picks are mapped to target ids by `d2t`, and the
+record's logits and biases are ours on the draft tokens' columns. The record holds the blocks' final hidden states at the mask slots
 (the backbone is DFlash's Qwen3 stack, which the other engine tests serve), the target's
 lm_head, the anchors, and our base logits, greedy drafts, each slot's Markov bias (from the
 draft before it) and confidence.
@@ -57,15 +59,23 @@ def main(export: str, record: str) -> None:
             conf = DSparkConfidenceHead(H + (r if with_markov else 0), prefix="confidence_head", bias=True,
                                         with_markov=with_markov)
             load(conf, "confidence_head")
-        head = ParallelLMHead(V, H, prefix="lm_head", params_dtype=torch.float32)
-        head.weight_loader(head.weight, rec["lm_head"])
+        DV = cfg.get("draft_vocab_size") or V
+        head = ParallelLMHead(DV, H, prefix="lm_head", params_dtype=torch.float32)
+        d2t = None
+        if DV < V:  # a reduced vocabulary: the drafter's own head and d2t, as Qwen3DSparkForCausalLM loads them
+            head.weight_loader(head.weight, weights["lm_head.weight"])
+            d2t = weights["d2t"].long()
+            used.update({"lm_head.weight", "d2t"})
+        else:
+            head.weight_loader(head.weight, rec["lm_head"])
         for root in (markov, head, *([conf] if conf is not None else [])):  # as vLLM's loader does
             for m in root.modules():
                 qm = getattr(m, "quant_method", None)
                 if qm is not None and hasattr(qm, "process_weights_after_loading"):
                     qm.process_weights_after_loading(m)
         me = SimpleNamespace(model=SimpleNamespace(markov_head=markov, confidence_head=conf), lm_head=head,
-                             logits_processor=LogitsProcessor(V, scale=cfg.get("logit_scale", 1.0)))
+                             logits_processor=LogitsProcessor(DV, scale=cfg.get("logit_scale", 1.0)),
+                             draft_id_to_target_id=d2t)
         lm = Qwen3DSparkForCausalLM  # its methods, on the pieces above
 
         with torch.no_grad():
@@ -79,7 +89,7 @@ def main(export: str, record: str) -> None:
                 embeds.append(e)
                 bias = lm.markov_bias(me, e)
                 biases.append(bias)
-                prev = (base[:, i] + bias).argmax(-1)
+                prev = lm.map_draft_to_target(me, (base[:, i] + bias).argmax(-1))
                 drafts.append(prev)
             drafts, biases = torch.stack(drafts, 1), torch.stack(biases, 1)
             confidence = None

@@ -1,13 +1,15 @@
 """model.arch=dspark through the command line (docs/architectures.md): training with a confidence
 head, the export vLLM 0.32 loads (Qwen3DSparkModel), our decoder lossless on it (greedy and
 sampled: each slot drawn given the one before it), the held-out estimate walking what the
-decoder drafts, and --init-from that export with confidence-gated drafting in the eval."""
+decoder drafts, and --init-from that export with confidence-gated drafting in the eval. It
+drafts from a draft vocabulary (model.draft_vocab, trained over a loss vocabulary), as the
+demo's DFlash does: vLLM's reduced-vocabulary DSpark (tests/unit/test_dspark.py has the full one)."""
 import json
 
 from helpers import TINY, last_json, run_dflash
 
 DS = ["--set", "model.arch=dspark", "--set", "model.markov_rank=16", "--set", "model.confidence_head=true",
-      "--set", "train.kl_topk=16"]
+      "--set", "train.kl_topk=16", "--set", "model.draft_vocab=64", "--set", "train.loss_vocab=64"]
 
 
 def test_dspark_trains_exports_decodes_losslessly_and_gates_its_drafts(tmp_path):
@@ -26,7 +28,7 @@ def test_dspark_trains_exports_decodes_losslessly_and_gates_its_drafts(tmp_path)
     export = run / "export"
     cfg = json.loads((export / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["sample_from_anchor"] is False
-    assert (cfg["markov_rank"], cfg["enable_confidence_head"]) == (16, True)
+    assert (cfg["markov_rank"], cfg["enable_confidence_head"], cfg["draft_vocab_size"]) == (16, True, 64)
     res = last_json(run_dflash("eval", "--checkpoint", export, "--json", "--prompts", 1,
                                "--max-new-tokens", 12).stdout)
     assert res["lossless"] and res["prompts"] == 1
@@ -40,6 +42,7 @@ def test_dspark_trains_exports_decodes_losslessly_and_gates_its_drafts(tmp_path)
                "--set", "eval.confidence_threshold=0.999")
     back = json.loads((again / "checkpoint" / "config.json").read_text())
     assert back["arch"] == "dspark" and back["markov_rank"] == 16 and back["confidence_head"]
+    assert back["draft_vocab_size"] == 64
     gated = json.loads((again / "summary.json").read_text())["eval_after"]
     # a head trained 4 steps is far from sure of anything: below 0.999 from slot 1, so no draft is
     # verified (every step a plain decode step), and the output is still the target's own

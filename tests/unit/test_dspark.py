@@ -77,10 +77,22 @@ def test_greedy_drafts_condition_each_slot_on_the_draft_before_it():
     assert drafts != base[0].argmax(-1).tolist()  # the bias changed a draft: not vacuous
 
 
-def test_the_walks_hook_is_the_decoders_greedy_chain():
+DRAFT_IDS = torch.tensor(sorted({*range(0, V - 1, 3), 4}))  # a draft vocabulary: every third token and the anchor
+
+
+def make_dv(seed=0):
+    """``make`` with a draft vocabulary of DRAFT_IDS: drafts from those tokens only (model.draft_vocab)."""
+    d, embed, head = make(seed, draft_vocab_size=len(DRAFT_IDS))
+    d.set_draft_vocab(DRAFT_IDS, head)
+    return d, embed, head
+
+
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+def test_the_walks_hook_is_the_decoders_greedy_chain(vocab):
     """walk_accepted reads the teacher-forced logits; decoding drafts left to right: the same
-    count of accepted drafts at every anchor (exact, not up to ties: the same prefix)."""
-    d, embed, head = make()
+    count of accepted drafts at every anchor (exact, not up to ties: the same prefix). With a
+    draft vocabulary the walk reads the served head's logits, as decoding does."""
+    d, embed, head = make() if vocab == "full" else make_dv()
     S = 40
     torch.manual_seed(5)
     feats = torch.randn(1, S, 3 * H, dtype=torch.float64)
@@ -95,7 +107,7 @@ def test_the_walks_hook_is_the_decoders_greedy_chain():
             keep = j % 5
             ids[0, p + 1:p + 1 + keep] = chain[:keep]
     labels = slot_labels(ids, anchors, BK)
-    logits, hidden = d.slot_outputs(feats, ids, anchors, valid, embed, head)
+    logits, hidden = d.slot_outputs(feats, ids, anchors, valid, embed, d.serving_head(head))
     ok = torch.ones_like(labels, dtype=torch.bool)
     walked = d.walk_accepted(logits, hidden, ids, anchors, labels, ok, head)[0].tolist()
     decoded = []
@@ -107,6 +119,33 @@ def test_the_walks_hook_is_the_decoders_greedy_chain():
         decoded.append(n)
     assert walked == decoded
     assert max(decoded) >= 2  # some blocks accept past slot 1: the Markov chain is exercised
+
+
+def test_with_a_draft_vocabulary_each_slot_drafts_from_it_biased_by_its_rows():
+    """vLLM's reduced-vocabulary DSpark: markov_w1 embeds any target token, markov_w2 has a row
+    per draft token, the bias is added to the draft head's logits and the pick is mapped back to
+    its target id before the next slot embeds it."""
+    d, embed, head = make_dv()
+    assert d.markov_head.markov_w1.weight.shape == (V, R) and d.markov_head.markov_w2.weight.shape == (len(DRAFT_IDS), R)
+    feats, p = torch.randn(1, 12, 3 * H, dtype=torch.float64), 12
+    kv = context(d, feats, p)
+    drafts = d.draft(torch.tensor([4]), p, kv, embed, head)[0].tolist()
+    h = d.slot_logits_and_hidden(torch.tensor([4]), p, kv, embed, head)[1][0]
+    prev, base_only = 4, []
+    for k, t in enumerate(drafts):
+        sub = h[k] @ head.weight[DRAFT_IDS].T + d.markov_head.markov_w2.weight @ d.markov_head.markov_w1.weight[prev]
+        assert t == int(DRAFT_IDS[sub.argmax()]) and t in DRAFT_IDS.tolist()
+        base_only.append(int(DRAFT_IDS[(h[k] @ head.weight[DRAFT_IDS].T).argmax()]))
+        prev = t
+    assert drafts != base_only  # the bias changed a draft: not vacuous
+    # training's bias on a loss vocabulary's columns is the served bias on those columns; tokens
+    # outside the draft vocabulary get none
+    e = torch.randn(2, 3, R, dtype=torch.float64)
+    rows = torch.tensor([0, 1, 2, 3, 4, 50, 51, V - 2])
+    full = d.markov_bias(e)
+    assert torch.allclose(d.markov_bias(e, rows), full[..., rows], atol=1e-12)
+    outside = torch.tensor([i for i in range(V) if i not in DRAFT_IDS.tolist()])
+    assert not full[..., outside].any() and full[..., DRAFT_IDS].any()
 
 
 def test_l1_and_acceptance_of_a_dense_and_a_bucketed_target():
@@ -192,12 +231,15 @@ def test_a_sampled_chain_draws_each_slot_given_the_token_drawn_before_it():
         prev = t
 
 
-def test_export_import_round_trip(tmp_path):
+@pytest.mark.parametrize("vocab", ["full", "draft"])
+def test_export_import_round_trip(tmp_path, vocab):
     from safetensors.torch import save_file
 
     from dflash.checkpoint import drafter_dirs
 
-    d, _, _ = make(confidence_head=True)
+    d, _, head = make(confidence_head=True, draft_vocab_size=len(DRAFT_IDS) if vocab == "draft" else 0)
+    if vocab == "draft":
+        d.set_draft_vocab(DRAFT_IDS, head)
     d = d.float()
     tc = type("T", (), {"num_hidden_layers": 4, "max_position_embeddings": 512, "rope_parameters": None,
                         "rope_scaling": None})()
@@ -208,6 +250,10 @@ def test_export_import_round_trip(tmp_path):
     assert {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight", "confidence_head.proj.weight",
             "confidence_head.proj.bias"} <= set(tensors)
     assert tensors["confidence_head.proj.weight"].shape == (1, H + R)
+    if vocab == "draft":  # vLLM's reduced-vocabulary DSpark: its own head, d2t, markov_w2 one row per draft token
+        assert cfg["draft_vocab_size"] == len(DRAFT_IDS) and {"lm_head.weight", "d2t"} <= set(tensors)
+        assert tensors["markov_head.markov_w2.weight"].shape == (len(DRAFT_IDS), R)
+        assert tensors["markov_head.markov_w1.weight"].shape == (V, R)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "model.safetensors"))
     back = drafter_dirs.load(drafter_dirs.inspect(str(tmp_path)))
@@ -231,7 +277,7 @@ def test_a_served_config_we_cannot_run_is_one_line(change, msg):
 
 
 @pytest.mark.parametrize("sets, msg", [
-    (["model.arch=dspark", "model.draft_vocab=64"], "model.arch=dspark with model.copy_head or model.draft_vocab"),
+    (["model.arch=dspark", "model.copy_head=true"], "model.arch=dspark with model.copy_head"),
     (["model.arch=dspark", "train.loss=kl"], "model.arch=dspark with train.loss=kl"),
     (["model.arch=dspark", "model.markov_rank=0"], "model.markov_rank=0"),
     (["eval.confidence_threshold=0.5"], "eval.confidence_threshold=0.5"),
