@@ -34,12 +34,15 @@ _AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "DNNL
 
 def isa_env(environ=None) -> dict:
     """The variables an engine child needs for ``DFLASH_VLLM_ISA`` (empty when it is unset);
-    ValueError, one line, for a value other than ``avx2``."""
+    ConfigError, one line, for a value other than ``avx2``: the commands that start engines call
+    it before any engine starts, as their check."""
+    from ..errors import ConfigError
+
     v = (os.environ if environ is None else environ).get(ISA_VAR, "")
     if not v:
         return {}
     if v.lower() != "avx2":
-        raise ValueError(f"{ISA_VAR}={v!r}: expected avx2 (run vLLM's AVX2 kernels on this CPU) or unset")
+        raise ConfigError(f"{ISA_VAR}={v!r}: expected avx2 (run vLLM's AVX2 kernels on this CPU) or unset")
     return {ISA_VAR: "avx2", **_AVX2_CAPS}
 
 
