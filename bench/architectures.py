@@ -71,6 +71,11 @@ def arms(base: str) -> dict[str, list[str]]:
         # one row per draft token, the drafter's head and d2t exported): the one change from the demo is the arch
         "dspark-dv": ["--set", "model.arch=dspark"],
         "dspark-conf-dv": ["--set", "model.arch=dspark", "--set", "model.confidence_head=true"],
+        # the Markov head's room is in longer blocks (at block 4 DFlash accepts a second draft in 3% of MT-Bench's
+        # verify steps): both at block 8, one change each from the demo beside the block
+        "dflash-b8": ["--set", "model.block_size=8"],
+        "dspark-conf-dv-b8": ["--set", "model.arch=dspark", "--set", "model.confidence_head=true",
+                              "--set", "model.block_size=8"],
         "dspark-muon": ["--set", "model.arch=dspark", "--set", "model.draft_vocab=0", "--set", "train.optimizer=muon"],
         # the Markov tables are 2 x V x r parameters (2 x 49,152 x 256 = 25 M on SmolLM2, 3x the drafter's
         # layers): AdamW over them is most of a CPU step; rank 64 is a quarter of that
