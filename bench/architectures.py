@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # dflash and otel from this checkout (the span reader)
 
 BASES = {
     # a random tiny target: the whole path in a few minutes (its replies are loops)
@@ -299,18 +300,43 @@ def scored(title: str, rows: list[dict], names: list[str], key: str | None) -> N
               f"{paired(lambda g: [p[2] for p in g['positions']]):>15}  {lossless}")
 
 
+def steady_s_per_step(run: Path, queue: int = 4) -> tuple[float, int]:
+    """(seconds per step, steps counted) after the target's last forward: from the run's own
+    spans, each model_forward saying where its features came from (`features`: forward, cache).
+    Until every training sequence has been seen once a step may wait on the target's forward,
+    which `train.feature_cache` then spares (regeneration spares it from the first step when it
+    kept this layer set's features, as a fresh run does); the steps after it are the price of a
+    step for the rest of the run. ``queue``: the batches a target worker runs ahead."""
+    from dflash.analysis.stalls import load_run
+
+    spans = load_run(run)
+    source = [(s["attributes"]["step"], s["attributes"].get("features")) for s in spans if s["name"] == "model_forward"]
+    fwd = [k for k, f in source if f == "forward"]
+    ends = sorted((s["attributes"]["step"], s["end_ns"]) for s in spans if s["name"] == "optimizer_step")
+    # no cache in use (every step a forward): that is the steady state, past the pipeline's fill
+    first = (max(fwd) if fwd and any(f == "cache" for _, f in source) else 0) + queue + 1
+    steady = [(k, t) for k, t in ends if k >= first]
+    if len(steady) < 21:
+        sys.exit(f"bench/architectures.py: {run}: {len(steady)} steps after the target's last forward (step "
+                 f"{max(fwd) if fwd else '-'}): raise --time-steps")
+    return (steady[-1][1] - steady[0][1]) / 1e9 / (steady[-1][0] - steady[0][0]), len(steady) - 1
+
+
 def step_times(base: str, names: list[str], all_arms: dict, steps: int, rounds: int, out: Path) -> dict:
     """Seconds per training step of each arm, timed apart from the long runs: `steps` steps,
     `rounds` rounds with the arms interleaved (A B C, A B C) so a change in the machine's load
-    falls on all of them; the median over rounds. No estimate, no checkpoint in between."""
-    per: dict[str, list[float]] = {n: [] for n in names}
+    falls on all of them; the median over rounds. No estimate, no checkpoint in between.
+    Two prices per arm: "whole" (the run's wall / its steps, first epoch included, with
+    whatever features the regeneration cache held for the arm's layers) and "steady" (after the
+    target's last forward: `steady_s_per_step`), which equal time uses."""
+    per: dict[str, dict[str, list[float]]] = {n: {"whole": [], "steady": []} for n in names}
     for r in range(rounds):
         for n in names:
-            run = out / "timing" / f"{base}-{n}-r{r}"
+            run = out / "timing" / f"{base}-{n}-r{r}-t"  # -t: with telemetry (older timing dirs had none)
             summary = run / "summary.json"
             if not summary.is_file():
                 cmd = [sys.executable, "-m", "dflash", "train", *BASES[base]["args"], *all_arms[n], "--overwrite",
-                       "--no-telemetry", "--set", f"out={run}", "--set", f"train.steps={steps}",
+                       "--set", f"out={run}", "--set", f"train.steps={steps}",
                        "--set", "train.estimate_every=0", "--set", "eval.engine=none"]
                 print(f"[timing {n} round {r}] {steps} steps", file=sys.stderr, flush=True)
                 run.parent.mkdir(parents=True, exist_ok=True)
@@ -318,8 +344,9 @@ def step_times(base: str, names: list[str], all_arms: dict, steps: int, rounds: 
                     if subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT).returncode != 0:
                         sys.exit(f"bench/architectures.py: {' '.join(cmd)} failed: {run.parent / (run.name + '.log')}")
             s = json.loads(summary.read_text())
-            per[n].append(s["wall_s"] / s["steps"])
-    return {n: statistics.median(v) for n, v in per.items()}
+            per[n]["whole"].append(s["wall_s"] / s["steps"])
+            per[n]["steady"].append(steady_s_per_step(run)[0])
+    return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in per.items()}
 
 
 def equal_time(rows: list[dict], names: list[str], per_step: dict | None) -> None:
@@ -328,10 +355,10 @@ def equal_time(rows: list[dict], names: list[str], per_step: dict | None) -> Non
     (`per_step`: timed side by side; else the long runs' own, which a changing load skews)."""
     def sps(name):
         if per_step:
-            return per_step[name]
+            return per_step[name]["steady"]
         return statistics.mean(r["wall_s"] / r["steps"] for r in rows if r["arm"] == name)
     t0 = sps(names[0]) * rows[0]["steps"]
-    how = "timed side by side" if per_step else "from the long runs: load-skewed"
+    how = "timed side by side, steady state" if per_step else "from the long runs: load-skewed"
     print(f"\nequal training time ({t0:.0f} s, the {names[0]} arm's {rows[0]['steps']} steps; s/step {how}): "
           "the walked estimate at the steps it buys")
     for name in names[1:]:
@@ -364,8 +391,9 @@ def main() -> None:
                     help="new tokens per MT-Bench prompt (default %(default)s: 40 prompts x 4 arms took 15-18 min a seed "
                          "on 2 cores)")
     ap.add_argument("--time-steps", type=int, default=0,
-                    help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time; on a CPU "
-                         "the first epoch, ~70 steps on the demo, runs at up to half the later speed: time more than that)")
+                    help="time each arm's steps apart: this many steps, 2 interleaved rounds (for equal time: the steps "
+                         "after the target's last forward, read off the run's spans; the demo's first epoch is ~70 "
+                         "steps: 200 leaves ~120)")
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
@@ -390,7 +418,8 @@ def main() -> None:
     per_step = step_times(a.base, names, all_arms, a.time_steps, 2, out) if a.time_steps else None
     if per_step:
         print("\ns/step, timed side by side (median of 2 interleaved rounds of "
-              f"{a.time_steps} steps): " + ", ".join(f"{n} {v:.3f}" for n, v in per_step.items()))
+              f"{a.time_steps} steps): steady (after the target's last forward) / whole run: "
+              + ", ".join(f"{n} {v['steady']:.3f} / {v['whole']:.3f}" for n, v in per_step.items()))
     equal_time(rows, names, per_step)
     verdict = engine_verdict([r for r in rows if r["seed"] == seeds[0]], a.base, out) if a.engine else None
     if verdict:

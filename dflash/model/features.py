@@ -16,19 +16,25 @@ from . import target as target_mod
 from .target import FINAL, num_layers
 
 
-def target_features(target, batch: Batch, layer_ids, device, cache=None) -> torch.Tensor:
+def target_features(target, batch: Batch, layer_ids, device, cache=None, source: dict | None = None) -> torch.Tensor:
     """model_forward: one target forward, selected layers concatenated: [B, S, n*H].
 
     ``cache`` (a FeatureCache, `train.feature_cache`): a batch whose sequences were all seen
     before is assembled from it without a forward (the target is frozen), and a forward's
     rows are kept for next time. A batch that carries captured features (``dflash train
-    --features``: data_load read them from disk) needs no forward: they go to the device."""
+    --features``: data_load read them from disk) needs no forward: they go to the device.
+    ``source`` (a dict, the span's attributes) gets ``features``: "captured", "cache" or
+    "forward", so a trace tells a step that ran the target from one that did not."""
+    source = {} if source is None else source
     if batch.features is not None:
+        source["features"] = "captured"
         return batch.features.to(device, non_blocking=True)
     if cache is not None:
         hit = cache.assemble(batch)
         if hit is not None:
+            source["features"] = "cache"
             return hit
+    source["features"] = "forward"
     ids = batch.input_ids.to(device, non_blocking=True)
     am = batch.attention_mask.to(device, non_blocking=True)
     feats = capture(target, ids, am, layer_ids)

@@ -176,8 +176,10 @@ class TargetWorker:
         tel, key, a = self.tel, ("batch", b.index), self.attrs(b, extra)
         step = a["step"]
         cur = torch.cuda.current_stream(self.dev) if self.cuda else None
-        with tel.stage("model_forward", trace=key, stream=cur, **a):
-            feats = target_features(self.target, b, self.spec.feature_ids, self.dev, cache=self.cache)
+        with tel.stage("model_forward", trace=key, stream=cur, **a) as span:
+            source: dict = {}
+            feats = target_features(self.target, b, self.spec.feature_ids, self.dev, cache=self.cache, source=source)
+            span.set(**source)  # features: cache | forward | captured
             inject(self.pcfg, "model_forward", step)
         with tel.stage("pack_hidden", trace=key, stream=cur, **a):
             packed = pack(feats, b.lengths)

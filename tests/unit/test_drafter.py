@@ -177,11 +177,14 @@ def test_feature_cache_serves_repeated_sequences_without_a_target_forward(monkey
                      lengths=[len(r) for r in rows])
 
     a, b, c = list(range(5, 13)), list(range(40, 46)), list(range(70, 79))
-    first = target_features(target, batch([a, b]), ids, "cpu", cache=cache)
+    src: dict = {}
+    first = target_features(target, batch([a, b]), ids, "cpu", cache=cache, source=src)
+    assert src == {"features": "forward"}  # the model_forward span says which (bench/architectures.py reads it)
     calls = []
     real = features_mod.capture  # the target's forward (stopped after the deepest selected layer)
     monkeypatch.setattr(features_mod, "capture", lambda *x, **k: calls.append(1) or real(*x, **k))
-    again = target_features(target, batch([b, a], width=9), ids, "cpu", cache=cache)
+    again = target_features(target, batch([b, a], width=9), ids, "cpu", cache=cache, source=src)
+    assert src == {"features": "cache"}
     assert not calls and again.shape == (2, 9, first.shape[-1])
     torch.testing.assert_close(again[0, :6], first[1, :6])
     torch.testing.assert_close(again[1, :8], first[0, :8])
