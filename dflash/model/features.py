@@ -39,7 +39,7 @@ def target_features(target, batch: Batch, layer_ids, device, cache=None, source:
     am = batch.attention_mask.to(device, non_blocking=True)
     feats = capture(target, ids, am, layer_ids)
     if cache is not None:
-        cache.keep(batch, feats)
+        feats = cache.keep(batch, feats)
     return feats
 
 

@@ -293,3 +293,48 @@ def test_bad_dspark_settings_are_one_line(sets, msg):
 
     with pytest.raises(ConfigError, match=re.escape(msg)):
         load_config(None, sets)
+
+
+def test_the_feature_cache_hands_the_targets_top_k_and_the_loss_is_unchanged(tiny):
+    """train.feature_cache with a loss that reads the target's distribution keeps its top-k per
+    position instead of the last hidden state (model/feature_cache.py): a forward's batch and a
+    cached one (and a sequence preloaded from regeneration) give the drafter features without
+    FINAL and batch.kl_topk, and DSpark's loss equals the one recomputed from FINAL every step."""
+    from dflash.config import load_config
+    from dflash.data import dataset as data_mod
+    from dflash.model import features as Fm
+    from dflash.model.build import build_drafter
+    from dflash.model.feature_cache import FeatureCache
+    from dflash.model.losses import feature_ids
+    from dflash.run.step import TrainStep
+
+    target, tok = tiny
+    cfg = load_config(None, ["model.arch=dspark", "model.markov_rank=16", "model.block_size=4",
+                             "train.num_anchors=5", "train.kl_topk=16"])
+    drafter = build_drafter(cfg, target, tok, [1, 2, 3])
+    st = TrainStep(cfg.train, 4, drafter, target.get_input_embeddings(), target.get_output_embeddings(), "cpu")
+    g = torch.Generator().manual_seed(1)
+    samples = [data_mod.Sample(torch.randint(0, 400, (n,), generator=g).tolist(), [0] * 5 + [1] * (n - 5))
+               for n in (30, 26, 22)]
+    fids = feature_ids(cfg.train, [1, 2, 3], False, cfg.model.arch)
+
+    def batch():
+        return next(data_mod.batches(samples, batch_size=3, seed=0, pad_id=0))
+
+    ref_b = batch()
+    full = Fm.capture(target, ref_b.input_ids, ref_b.attention_mask, fids)
+    with torch.no_grad():
+        want = st.loss(full, ref_b)[0]  # recomputed from FINAL at the slots
+    H = target.config.hidden_size
+    cache = FeatureCache(fids, "cpu", target.get_output_embeddings(), 16)
+    for how in ("forward", "cache"):
+        b, src = batch(), {}
+        got_f = Fm.target_features(target, b, fids, "cpu", cache=cache, source=src)
+        assert src["features"] == how and got_f.shape[-1] == 3 * H and b.kl_topk[0].shape[-1] == 16
+        with torch.no_grad():
+            torch.testing.assert_close(st.loss(got_f, b)[0], want, rtol=1e-5, atol=1e-6)
+    pre = FeatureCache(fids, "cpu", target.get_output_embeddings(), 16)  # regeneration's rows hold FINAL
+    pre.preload({tuple(ref_b.input_ids[i, :n].tolist()): full[i, :n] for i, n in enumerate(ref_b.lengths)}, 64)
+    b = batch()
+    with torch.no_grad():
+        torch.testing.assert_close(st.loss(pre.assemble(b), b)[0], want, rtol=1e-5, atol=1e-6)
