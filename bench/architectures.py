@@ -72,8 +72,8 @@ def arms(base: str) -> dict[str, list[str]]:
         # one row per draft token, the drafter's head and d2t exported): the one change from the demo is the arch
         "dspark-dv": ["--set", "model.arch=dspark"],
         "dspark-conf-dv": ["--set", "model.arch=dspark", "--set", "model.confidence_head=true"],
-        # the Markov head's room is in longer blocks (at block 4 DFlash accepts a second draft in 3% of MT-Bench's
-        # verify steps): both at block 8, one change each from the demo beside the block
+        # does the Markov head gain more in a longer block (at block 4 DFlash accepts a second draft in 3% of
+        # MT-Bench's verify steps)? both at block 8 (docs/architectures.md: not at the demo's size)
         "dflash-b8": ["--set", "model.block_size=8"],
         "dspark-conf-dv-b8": ["--set", "model.arch=dspark", "--set", "model.confidence_head=true",
                               "--set", "model.block_size=8"],

@@ -37,16 +37,23 @@ class FeatureCache:
         """One sequence's key: the layers and the int64 token ids."""
         return self.layer_ids, ids.to(torch.long).numpy().tobytes()
 
-    def _top(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _top(self, final: torch.Tensor, chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., H] last hidden states -> the target's top-k (log-probs float32, ids int32) [..., k],
         as the drafter side takes them (objective.py `slot_targets`: the head at the target's dtype,
-        log-softmax in float32)."""
+        log-softmax in float32), ``chunk`` positions at a time: a batch's full rows (positions x
+        vocabulary, 10 GB for 16K positions of a 152K vocabulary) are never all in memory."""
         from .drafter import compute_precision
 
+        flat = final.reshape(-1, final.shape[-1]).to(self.head.weight.dtype)
+        k = min(self.topk, self.head.weight.shape[0])
+        vals, ids = [], []
         with torch.no_grad(), compute_precision(self.head.weight):
-            logp = torch.log_softmax(self.head(final.to(self.head.weight.dtype)).float(), dim=-1)
-        v, i = logp.topk(min(self.topk, logp.shape[-1]), dim=-1)
-        return v, i.to(torch.int32)
+            for a in range(0, flat.shape[0], chunk):
+                v, i = torch.log_softmax(self.head(flat[a:a + chunk]).float(), dim=-1).topk(k, dim=-1)
+                vals.append(v)
+                ids.append(i.to(torch.int32))
+        shape = (*final.shape[:-1], k)
+        return torch.cat(vals).view(shape), torch.cat(ids).view(shape)
 
     def _row(self, key):
         """A kept sequence, top-k'd at its first use (a preloaded one still holds FINAL)."""

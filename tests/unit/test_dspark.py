@@ -333,6 +333,9 @@ def test_the_feature_cache_hands_the_targets_top_k_and_the_loss_is_unchanged(tin
         assert src["features"] == how and got_f.shape[-1] == 3 * H and b.kl_topk[0].shape[-1] == 16
         with torch.no_grad():
             torch.testing.assert_close(st.loss(got_f, b)[0], want, rtol=1e-5, atol=1e-6)
+    whole, chunked = cache._top(full[..., -H:]), cache._top(full[..., -H:], chunk=7)  # a chunk at a time
+    torch.testing.assert_close(chunked[0], whole[0])
+    assert torch.equal(chunked[1], whole[1])
     pre = FeatureCache(fids, "cpu", target.get_output_embeddings(), 16)  # regeneration's rows hold FINAL
     pre.preload({tuple(ref_b.input_ids[i, :n].tolist()): full[i, :n] for i, n in enumerate(ref_b.lengths)}, 64)
     b = batch()
