@@ -602,6 +602,10 @@ def validate(cfg: Config) -> None:
                               f"(got {p.target_devices} / {p.drafter_devices})")
     if p.queue_size < 1 or not 1 <= p.min_ready <= p.queue_size:
         raise ConfigError(f"pipeline.min_ready={p.min_ready}, queue_size={p.queue_size}: expected 1 <= min_ready <= queue_size")
+    for name, devs in (("target_devices", p.target_devices), ("drafter_devices", p.drafter_devices)):
+        if (not devs and not p.layout) or any(not str(d).strip() for d in devs):
+            raise ConfigError(f"pipeline.{name}={devs}: expected a comma list of devices (cpu, cuda[:N]), "
+                              f"with no empty entry")
     for dev in p.target_devices + p.drafter_devices:
         if dev != "cpu" and not dev.startswith("cuda"):
             raise ConfigError(f"device {dev!r}: expected cpu or cuda[:N]")

@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
     e.add_argument("--top-p", type=float, help="with --temperature: nucleus sampling")
     e.add_argument("--top-k", type=int, help="with --temperature: the k most likely tokens only")
     e.add_argument("--seed", type=int, help="with --temperature: prompt i samples from seed + i")
+    e.add_argument("--confidence-threshold", type=float, metavar="T",
+                   help="a DSpark drafter with a confidence head drafts each block only while its estimate that "
+                        "every slot so far is accepted stays >= T (0: whole blocks; default: the run's "
+                        "eval.confidence_threshold, for the drafters that have the head)")
     e.add_argument("--prompts", type=int)
     e.add_argument("--max-new-tokens", type=int)
     e.add_argument("--max-prompt-len", type=int,
@@ -91,6 +95,9 @@ def _check_args(a) -> None:
             raise ConfigError(f"{name}={v}: expected an integer <= {MAX_NEW_TOKENS}")
     if a.seed is not None and not 0 <= a.seed <= MAX_SEED:
         raise ConfigError(f"--seed={a.seed}: expected an integer >= 0 and <= {MAX_SEED}")
+    t = getattr(a, "confidence_threshold", None)
+    if t is not None and not 0 <= t <= 1:  # nan fails both
+        raise ConfigError(f"--confidence-threshold={t}: expected a probability in 0..1 (0: draft whole blocks)")
     if a.temperature is not None or a.top_p is not None or a.top_k is not None:
         check_sampling(a.temperature or 0.0, 1.0 if a.top_p is None else a.top_p, a.top_k or 0)
     from ..data import prompt_sets
@@ -178,10 +185,35 @@ def _plan(a):
                    ("baseline", getattr(a, "baseline", None)), ("max_prompt_len", getattr(a, "max_prompt_len", None))):
         if v is not None:
             ev[key] = v
+    # the confidence gate belongs to each drafter, not to the config: an export's settings name no
+    # arch, so a run's threshold checked against the config's would refuse the DSpark it came from
+    a.gates = confidence_gates(dirs, getattr(a, "confidence_threshold", None), ev.pop("confidence_threshold", 0.0))
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
                                    "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
     _notice_other_targets(dirs, target)
     return dirs, owner, cfg
+
+
+def confidence_gates(dirs, given: float | None, run_threshold) -> list[float]:
+    """Each drafter's confidence threshold: ``given`` (--confidence-threshold) for every one, and a
+    drafter without a confidence head refuses a gate > 0 in one line; else the run's own
+    eval.confidence_threshold, for the drafters that have the head (the others draft whole blocks)."""
+    from ..checkpoint.drafter_dirs import fields
+
+    heads = [bool(fields(d).get("confidence_head")) for d in dirs]
+    if given is not None:
+        for d, head in zip(dirs, heads):
+            if given and not head:
+                raise ConfigError(f"--confidence-threshold={given}: --checkpoint {str(d.path)!r} has no confidence "
+                                  f"head to gate drafting by (a DSpark drafter trained with "
+                                  f"model.confidence_head=true has one); drop the flag or that drafter")
+        return [given] * len(dirs)
+    try:
+        t = float(run_threshold or 0.0)
+    except (TypeError, ValueError):
+        t = 0.0
+    t = t if 0 <= t <= 1 else 0.0  # a hand-edited settings file: no gate rather than a failed eval
+    return [t if head else 0.0 for head in heads]
 
 
 def _notice_other_targets(dirs, target: str) -> None:
@@ -349,7 +381,7 @@ def _run(a, file_sets, dirs, owner, cfg) -> int:
     with stop_on_signal() as stop:  # SIGTERM / Ctrl-C: stop within a verify step, report whole prompts
         for line in notes:
             print(line, file=sys.stderr)
-        for d, drafter in zip(dirs, drafters):
+        for d, drafter, gate in zip(dirs, drafters, a.gates):
             per_set = {}
             for ps in sets:
                 key = (ps.name, drafter.cfg.block_size)
@@ -361,7 +393,8 @@ def _run(a, file_sets, dirs, owner, cfg) -> int:
                                    max_prompt_len=e.max_prompt_len, check_lossless=not a.no_lossless_check,
                                    temperature=e.temperature, top_p=e.top_p, top_k=e.top_k,
                                    seed=a.seed if a.seed is not None else cfg.train.seed, prompt_set=ps,
-                                   baseline="none" if reuse else e.baseline, stop=stop)
+                                   baseline="none" if reuse else e.baseline, stop=stop,
+                                   confidence_threshold=gate)
                     ph.set(tau_per_step=res.get("tau_per_step"), interrupted=bool(res.get("interrupted")))
                 if reuse:
                     res["baseline"] = baselines[key]

@@ -199,6 +199,9 @@ def _check_resume(cfg) -> None:
         why = resume_mismatch(raw, cfg.model, target_num_layers(cfg.model.target))
     except ValueError as e:
         why = str(e)
+    trained_with = ((raw.get("dflash_run") or {}).get("train") or {}).get("optimizer")
+    if not why and trained_with and trained_with != cfg.train.optimizer:  # its state is the other optimizer's
+        why = f"train.optimizer: the checkpoint was trained with {trained_with}, this run uses {cfg.train.optimizer}"
     if why:
         raise ConfigError(f"--resume: {why}; resume with the run's own settings ({cfg.out}/config.yaml) "
                           "or train into a new --out")

@@ -267,6 +267,10 @@ class DFlashDrafter(nn.Module):
         self.draft_ids.copy_(ids.to(self.draft_ids.device))
         self.draft_head.copy_(lm_head.weight.index_select(0, ids.to(lm_head.weight.device)).to(self.draft_head))
 
+    def move_draft_rows(self, ids: torch.Tensor) -> None:
+        """Before `set_draft_vocab(ids)` on a drafter that learned rows per draft token (DSpark's
+        Markov head): move them to the new ids. DFlash's draft rows are the target's: nothing."""
+
     def serving_head(self, lm_head: nn.Module) -> nn.Module:
         """The head drafts are read through: the target's lm_head, or with a draft vocabulary
         its rows of draft_ids (logits elsewhere -inf, full width: argmax and sampling as before)."""

@@ -97,6 +97,19 @@ class DSparkDrafter(DFlashDrafter):
             self.confidence_head = ConfidenceHead(cfg.hidden_size + (cfg.markov_rank if with_markov else 0),
                                                   with_markov)
 
+    @torch.no_grad()
+    def move_draft_rows(self, ids: torch.Tensor) -> None:
+        """markov_w2's rows follow their tokens to the draft vocabulary ``ids`` (sorted target ids):
+        a drafter from --init-from keeps what it learned for the tokens both vocabularies hold, and a
+        token new to it starts at zero, as in a fresh DSpark. Without this, row i's bias would move to
+        whichever token is i-th in the new vocabulary."""
+        if not self.cfg.draft_vocab_size:
+            return
+        old, new = self.draft_ids, ids.to(self.draft_ids.device)
+        at = torch.searchsorted(old, new).clamp_max(old.numel() - 1)
+        w2 = self.markov_head.markov_w2.weight
+        w2.copy_(w2.index_select(0, at) * (old.index_select(0, at) == new)[:, None].to(w2.dtype))
+
     # -- the Markov bias, teacher-forced (training, the walk) --------------------------------------
     def markov_bias(self, markov_embed: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """[..., r] -> the bias on every target token's column [..., V], or with ``rows`` (a loss

@@ -294,7 +294,12 @@ def resume_mismatch(ckpt_config: dict, model_cfg, target_layers: int | None) -> 
             run_model.get("target_seed", model_cfg.target_seed) != model_cfg.target_seed:
         return (f"model.target_seed: the checkpoint's target has seed {run_model.get('target_seed')}, "
                 f"this run's {model_cfg.target_seed}")
+    arch = ckpt_config.get("arch") or family.DEFAULT  # a checkpoint without "arch" is a DFlash one
+    if arch != model_cfg.arch:
+        return f"model.arch: the checkpoint is a {arch} drafter, this run builds a {model_cfg.arch} one"
+    own = family.get(arch).drafter_fields(model_cfg)
     pairs = [("model.block_size", ckpt_config.get("block_size"), model_cfg.block_size),
+             *((f"model.{k}", ckpt_config.get(k), own[k]) for k in family.get(arch).fit if k in own),
              ("model.num_layers", ckpt_config.get("num_hidden_layers"), model_cfg.num_layers),
              ("model.copy_head", ckpt_config.get("copy_head", False), model_cfg.copy_head)]
     ids = model_cfg.target_layer_ids

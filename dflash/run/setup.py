@@ -98,6 +98,11 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
                                    quiet=place.rank != 0 or place.layout is not None)
         L = target_mod.num_layers(target)
         layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
+        if place.has_drafter and not resume and not cfg.model.init_from:
+            # the family's checks against the target's sizes (DFlash2's conv groups, say) on the meta
+            # device: one line now, not after data preparation
+            from ..model.architectures import expected_shapes
+            expected_shapes(drafter_config(cfg, target, tok, layer_ids))
         # before data preparation and the drafter
         memory = _check_memory(cfg, place, target, tok, layer_ids, resume=resume, dtype=dtype, features=False)
         # what regeneration keeps for the feature cache: what the target side would compute
@@ -286,7 +291,10 @@ def _setup_drafter(cfg: Config, place: Placement, out: Path, groups: Groups | No
     train_step.use_loss_vocab(samples)
     if cfg.model.draft_vocab:  # model.draft_vocab: the most frequent training tokens (a resume restores the same)
         from ..model.loss_vocab import frequent_tokens
-        drafter.set_draft_vocab(frequent_tokens(samples, drafter.cfg.draft_vocab_size, exactly=True), head)
+        ids = frequent_tokens(samples, drafter.cfg.draft_vocab_size, exactly=True)
+        if cfg.model.init_from and not resume:  # trained rows per draft token follow their tokens
+            drafter.move_draft_rows(ids)
+        drafter.set_draft_vocab(ids, head)
     if resume:
         train_step.load_state(tstate)
     return train_step, vote, sync_timer, jstate
@@ -298,7 +306,7 @@ def _setup_targets(spec: RunSpec, target, resume: bool, features) -> tuple[list,
     cfg, place = spec.cfg, spec.placement
     replicas = {str(target.device): target}
     caches = {}
-    if cfg.train.feature_cache and not resume:
+    if cfg.train.feature_cache:  # a resumed run too: a sequence seen before the resume misses once
         # a loss that reads the target's distribution: the cache keeps its top-k, not the last hidden state
         topk = cfg.train.kl_topk if spec.feature_ids[-1] == target_mod.FINAL else 0
         caches[str(target.device)] = FeatureCache(spec.feature_ids, target.device, target.get_output_embeddings(), topk)

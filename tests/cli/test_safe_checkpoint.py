@@ -21,7 +21,7 @@ def _safetensors(path, *, cut: int = 0):
     path.write_bytes(data[:len(data) - cut] if cut else data)
 
 
-def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1, 2, 3)):
+def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1, 2, 3), extra=None, train=None):
     """A run dir as dflash train leaves it, written by hand (no torch needed)."""
     from dflash.preflight import run_dir
     run_dir.claim(str(out), resume=False, overwrite=False)
@@ -29,8 +29,8 @@ def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1,
     ck.mkdir()
     (ck / "config.json").write_text(json.dumps({
         "block_size": block_size, "num_hidden_layers": layers, "target_layer_ids": list(layer_ids),
-        "copy_head": False, "target": target,
-        "dflash_run": {"model": {"target": target, "target_seed": 0}}}))
+        "copy_head": False, "target": target, **(extra or {}),
+        "dflash_run": {"model": {"target": target, "target_seed": 0}, "train": train or {}}}))
     _safetensors(ck / "model.safetensors")
     (ck / "trainer_state.json").write_text(json.dumps({"step": 1}))
     return ck
@@ -47,6 +47,19 @@ def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1,
 def test_resume_refuses_a_checkpoint_trained_for_something_else(tmp_path, args, needle):
     _fake_run(tmp_path / "run")
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", *TINY, *args)
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.parametrize("extra,train,args,needle", [
+    ({}, {}, ["--set", "model.arch=dspark"], "model.arch: the checkpoint is a dflash drafter, this run builds a dspark"),
+    ({"arch": "dspark", "markov_rank": 16, "confidence_head": False, "confidence_with_markov": False}, {},
+     ["--set", "model.arch=dspark", "--set", "model.markov_rank=32"], "model.markov_rank: the checkpoint has 16"),
+    ({}, {"optimizer": "adamw"}, ["--set", "train.optimizer=muon"],
+     "train.optimizer: the checkpoint was trained with adamw, this run uses muon"),
+])
+def test_resume_refuses_another_family_or_optimizer_before_torch(tmp_path, extra, train, args, needle):
+    _fake_run(tmp_path / "run", extra=extra, train=train)
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama", *TINY, *args)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 

@@ -49,6 +49,12 @@ def test_dspark_trains_exports_decodes_losslessly_and_gates_its_drafts(tmp_path)
     # (the gate's threshold in between: tests/unit/test_dspark.py)
     assert gated["lossless"] and gated["confidence_threshold"] == 0.999
     assert gated["tau_per_step"] == 1.0 and gated["drafted_per_accepted"] is None
+    # its export carries the run's threshold: eval gates by it (an export names no arch, and was
+    # refused as a DFlash before), and --confidence-threshold overrides it
+    ev = ["eval", "--checkpoint", again / "export", "--json", "--prompts", 1, "--max-new-tokens", 6]
+    inherited = last_json(run_dflash(*ev).stdout)
+    assert inherited["confidence_threshold"] == 0.999 and inherited["tau_per_step"] == 1.0
+    assert last_json(run_dflash(*ev, "--confidence-threshold", 0).stdout)["confidence_threshold"] == 0.0
 
 
 def test_muon_trains_and_resumes_bit_for_bit(tmp_path):

@@ -12,16 +12,23 @@ def _summary(run):
     return json.loads((run / "summary.json").read_text())
 
 
-def test_resume_continues_bit_for_bit(tmp_path):
+# the feature cache with the target's top-k (a KL loss): 6 steps over 3 batches an epoch, resumed at
+# step 3, where the uninterrupted run's cache serves what the resumed one forwards (its cache is new)
+CACHED = ["--set", "data.num_conversations=8", "--set", "train.feature_cache=true", "--set", "train.loss=kl",
+          "--set", "train.kl_topk=8"]
+
+
+@pytest.mark.parametrize("extra", [[], CACHED], ids=["plain", "feature-cache-top-k"])
+def test_resume_continues_bit_for_bit(tmp_path, extra):
     full, part = tmp_path / "full", tmp_path / "part"
-    run_dflash("train", "--out", full, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY)
-    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+    run_dflash("train", "--out", full, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY, *extra)
+    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY, *extra,
                "--set", "train.stop_after=3")
     assert _summary(part)["steps"] == 3
     ck = part / "checkpoint"
     assert {"config.json", "model.safetensors", "training_state.safetensors", "training_state.json"} <= \
         {f.name for f in ck.iterdir()}
-    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY,
+    run_dflash("train", "--out", part, "--target", "tiny-qwen3", "--steps", 6, "--no-telemetry", *TINY, *extra,
                "--resume")
     a, b = _summary(full)["loss_history"], _summary(part)["loss_history"]
     assert [s for s, _ in b] == list(range(6))

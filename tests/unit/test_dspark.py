@@ -295,6 +295,41 @@ def test_bad_dspark_settings_are_one_line(sets, msg):
         load_config(None, sets)
 
 
+def test_a_new_draft_vocabulary_keeps_each_tokens_markov_row():
+    """--init-from a DSpark export on new data: its draft vocabulary changes, and markov_w2's rows
+    move with their tokens (a token new to it starts at zero) instead of staying by position."""
+    d, _, head = make_dv()
+    w2 = d.markov_head.markov_w2.weight.detach().clone()
+    keep = DRAFT_IDS[::2].tolist()
+    fresh = [t for t in range(V) if t not in DRAFT_IDS.tolist()][:len(DRAFT_IDS) - len(keep)]
+    new = torch.tensor(sorted(keep + fresh))
+    d.move_draft_rows(new)
+    d.set_draft_vocab(new, head)
+    row = {int(t): i for i, t in enumerate(DRAFT_IDS)}
+    for i, t in enumerate(new.tolist()):
+        want = w2[row[t]] if t in row else torch.zeros_like(w2[0])
+        assert torch.equal(d.markov_head.markov_w2.weight[i], want), t
+
+
+def test_eval_gates_each_drafter_that_has_a_confidence_head():
+    """`dflash eval`'s threshold is each drafter's: the run's for those with a head, the flag's for
+    all (a drafter without a head refuses a gate > 0 in one line)."""
+    from pathlib import Path
+
+    from dflash.checkpoint.drafter_dirs import DrafterDir
+    from dflash.commands.eval import confidence_gates
+    from dflash.errors import ConfigError
+
+    with_head = DrafterDir(Path("a"), "checkpoint", {"arch": "dspark", "confidence_head": True})
+    without = DrafterDir(Path("b"), "checkpoint", {"arch": "dflash"})
+    assert confidence_gates([with_head, without], None, 0.5) == [0.5, 0.0]
+    assert confidence_gates([with_head, without], None, "junk") == [0.0, 0.0]
+    assert confidence_gates([with_head, without], 0.0, 0.5) == [0.0, 0.0]
+    assert confidence_gates([with_head], 0.3, 0.5) == [0.3]
+    with pytest.raises(ConfigError, match="--checkpoint 'b' has no confidence head"):
+        confidence_gates([with_head, without], 0.3, 0.0)
+
+
 def test_the_feature_cache_hands_the_targets_top_k_and_the_loss_is_unchanged(tiny):
     """train.feature_cache with a loss that reads the target's distribution keeps its top-k per
     position instead of the last hidden state (model/feature_cache.py): a forward's batch and a
