@@ -229,7 +229,7 @@ def _coerce(value, typ, key: str):
         if isinstance(value, str) and value.lstrip().startswith("["):  # the YAML/JSON form: [1, 5]
             value = _yaml(value, f"{key}={_short(value)}", "a valid list")
         elif isinstance(value, str):
-            value = [v for v in value.split(",") if v.strip()]
+            value = [v.strip() for v in value.split(",") if v.strip()]  # "a, b": the spaces are not the names
         if not isinstance(value, list):
             raise ConfigError(f"{key}={value!r}: expected a list")
         return [_coerce(v, inner, key) for v in value]
@@ -636,6 +636,8 @@ def validate(cfg: Config) -> None:
     chat_template.check(d.chat_template, d.chat_template_kwargs)
     layers = inputs.target_num_layers(m.target)
     # the layer count is known without loading the model for tiny targets, smollm2, a local dir
+    if len(set(m.target_layer_ids)) != len(m.target_layer_ids):  # the same layer fused twice: a wider fc, no more
+        raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected distinct layer ids")
     if layers is not None and m.target_layer_ids and max(m.target_layer_ids) >= layers:
         raise ConfigError(f"model.target_layer_ids={m.target_layer_ids}: expected ids < {layers} "
                           f"(target {m.target!r} has {layers} decoder layers)")

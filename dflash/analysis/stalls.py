@@ -275,8 +275,14 @@ def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, 
         return {"run_id": run_id, "source": source, "ranks": len((start or {}).get("ranks") or []), "by_role": {},
                 "balance": None, "window_s": None, "wall_s": (start or {}).get("wall_s") or 0.0, "workers": [],
                 "critical_path": None, "top_stalls": [], "startup": start}
-    snap, segments = attribute(spans, window, rules)
     t0 = run_start_ns(spans)
+    wall = (max(s["end_ns"] for s in spans) - t0) / 1e9
+    if window and window[0] >= wall:  # an empty window would read as every worker idle
+        from ..errors import ConfigError
+        raise ConfigError(f"--window {window[0]:g}:{'' if window[1] == float('inf') else f'{window[1]:g}'}: "
+                          f"starts after the run's last span ({wall:.2f} s from its start); expected a start "
+                          f"below {wall:.2f}")
+    snap, segments = attribute(spans, window, rules)
     roles = {}
     for s in spans:
         k = worker_of(s)

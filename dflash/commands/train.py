@@ -128,7 +128,28 @@ def _checked_config(a):
     check_devices({"pipeline.target_devices": cfg.pipeline.target_devices,
                    "pipeline.drafter_devices": cfg.pipeline.drafter_devices}, attention=cfg.train.attention)
     check_target(cfg)
+    _notice_unused(cfg)
     return cfg
+
+
+def _notice_unused(cfg) -> None:
+    """Settings this run accepts but never reads: one notice line each (rank 0), not an error,
+    since one config may serve several arms (bench/architectures.py)."""
+    from .. import family
+    from ..config import TrainConfig
+
+    t, fam = cfg.train, family.get(cfg.model.arch)
+    said = [f"{s}: this run's model.arch is {cfg.model.arch}" for s in family.unused_settings(cfg.model, t)]
+    if t.optimizer != "muon":
+        said += [f"train.{k}={getattr(t, k)!r} applies to train.optimizer=muon (this run's is {t.optimizer})"
+                 for k in ("muon_lr", "muon_momentum", "muon_weight_decay", "muon_adjust_lr")
+                 if getattr(t, k) != getattr(TrainConfig, k)]
+    if t.loss_chunk > 0 and (fam.reads_full_logits or cfg.model.copy_head):
+        said.append(f"train.loss_chunk={t.loss_chunk}: {'a copy head' if cfg.model.copy_head else cfg.model.arch} "
+                    f"reads every slot's full logits, so the head runs whole")
+    if os.environ.get("RANK", "0") == "0":
+        for line in said:
+            print(f"dflash train: notice: {line}; ignored", file=sys.stderr)
 
 
 def load_data(cfg) -> None:

@@ -9,11 +9,13 @@ whichever reads it, a config or a drafter's config.json.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from . import dflash, dflash2, dspark
 from .base import BLOCK_SIZE, BLOCK_SIZES, DRAFTER_LAYERS, Bound, Family
 
 __all__ = ["BLOCK_SIZE", "BLOCK_SIZES", "DRAFTER_LAYERS", "Bound", "Family", "FAMILIES", "NAMES", "DEFAULT", "get",
-           "of", "served", "MODEL_FIELDS", "TRAIN_FIELDS", "EVAL_FIELDS", "config_bounds"]
+           "of", "served", "unused_settings", "MODEL_FIELDS", "TRAIN_FIELDS", "EVAL_FIELDS", "config_bounds"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (dflash.FAMILY, dflash2.FAMILY, dspark.FAMILY)}
 NAMES = tuple(FAMILIES)
@@ -50,3 +52,22 @@ def served(raw: dict) -> Family | None:
 def config_bounds() -> dict[str, Bound]:
     """Every family's bounds, by dotted config key (config.RANGES takes them)."""
     return {k: b for f in FAMILIES.values() for k, b in f.bounds.items()}
+
+
+def unused_settings(model, train) -> list[str]:
+    """Other families' model.* / train.* fields that this run (model.arch) sets away from their
+    defaults and never reads, as "KEY=VALUE applies to model.arch=NAME" phrases: `dflash train`
+    says them once (a notice: a config shared between arms may carry them on purpose)."""
+    active = get(model.arch)
+    mine = {*active.model_names, *active.train_names}
+    out = []
+    for f in FAMILIES.values():
+        if f is active:
+            continue
+        for section, values, cls in (("model", model, f.model_fields), ("train", train, f.train_fields)):
+            for fld in dataclasses.fields(cls) if cls is not None else ():
+                default = fld.default if fld.default is not dataclasses.MISSING else fld.default_factory()
+                value = getattr(values, fld.name)
+                if fld.name not in mine and value != default:
+                    out.append(f"{section}.{fld.name}={value!r} applies to model.arch={f.name}")
+    return out

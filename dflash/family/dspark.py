@@ -81,6 +81,9 @@ class DSpark(Family):
         if model.copy_head:
             return ("model.arch=dspark with model.copy_head: no engine drafts a DSpark block with a copy head; "
                     "choose one")
+        if not (train.dspark_ce_alpha or train.dspark_tv_alpha):
+            return ("train.dspark_ce_alpha=0 and train.dspark_tv_alpha=0: nothing would train the drafts "
+                    "(the confidence head's BCE alone leaves them as they start); expected either > 0")
         if train.loss != "ce":
             return (f"model.arch=dspark with train.loss={train.loss}: DSpark's loss is its own (CE + the L1 distance "
                     "to the target's distribution + the confidence BCE: train.dspark_*_alpha); leave train.loss=ce")
@@ -115,9 +118,12 @@ class DSpark(Family):
         rank = raw.get("markov_rank")
         if isinstance(rank, bool) or not isinstance(rank, int):
             raise error(f"{where}: {ARCHITECTURE} with markov_rank={rank!r}: expected an integer (vLLM requires it)")
-        conf = bool(raw.get("enable_confidence_head", False))
-        return {"arch": self.name, "markov_rank": rank, "confidence_head": conf,
-                "confidence_with_markov": bool(raw.get("confidence_head_with_markov", False))}
+        flags = {k: raw.get(k, False) for k in ("enable_confidence_head", "confidence_head_with_markov")}
+        for k, v in flags.items():  # "false" is a true string: never read a quoted flag as on
+            if not isinstance(v, bool):
+                raise error(f"{where}: {k}={v!r}: expected true or false (a JSON boolean)")
+        return {"arch": self.name, "markov_rank": rank, "confidence_head": flags["enable_confidence_head"],
+                "confidence_with_markov": flags["confidence_head_with_markov"]}
 
 
 FAMILY = DSpark()

@@ -136,6 +136,11 @@ def test_report_numbers_match_the_spans(slow_target):
     assert {s["stage"] for s in cp["stages"]} >= {"model_forward", "queue_get", "optimizer_step"}
 
 
+def test_a_window_after_the_run_is_one_line(plain):
+    p = run_dflash("stalls", plain, "--window", "100000:", check=False)
+    assert p.returncode == 2 and "starts after the run's last span" in p.stderr, p.stderr
+
+
 def test_bad_run_dir_is_one_line_exit_2(tmp_path):
     for bad in (tmp_path / "missing", tmp_path):
         p = run_dflash("stalls", bad, check=False)

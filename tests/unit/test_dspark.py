@@ -266,6 +266,7 @@ def test_export_import_round_trip(tmp_path, vocab):
     ({"sample_from_anchor": True}, "sample_from_anchor"),
     ({"markov_head_type": "rnn"}, "markov_head_type='rnn'"),
     ({"markov_rank": None}, "markov_rank=None"),
+    ({"enable_confidence_head": "false"}, "enable_confidence_head='false': expected true or false"),
 ])
 def test_a_served_config_we_cannot_run_is_one_line(change, msg):
     d, _, _ = make()
@@ -280,6 +281,8 @@ def test_a_served_config_we_cannot_run_is_one_line(change, msg):
     (["model.arch=dspark", "model.copy_head=true"], "model.arch=dspark with model.copy_head"),
     (["model.arch=dspark", "train.loss=kl"], "model.arch=dspark with train.loss=kl"),
     (["model.arch=dspark", "model.markov_rank=0"], "model.markov_rank=0"),
+    (["model.arch=dspark", "train.dspark_ce_alpha=0", "train.dspark_tv_alpha=0"], "nothing would train the drafts"),
+    (["model.target_layer_ids=[1,1,2]"], "model.target_layer_ids=[1, 1, 2]: expected distinct layer ids"),
     (["eval.confidence_threshold=0.5"], "eval.confidence_threshold=0.5"),
     (["model.arch=dspark", "eval.confidence_threshold=0.5"], "train one (model.arch=dspark, model.confidence_head"),
     (["model.arch=dspark", "model.confidence_head=true", "eval.confidence_threshold=1.5"],

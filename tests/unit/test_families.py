@@ -61,3 +61,19 @@ def test_each_bound_is_the_configs_and_the_checkpoints(key, monkeypatch):
     assert files.bounds_error(FIELDS | {"arch": owner.name, name: fine}, "x") is None
     monkeypatch.setitem(owner.bounds, key, dataclasses.replace(b, lo=b.lo + 2, lo_open=False))
     assert files.bounds_error(FIELDS | {"arch": owner.name, name: fine}, "x") is not None
+
+
+def test_another_familys_settings_are_named_as_unused():
+    from dflash import family
+    from dflash.config import load_config
+
+    assert family.unused_settings(*_sections(load_config(None, []))) == []
+    cfg = load_config(None, ["model.markov_rank=8", "model.selector_rank=32"])
+    assert family.unused_settings(*_sections(cfg)) == ["model.selector_rank=32 applies to model.arch=dflash2",
+                                                       "model.markov_rank=8 applies to model.arch=dspark"]
+    own = load_config(None, ["model.arch=dspark", "model.markov_rank=8"])
+    assert family.unused_settings(*_sections(own)) == []
+
+
+def _sections(cfg):
+    return cfg.model, cfg.train

@@ -105,3 +105,11 @@ def test_feature_cache_is_off_by_default_and_refused_with_a_layout():
     assert load_config(None, ["train.feature_cache=true"]).train.feature_cache is True
     with pytest.raises(ConfigError, match="train.feature_cache=true with pipeline.layout"):
         load_config(None, ["train.feature_cache=true", "pipeline.layout=target:1,drafter:1"])
+
+
+def test_a_comma_list_ignores_the_spaces_after_its_commas():
+    from dflash.config import load_config
+
+    cfg = load_config(None, ["model.num_layers=2", "model.layer_types=sliding_attention, full_attention",
+                             "model.sliding_window=64"])
+    assert cfg.model.layer_types == ["sliding_attention", "full_attention"]
