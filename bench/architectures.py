@@ -374,6 +374,39 @@ def equal_time(rows: list[dict], names: list[str], per_step: dict | None) -> Non
         print(f"{name:16} {k:6.0f} steps ({per:.3f} s/step)  " + (f"{statistics.mean(got):.4f}" if got else why))
 
 
+MT_BENCH_PROMPTS = 80  # the set's dialogs
+
+
+def checked_args(a, all_arms: dict) -> tuple[list[str], list[int], Path]:
+    """(arm names, seeds, the output dir made absolute: `dflash train` runs from the repo root)
+    from the arguments, or one line and exit 2 before any arm trains."""
+    def bad(msg: str):
+        print(f"bench/architectures.py: {msg}", file=sys.stderr)
+        sys.exit(2)
+    names = [n.strip() for n in (a.arms.split(",") if a.arms else all_arms) if n.strip()]
+    if not names:
+        bad(f"--arms {a.arms!r}: expected a comma list of {', '.join(all_arms)}")
+    unknown = [n for n in names if n not in all_arms]
+    if unknown:
+        bad(f"--arms {','.join(unknown)}: expected some of {', '.join(all_arms)}")
+    try:
+        seeds = [int(x) for x in a.seeds.split(",") if x.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or min(seeds) < 0:
+        bad(f"--seeds {a.seeds!r}: expected a comma list of integers >= 0, e.g. 0,1,2")
+    for flag, v, lo, hi in (("--steps", a.steps, 0, 10**6), ("--mt-bench", a.mt_bench, 0, MT_BENCH_PROMPTS),
+                            ("--mt-tokens", a.mt_tokens, 1, 4096), ("--time-steps", a.time_steps, 0, 10**6)):
+        if not lo <= v <= hi:
+            bad(f"{flag} {v}: expected an integer in {lo}..{hi}")
+    if a.mt_bench and not a.decode:
+        bad(f"--mt-bench {a.mt_bench} without --decode: the MT-Bench score is decoded; add --decode")
+    out = Path(a.out).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        bad(f"--out {a.out}: not a directory")
+    return names, seeds, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--base", choices=sorted(BASES), default="demo")
@@ -397,18 +430,9 @@ def main() -> None:
     ap.add_argument("--out", default="/tmp/dflash-bench-arch")
     a = ap.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    out = Path(a.out)
     all_arms = {k: v for k, v in arms(a.base).items() if v is not None}
-    names = [n for n in (a.arms.split(",") if a.arms else all_arms) if n]
-    unknown = [n for n in names if n not in all_arms]
-    if unknown:
-        sys.exit(f"bench/architectures.py: --arms {','.join(unknown)}: expected some of {', '.join(all_arms)}")
+    names, seeds, out = checked_args(a, all_arms)
     steps = a.steps or BASES[a.base]["steps"]
-    seeds = [int(s) for s in a.seeds.split(",")]
-    if a.mt_bench and not a.decode:
-        print(f"bench/architectures.py: --mt-bench {a.mt_bench} without --decode: the MT-Bench score is decoded; "
-              "add --decode", file=sys.stderr)
-        sys.exit(2)
     rows = [train(a.base, n, all_arms[n], s, steps, out) for s in seeds for n in names]
     if a.decode:
         decode_side_by_side(rows, a.base, out, a.mt_bench, a.mt_tokens)

@@ -34,13 +34,24 @@ def main() -> int:
     if not cmd:
         print("trace_coverage.py: no command given after --: expected the command to time", file=sys.stderr)
         return 2
+    if a.telemetry.exists() and not a.telemetry.is_dir():
+        print(f"trace_coverage.py: --telemetry {a.telemetry}: not a directory", file=sys.stderr)
+        return 2
     t0 = time.time_ns()
-    rc = subprocess.call(cmd, cwd=ROOT)
+    try:
+        rc = subprocess.call(cmd, cwd=ROOT)
+    except OSError as e:  # no such program, not executable
+        print(f"trace_coverage.py: cannot run {cmd[0]!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
     t1 = time.time_ns()
     files = sorted(a.telemetry.rglob("traces.jsonl")) if a.telemetry.is_dir() else []
     spans = [s for f in files for s in read_spans(str(f)) if (s.get("attributes") or {}).get("otel.kind")]
-    if not any(s["attributes"]["otel.kind"] == "run" for s in spans):
-        print(f"trace_coverage.py: no run span under {a.telemetry} (exit {rc})", file=sys.stderr)
+    # this command's trace only: a run span that ended before it started is an earlier run's
+    ours = {s["trace_id"] for s in spans if s["attributes"]["otel.kind"] == "run" and s["end_ns"] >= t0}
+    spans = [s for s in spans if s["trace_id"] in ours]
+    if not spans:
+        print(f"trace_coverage.py: no run span of this command under {a.telemetry} (exit {rc}; spans of "
+              f"earlier runs are not counted)", file=sys.stderr)
         return rc or 1
     c = coverage(spans, t0, t1) | {"exit": rc, "command": " ".join(cmd)}
     print(f"wall {c['wall_s']:.1f} s; phases cover {100 * c['share']:.1f}% ({c['phases']} top-level phases); "

@@ -61,7 +61,7 @@ def main() -> None:
     a = ap.parse_args()
     try:
         lengths = [int(x) for x in a.lengths.split(",")]
-        assert lengths and min(lengths) >= 1 and a.budget_s > 0
+        assert lengths and min(lengths) >= 1 and 0 < a.budget_s < 1e7  # inf and nan: not a budget
         s = json.loads((Path(a.run) / "summary.json").read_text())
         steps, block = s["eval_after"]["per_prompt_steps"], s["eval_after"]["block_size"]
         cost = {k: m["cost_per_step_ms"]["step"] / 1e3 for k, m in s["engine"]["methods"].items()

@@ -135,6 +135,10 @@ def main() -> None:
                     "--isa": "a comma list of native and avx2, each once"}.get(what, "an integer >= 1")
             print(f"verdict_repeat: {what}={getattr(a, what[2:])!r}: expected {want}", file=sys.stderr)
             sys.exit(2)
+    if a.recorded and (a.rounds is not None or a.prompts is not None):  # a recorded verdict has its own
+        print("verdict_repeat: --recorded reads the run's own verdict: --rounds and --prompts do not apply; "
+              "drop them", file=sys.stderr)
+        sys.exit(2)
     if a.recorded:
         if "engine" not in json.loads((run / "summary.json").read_text()):
             print(f"verdict_repeat: --run {run}: expected a run whose summary.json holds an engine verdict",
@@ -150,6 +154,10 @@ def main() -> None:
                   f"+-{GOAL} needs ~{x['prompts_for_goal']} prompts (~{x['request_s_for_goal']} s of requests)")
         print(json.dumps(r))
         return
+    if "eval_after" not in json.loads((run / "summary.json").read_text()):
+        print(f"verdict_repeat: --run {run}: expected a run trained with --eval (its summary.json has no eval "
+              f"after training, whose prompts the verdict serves)", file=sys.stderr)
+        sys.exit(2)
     from dflash.config import load_config
     from dflash.engine.machine import describe
     from dflash.engine.targets import engine_target
