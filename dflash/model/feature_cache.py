@@ -13,7 +13,7 @@ CPU). With ``head`` (the replica's lm_head) and ``topk`` the cache keeps, per se
 top-k log-probs and ids at every position instead of the last hidden state, computed once
 (a forward's batch at once; a preloaded sequence at its first hit), and hands them to the
 drafter as a capture does (``batch.kl_topk``), so every step reads the same distribution
-and none recomputes it. It is also smaller: k x 8 bytes a token against H x 4.
+and none recomputes it. It is also smaller while k < H / 4: k x 8 bytes a token against H x 2 (bf16) or H x 4 (float32).
 """
 from __future__ import annotations
 
@@ -23,11 +23,15 @@ from ..data.batch import Batch
 
 
 class FeatureCache:
-    def __init__(self, layer_ids, device="cpu", head: torch.nn.Module | None = None, topk: int = 0):
+    def __init__(self, layer_ids, device="cpu", head: torch.nn.Module | None = None, topk: int = 0,
+                 like: torch.Tensor | None = None):
         self.layer_ids = tuple(layer_ids)
         self.device = torch.device(device)
         self._rows: dict = {}  # key -> features [n, F], or (features without FINAL, log-probs, ids) with a top-k
         self.head, self.topk = (head, int(topk)) if head is not None and topk > 0 else (None, 0)
+        # the head runs at the dtype and precision the drafter side would use: its embedding's
+        # (objective.py), which is the head's own unless a target keeps the two in different dtypes
+        self.like = like if like is not None or self.head is None else self.head.weight
         self._H = head.weight.shape[-1] if self.head is not None else 0  # FINAL's width: the last columns
 
     def __len__(self) -> int:
@@ -44,10 +48,10 @@ class FeatureCache:
         vocabulary, 10 GB for 16K positions of a 152K vocabulary) are never all in memory."""
         from .drafter import compute_precision
 
-        flat = final.reshape(-1, final.shape[-1]).to(self.head.weight.dtype)
+        flat = final.reshape(-1, final.shape[-1]).to(self.like.dtype)
         k = min(self.topk, self.head.weight.shape[0])
         vals, ids = [], []
-        with torch.no_grad(), compute_precision(self.head.weight):
+        with torch.no_grad(), compute_precision(self.like):
             for a in range(0, flat.shape[0], chunk):
                 v, i = torch.log_softmax(self.head(flat[a:a + chunk]).float(), dim=-1).topk(k, dim=-1)
                 vals.append(v)
@@ -99,9 +103,10 @@ class FeatureCache:
             self._rows.setdefault(self._key(torch.tensor(ids[:max_len])), rows[:max_len].to(self.device))
         return len(features or {})
 
-    def replica(self, device, head: torch.nn.Module | None = None) -> "FeatureCache":
-        """The same rows on another device, for another target replica (``head``: its lm_head)."""
-        other = FeatureCache(self.layer_ids, device, head if self.topk else None, self.topk)
+    def replica(self, device, head: torch.nn.Module | None = None, like: torch.Tensor | None = None) -> "FeatureCache":
+        """The same rows on another device, for another target replica (``head``: its lm_head,
+        ``like``: its input embedding)."""
+        other = FeatureCache(self.layer_ids, device, head if self.topk else None, self.topk, like)
         other._rows = {k: (tuple(t.to(other.device) for t in v) if isinstance(v, tuple) else v.to(other.device))
                        for k, v in self._rows.items()}
         return other

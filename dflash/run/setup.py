@@ -309,7 +309,8 @@ def _setup_targets(spec: RunSpec, target, resume: bool, features) -> tuple[list,
     if cfg.train.feature_cache:  # a resumed run too: a sequence seen before the resume misses once
         # a loss that reads the target's distribution: the cache keeps its top-k, not the last hidden state
         topk = cfg.train.kl_topk if spec.feature_ids[-1] == target_mod.FINAL else 0
-        caches[str(target.device)] = FeatureCache(spec.feature_ids, target.device, target.get_output_embeddings(), topk)
+        caches[str(target.device)] = FeatureCache(spec.feature_ids, target.device, target.get_output_embeddings(), topk,
+                                                  target.get_input_embeddings().weight)
         caches[str(target.device)].preload(features, cfg.data.max_len)  # regeneration's: no forward in epoch 1
     from ..model.warmup import warm_up
     for d in place.target_devices:
@@ -318,6 +319,7 @@ def _setup_targets(spec: RunSpec, target, resume: bool, features) -> tuple[list,
             replicas[key] = replicate_target(target, d)
             warm_up(replicas[key], batch_size=cfg.train.batch_size, seq_len=cfg.data.max_len, quiet=True)
             if caches:
-                caches[key] = next(iter(caches.values())).replica(d, replicas[key].get_output_embeddings())
+                caches[key] = next(iter(caches.values())).replica(d, replicas[key].get_output_embeddings(),
+                                                                  replicas[key].get_input_embeddings().weight)
     keys = [str(torch.device(d)) for d in place.target_devices]
     return [replicas[k] for k in keys], [caches.get(k) for k in keys]
