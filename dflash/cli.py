@@ -62,7 +62,11 @@ def main(argv=None) -> int:
     except Exception as e:
         failure = e
         rc = _report_failure(a, e)
-    # the run's root span ends with how the command ended; spans on disk and at the collector
+    # the run's root span ends with how the command ended; spans on disk and at the collector.
+    # A command that caught its own failure (an engine that did not start, a stop it handled)
+    # and returns its code is not an OK run either
+    if failure is None and rc:
+        failure = ("KeyboardInterrupt" if rc == 130 else "ExitStatus", f"dflash {a.cmd} exited {rc}", "")
     phases.finish(failure)
     said_how_it_ended()  # the watch for a second signal (errors.py) has nothing more to say
     if program:

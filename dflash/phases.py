@@ -55,6 +55,7 @@ _current = None          # the command's telemetry (otel Telemetry or PhaseTable
 _early: list = []        # phases finished before it: (name, t0, t1, attrs, error)
 _inject: dict = {}       # phase -> seconds (this rank's --inject-delay on set-up phases)
 _command = None
+_fallback = None         # (command, file dir): where the spans go if the command stops before its telemetry starts
 _start_ns = PROCESS_T0   # where this command began: the process's start, or (a second command in one
                          # process: tests, benches) its own cli.main call
 
@@ -208,9 +209,18 @@ def start(command: str, *, file_dir: str | None = None, run_id: str | None = Non
     return tel
 
 
+def fallback(command: str, file_dir: str) -> None:
+    """Where this command's spans go if it stops (a signal, a crash) before its telemetry starts
+    (`train` and `capture` start theirs after torch's import and the ranks' agreement): the
+    phases until then are written there rather than lost. Set once its inputs are known good."""
+    global _fallback
+    _fallback = (command, file_dir)
+
+
 def reset() -> None:
     """A new command in this process (cli.main): no telemetry yet, nothing remembered."""
-    global _current, _start_ns
+    global _current, _start_ns, _fallback
+    _fallback = None
     if _current is not None:  # not the process's first command: it starts now
         _start_ns = time.perf_counter_ns()
     _current = None
@@ -218,16 +228,25 @@ def reset() -> None:
     _inject.clear()
 
 
-def finish(error: BaseException | None = None) -> None:
-    """The command is over: its root span ends (marked with ``error``, a crash or a signal),
+def finish(error: BaseException | tuple | None = None) -> None:
+    """The command is over: its root span ends (marked with ``error``, a crash or a signal, or
+    (type, message, stack) for a command that returned a failing exit code),
     the telemetry is shut down (files complete, the collector within its bound). Idempotent;
     never raises (the command's own exit code stands)."""
     tel = _current
+    if tel is None and _fallback is not None and _early and error is not None:
+        try:  # stopped before the telemetry started: the phases so far, marked, where it would have gone
+            rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
+            tel = start(_fallback[0], file_dir=os.path.join(_fallback[1], f"rank{rank}" if world > 1 else ""),
+                        mode="thread", rank=rank, world=world)
+        except Exception as e:  # noqa: BLE001 -- telemetry never changes how a command ends
+            print(f"dflash: telemetry: {e!r}", file=sys.stderr)
+            return
     if tel is None:
         return
     try:
         from .errors import user_error
-        if error is not None and not isinstance(error, KeyboardInterrupt) and user_error(error) is not None:
+        if isinstance(error, Exception) and user_error(error) is not None:
             tel.console = False  # bad input is one line (exit 2): no table after it
         tel.end_run(error)
         tel.shutdown(timeout_s=2.0)
@@ -255,7 +274,9 @@ class PhaseTable:
         return self.run_trace.record(name, t0_ns, t1_ns, parent, error, **attrs)
 
     def traceparent(self) -> str:
-        return self.run_trace.traceparent()
+        # nothing of ours is exported: a child's spans hang where this process's would have (the
+        # TRACEPARENT it was handed, if any), never under a span id no collector will see
+        return os.environ.get("TRACEPARENT", "")
 
     def end_run(self, error=None) -> None:
         from otel.producer.phases import _error

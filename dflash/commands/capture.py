@@ -56,12 +56,17 @@ def run(a) -> int:
             elif a.resume:
                 _remove(out, (f".{INDEX}.tmp*", f".{SHARD_GLOB}.tmp*"))  # a killed rank's unfinished files
     a.phase = "capture"
+    if cfg.telemetry.enabled:  # stopped before the telemetry starts (below): its phases still reach it
+        phases.fallback("capture", str(out / "telemetry"))
     with phases.phase("import_torch"):
-        from ..offline.capture import capture
-        from ..run.distributed import early_run_id
-    # the capture's telemetry: FEATS/telemetry (per rank under torchrun), the ranks in one trace
+        from ..offline.capture import agreed_run_id, capture
+        from ..run.distributed import agent_store, early_run_id
+    # the capture's telemetry: FEATS/telemetry (per rank under torchrun), the ranks in one trace:
+    # its id from torchrun's store before the ranks join, else agreed by joining first (the join
+    # is then a phase recorded once the telemetry starts)
+    rid = early_run_id(world) if world <= 1 or agent_store() else agreed_run_id(world)
     phases.start("capture", file_dir=str(out / "telemetry" / (f"rank{rank}" if world > 1 else "")),
-                 run_id=early_run_id(world), argv=a.argv, enabled=cfg.telemetry.enabled, rank=rank, world=world,
+                 run_id=rid, argv=a.argv, enabled=cfg.telemetry.enabled, rank=rank, world=world,
                  mode=cfg.telemetry.mode)
 
     index = capture(cfg, out, shard_bytes=a.shard_mb * 2**20, resume=a.resume, engine=a.engine)

@@ -71,6 +71,9 @@ def run(a) -> int:
                 from ..preflight.checkpoint_files import clean_stale_temps
                 clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
+    if cfg.telemetry.enabled:  # stopped before the run's telemetry starts: its phases still reach OUT/telemetry
+        from ..phases import fallback
+        fallback("train", str(out / "telemetry"))
     with phase("import_torch"):
         from ..run.trainer import train  # torch and transformers: only once the input is known to be good
 

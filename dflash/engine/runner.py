@@ -170,13 +170,15 @@ def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: fl
     (work / "job.json").write_text(json.dumps(job))
     local = is_local(job["target"]) and (not job.get("speculative") or "model" not in job["speculative"]
                                          or is_local(job["speculative"]["model"]))
-    proc = start(str(WORKER), [str(work / "job.json"), str(work / "result.json")], log=log,
-                 env=engine_env(offline=local), cwd=work)
-    t0 = time.monotonic()
-    keep = False  # the dir is kept when it holds the log a failure names
+    keep, proc = False, None  # the dir is kept when it holds the log a failure names
     from ..phases import phase
     try:
         with phase("engine_job", engine=label, log=str(log)) as ph:  # the engine's start and its job, in the run's trace
+            # started inside the phase: its TRACEPARENT (engine_env) names this phase, so the
+            # engine's own spans hang under it
+            proc = start(str(WORKER), [str(work / "job.json"), str(work / "result.json")], log=log,
+                         env=engine_env(offline=local), cwd=work)
+            t0 = time.monotonic()
             while proc.poll() is None:
                 if stop is not None and stop.is_set():
                     raise EngineFailed(f"vLLM ({label}): stopped by a signal")
@@ -191,7 +193,8 @@ def run_job(job: dict, *, label: str, log_dir: Path | None = None, timeout_s: fl
             ph.set(**{k: result[k] for k in ("load_s", "run_s") if isinstance(result.get(k), (int, float))})
         return result
     finally:
-        stop_group(proc)
+        if proc is not None:
+            stop_group(proc)
         if keep and log.parent == work:
             for name in ("job.json", "result.json"):
                 (work / name).unlink(missing_ok=True)

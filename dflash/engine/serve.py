@@ -232,25 +232,29 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
           max_model_len: int, otlp: str | None, log: str | None, ready_timeout_s: float) -> int:
     from .targets import engine_target
 
-    target = engine_target(target_spec, target_seed)
+    with phase("engine_target", target=target_spec):  # a tiny target written, a GGUF de-quantized: can take minutes
+        target = engine_target(target_spec, target_seed)
     work = Path(runner.scratch_dir("serve"))
     log_path = Path(log).absolute() if log else work / "vllm-serve.log"  # opened as given: never resolve()
-    env = runner.engine_env(offline=runner.is_local(target))  # TRACEPARENT included: the run's trace
     endpoint = otlp_endpoint(otlp)
-    if endpoint:
-        env.setdefault("OTEL_SERVICE_NAME", "dflash-serve")
-        attrs = resource_attributes({"dflash.drafter": Path(export).resolve(), "dflash.target": target_spec})
-        env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(x for x in (env.get("OTEL_RESOURCE_ATTRIBUTES", ""), attrs) if x)
     name = target_spec
-    proc = runner.start("vllm.entrypoints.openai.api_server", server_args(target=target, export=export, k=k, port=port, dtype=dtype,
-                                    max_model_len=max_model_len, name=name, otlp=endpoint),
-                        log=log_path, env=env, cwd=work)
     url = f"http://127.0.0.1:{port}"
-    stopped = False  # by us (a signal): nothing to keep; else the log a failure names is kept
+    stopped, proc = False, None  # stopped by us (a signal): nothing to keep; else the log a failure names is kept
     try:
         print(f"dflash serve: starting vLLM (target {target_spec}, drafter {export}, k={k}); log: {log_path}",
               file=sys.stderr)
         with phase("engine_start", port=port, k=k, log=str(log_path)):
+            # the environment made inside the phase: the engine's TRACEPARENT names engine_start
+            env = runner.engine_env(offline=runner.is_local(target))
+            if endpoint:
+                env.setdefault("OTEL_SERVICE_NAME", "dflash-serve")
+                attrs = resource_attributes({"dflash.drafter": Path(export).resolve(), "dflash.target": target_spec})
+                env["OTEL_RESOURCE_ATTRIBUTES"] = ",".join(x for x in (env.get("OTEL_RESOURCE_ATTRIBUTES", ""), attrs)
+                                                           if x)
+            proc = runner.start("vllm.entrypoints.openai.api_server",
+                                server_args(target=target, export=export, k=k, port=port, dtype=dtype,
+                                            max_model_len=max_model_len, name=name, otlp=endpoint),
+                                log=log_path, env=env, cwd=work)
             wait_ready(proc, url, log_path, ready_timeout_s)
         print(f"dflash serve: ready at {url}/v1 (OpenAI API; traces: {endpoint or 'off'})", flush=True)
         print(curl_line(url, name), flush=True)
@@ -269,5 +273,6 @@ def serve(*, export: str, target_spec: str, target_seed: int, port: int, k: int,
         stopped = True
         raise
     finally:
-        runner.stop_group(proc)
+        if proc is not None:
+            runner.stop_group(proc)
         (runner.remove_scratch if stopped or log_path.parent != work else runner.keep_scratch)(work)

@@ -47,13 +47,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     from ..prep.regen_shard import SOLO, Shard
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    if world > 1:
-        import torch.distributed as dist
-        from datetime import timedelta
-        # gloo, object collectives only (replies, shard lists, fingerprints); as patient as a
-        # training run's set-up: a rank may wait there for the slowest regeneration shard
-        with phase("join_ranks", collective=True, world_size=world):
-            dist.init_process_group("gloo", timeout=timedelta(hours=6))
+    join_ranks(world)
     device = local_device(cfg.pipeline.target_devices[0])
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
@@ -222,6 +216,27 @@ def _kept_shards(out: Path, cid: str, samples: int) -> tuple[list[dict], str | N
                     "target, layers, dtype or prepared data differ from this run's; run it with the first "
                     "run's settings, or with --overwrite to capture again")
     return kept, None
+
+
+def join_ranks(world: int) -> None:
+    """The capture's process group, joined once (commands/capture.py may have joined it first,
+    to agree on the run id): gloo, object collectives only (replies, shard lists, fingerprints);
+    as patient as a training run's set-up: a rank may wait there for the slowest regeneration shard."""
+    if world <= 1:
+        return
+    import torch.distributed as dist
+    from datetime import timedelta
+    if not dist.is_initialized():
+        with phase("join_ranks", collective=True, world_size=world):
+            dist.init_process_group("gloo", timeout=timedelta(hours=6))
+
+
+def agreed_run_id(world: int) -> str:
+    """Without torchrun's agent store (Slurm, an operator's launcher): the ranks join, and rank
+    0's run id is everyone's, so that every rank's spans land in one trace."""
+    import uuid
+    join_ranks(world)
+    return _broadcast(os.environ.get("DFLASH_RUN_ID") or uuid.uuid4().hex, world)
 
 
 def _broadcast(obj, world: int):

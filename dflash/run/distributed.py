@@ -12,6 +12,12 @@ import torch.distributed as dist
 AGREE_TIMEOUT_S = 60.0  # reaching torchrun's own store: it is up before any rank starts
 
 
+def agent_store() -> bool:
+    """Whether torchrun's agent store is there to agree on a run id before the ranks join (the
+    same answer on every rank of a launch: an environment variable torchrun sets for all)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
 def early_run_id(world: int) -> str | None:
     """The run id, before the ranks join, so that the telemetry (and the run's trace, whose
     ids derive from it) starts first: `DFLASH_RUN_ID`; a single process's own; under torchrun,
@@ -23,7 +29,7 @@ def early_run_id(world: int) -> str | None:
     if world <= 1:
         return uuid.uuid4().hex
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or not addr or not port.isdigit():
+    if not agent_store() or not addr or not port.isdigit():
         return None
     try:
         store = dist.TCPStore(addr, int(port), is_master=False, timeout=timedelta(seconds=AGREE_TIMEOUT_S))

@@ -291,17 +291,21 @@ class RunTrace:
 
     def rows(self, max_depth: int = 2) -> list[dict]:
         """The finished phases by name down to ``max_depth``, repeated ones together (a
-        regeneration's batches): name, depth, count, seconds, failed, in order of first start."""
+        regeneration's batches): name, depth, count, seconds, failed, in order of first start.
+        The seconds are the wall the repeats cover: ones that overlap (engines started side by
+        side) count their shared time once, so no share exceeds the wall."""
         with self._lock:
             done = sorted(self.finished, key=lambda r: r[2])
         rows: dict = {}
+        reached: dict = {}  # (depth, name) -> the latest end so far
         for name, depth, t0, t1, error in done:
             if depth > max_depth:
                 continue
-            r = rows.setdefault((depth, name), {"phase": name, "depth": depth, "count": 0, "seconds": 0.0,
-                                                "failed": 0})
+            key = (depth, name)
+            r = rows.setdefault(key, {"phase": name, "depth": depth, "count": 0, "seconds": 0.0, "failed": 0})
             r["count"] += 1
-            r["seconds"] += (t1 - t0) / 1e9
+            r["seconds"] += max(0, t1 - max(t0, reached.get(key, t0))) / 1e9
+            reached[key] = max(reached.get(key, t1), t1)
             r["failed"] += error is not None
         return list(rows.values())
 

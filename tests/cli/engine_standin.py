@@ -18,7 +18,8 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 argv = sys.argv[1:]
 with open(os.environ["STANDIN_RECORD"], "w") as f:
-    json.dump({"argv": argv, "env": {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}}, f)
+    json.dump({"argv": argv, "env": {k: v for k, v in os.environ.items() if k.startswith("OTEL_") or k == "TRACEPARENT"}},
+              f)
 if "--port" not in argv or os.environ.get("STANDIN_SERVE") != "1":
     sys.exit(3)
 

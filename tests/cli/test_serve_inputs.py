@@ -473,3 +473,32 @@ def test_the_default_max_model_len_fits_a_target_with_fewer_positions(served):
     _, got, _, _ = served
     argv = got["argv"]
     assert argv[argv.index("--max-model-len") + 1] == "512"
+
+
+def test_a_failed_engine_start_marks_the_root_and_the_engine_hangs_under_its_phase(tmp_path, export):
+    """serve returns 1 when its engine fails (no exception reaches cli.main): the root span says so
+    (it said OK), the engine's target preparation is a phase of its own (it was a dark gap), and
+    the engine's TRACEPARENT names engine_start. Without a sink, the engine gets the TRACEPARENT
+    serve was handed, not a span id nobody exports."""
+    from otel import read_spans
+
+    env, record = _standin(tmp_path)
+    env |= {"DFLASH_CACHE": str(tmp_path / "cache")}
+    tel = tmp_path / "tel"
+    p = subprocess.run([sys.executable, "-m", "dflash", "serve", str(export), "--target", "tiny-qwen3",
+                        "--port", str(free_port()), "--telemetry-dir", str(tel)], cwd=ROOT, capture_output=True,
+                       text=True, env=os.environ | env, timeout=300)
+    assert p.returncode == 1, p.stderr[-800:]
+    spans = {s["name"]: s for s in read_spans(str(tel))}
+    error = 2  # OTLP's STATUS_CODE_ERROR
+    assert "engine_target" in spans and spans["engine_start"]["status"].get("code") == error, spans.keys()
+    root = spans["dflash serve"]
+    assert root["status"].get("code") == error and "exited 1" in root["status"].get("message", ""), root["status"]
+    handed = json.loads(record.read_text())["env"]["TRACEPARENT"]
+    assert handed.split("-")[1:3] == [spans["engine_start"]["trace_id"], spans["engine_start"]["span_id"]]
+
+    outer = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    p = subprocess.run([sys.executable, "-m", "dflash", "serve", str(export), "--target", "tiny-qwen3",
+                        "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True,
+                       env=os.environ | env | {"TRACEPARENT": outer}, timeout=300)
+    assert p.returncode == 1 and json.loads(record.read_text())["env"]["TRACEPARENT"] == outer

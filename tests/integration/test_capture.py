@@ -102,6 +102,28 @@ def _torchrun(*args):
 
 
 @pytest.mark.torchrun
+def test_two_ranks_without_torchruns_store_share_one_trace(tmp_path):
+    """Launched the way Slurm or an operator launches (the rank variables, no torchrun agent
+    store): the ranks agree on the run id by joining first, so both land in one trace (each
+    had its own, rank 1's process span hanging from a root nobody emitted)."""
+    from otel import read_spans
+
+    out, port = tmp_path / "feats", str(free_port())
+    base = dict(os.environ) | {"OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                               "MASTER_PORT": port} | NO_OTEL_ENV
+    base.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    procs = [subprocess.Popen([sys.executable, "-m", "dflash", "capture", "--target", "tiny-qwen3", "--out", str(out),
+                               *map(str, TINY)], cwd=ROOT, env=base | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    traces = {r: {s["trace_id"] for s in read_spans(str(out / "telemetry" / f"rank{r}"))} for r in (0, 1)}
+    assert len(traces[0]) == 1 and traces[0] == traces[1], traces
+    assert any(s["name"] == "join_ranks" for s in read_spans(str(out / "telemetry" / "rank1")))
+
+
+@pytest.mark.torchrun
 @pytest.mark.slow
 def test_two_ranks_capture_what_one_does_and_two_ranks_train_from_it(tmp_path, feats):
     from dflash.data.dataset import batches

@@ -159,3 +159,19 @@ def test_disabled_phases_name_exceptions_and_pass_the_context_through(monkeypatc
             raise RuntimeError("x")
     assert e.value.otel_stage == "load target"
     assert tel.traceparent() == ph.traceparent == "00-" + "a" * 32 + "-" + "b" * 16 + "-01"
+
+
+def test_overlapping_repeats_of_a_phase_count_their_wall_once():
+    """Engines started side by side: three 1 s starts over the same second are 1 s of the wall,
+    not 3 (a share above 100%); one after another they add up."""
+    from otel.producer.phases import RunTrace
+
+    t = RunTrace("r", "dflash eval", start_ns=0)
+    s = 1_000_000_000
+    for i in range(3):
+        t.record("engine_start", 0, s)
+    for i in range(2):
+        t.record("regen_batch", (2 + i) * s, (3 + i) * s)
+    rows = {r["phase"]: r for r in t.rows()}
+    assert (rows["engine_start"]["count"], rows["engine_start"]["seconds"]) == (3, 1.0)
+    assert (rows["regen_batch"]["count"], rows["regen_batch"]["seconds"]) == (2, 2.0)

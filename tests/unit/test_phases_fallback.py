@@ -1,0 +1,31 @@
+"""A command stopped before its telemetry starts (`train` and `capture` start it after torch's
+import): the phases until then are written where the telemetry would have gone, the open one
+and the root marked, rather than lost (dflash/phases.py `fallback`)."""
+from helpers import NO_OTEL_ENV
+
+
+def test_phases_before_the_telemetry_reach_the_fallback_dir(tmp_path, monkeypatch):
+    import pytest
+
+    from dflash import phases
+    from otel import read_spans
+
+    for k, v in NO_OTEL_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    phases.reset()
+    try:
+        with phases.phase("check_inputs"):
+            pass
+        phases.fallback("train", str(tmp_path / "telemetry"))
+        with pytest.raises(KeyboardInterrupt):
+            with phases.phase("import_torch"):
+                raise KeyboardInterrupt("SIGTERM")
+        phases.finish(KeyboardInterrupt("SIGTERM"))
+        spans = {s["name"]: s for s in read_spans(str(tmp_path / "telemetry"))}
+        assert {"check_inputs", "import_torch", "dflash train"} <= set(spans), spans.keys()
+        assert spans["import_torch"]["status"].get("code") == 2 and spans["dflash train"]["status"].get("code") == 2
+        assert spans["check_inputs"]["status"].get("code") != 2
+    finally:
+        phases.reset()
+
