@@ -37,6 +37,8 @@ def load_run(run_dir) -> list[dict]:
     if not run.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
     files = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
+    if not files and not (run / "telemetry").exists():  # a --telemetry-dir itself (eval, serve, export)
+        files = sorted(f for f in (run / "traces.jsonl", *run.glob("rank*/traces.jsonl")) if f.is_file())
     if not files:
         raise ConfigError(f"{run_dir}: no telemetry (expected {run}/telemetry/traces.jsonl or "
                           f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry?)")
@@ -334,6 +336,10 @@ def format_report(rep: dict) -> str:
     lines = [f"dflash stalls: run {rep['run_id']} ({rep['source']}), {rep['ranks']} rank(s), "
              f"{len(rep['workers'])} workers, {rep['wall_s']:.2f}s"
              + (f", window {rep['window_s'][0]:g}:{rep['window_s'][1]:g}s" if rep["window_s"] else "")]
+    from .startup import format_startup
+    if not rep["workers"]:  # stopped before its first step: the start-up is the whole story
+        return "\n".join(lines + ["", "no training step in this run: its start-up alone"]
+                         + format_startup(rep.get("startup")))
     causes = [c for c in DFLASH_RULES.all_causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
     lines += ["", "idle time by cause (seconds)",
               f"  {'worker':<16}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
@@ -368,7 +374,6 @@ def format_report(rep: dict) -> str:
                      f"{s['start_s']:>8.2f}s  {s['trace_id']}")
     if not rep["top_stalls"]:
         lines.append("  (none)")
-    from .startup import format_startup
     lines += format_startup(rep.get("startup"))
     return "\n".join(lines)
 

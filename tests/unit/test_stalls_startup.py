@@ -53,7 +53,9 @@ def test_a_run_stopped_before_its_first_step_reports_its_start_up():
     rep = analyze(spans, run_id="r", source="test")
     assert rep["workers"] == [] and rep["startup"]["ranks"][0]["first_step_s"] is None
     assert rep["startup"]["failed"] == [{"phase": "regen_batch", "rank": 0, "error": "Interrupted: SIGTERM"}]
-    assert "failed: regen_batch on rank 0: Interrupted: SIGTERM" in format_report(rep)
+    text = format_report(rep)
+    assert "failed: regen_batch on rank 0: Interrupted: SIGTERM" in text
+    assert "its start-up alone" in text and "idle time by cause" not in text and "top stalls" not in text
 
 
 def test_spans_without_a_run_trace_have_no_start_up_section():
@@ -73,3 +75,19 @@ def test_coverage_is_the_union_of_the_roots_phases_over_the_wall_and_names_the_l
     assert abs(c["longest_gap_s"] - 2.0) < 1e-9 and abs(c["longest_gap_at_s"] - 5.0) < 1e-9
     assert abs(c["root_starts_after_s"] - 0.2) < 1e-9 and abs(c["root_ends_before_s"] - 0.5) < 1e-9
     assert c["phases"] == 3
+
+
+def test_stalls_reads_a_telemetry_dir_itself(tmp_path):
+    """`dflash stalls DIR` where DIR is a --telemetry-dir (eval, serve, export write there): its
+    files are found (here empty: "no spans"), not refused as "no telemetry"."""
+    import pytest
+
+    from dflash.analysis.stalls import load_run
+    from dflash.errors import ConfigError
+
+    tel = tmp_path / "tel"
+    (tel / "rank1").mkdir(parents=True)
+    (tel / "traces.jsonl").write_text("")
+    (tel / "rank1" / "traces.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="no spans"):
+        load_run(tel)
