@@ -13,7 +13,8 @@ CPU). With ``head`` (the replica's lm_head) and ``topk`` the cache keeps, per se
 top-k log-probs and ids at every position instead of the last hidden state, computed once
 (a forward's batch at once; a preloaded sequence at its first hit), and hands them to the
 drafter as a capture does (``batch.kl_topk``), so every step reads the same distribution
-and none recomputes it. It is also smaller while k < H / 4: k x 8 bytes a token against H x 2 (bf16) or H x 4 (float32).
+and none recomputes it. It is also smaller while k < H / 4: k x 8 bytes a token against H x 2
+(bf16) or H x 4 (float32).
 """
 from __future__ import annotations
 
