@@ -7,6 +7,7 @@ otel.idle with the default rules (they name this pipeline's stages).
 """
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -23,10 +24,12 @@ from .idle_rules import DFLASH_RULES
 from ..errors import ConfigError
 from ..preflight.inputs import json_loads
 
-# The prefetcher runs ahead by design: its waits are not device idle, so they are kept out
-# of the top-stalls list (its busy fraction is still reported).
-NOT_STALLS = frozenset({"prefetch"})
+# The prefetcher runs ahead by design, and the checkpoint writer waits for the next save: their
+# waits are not device idle, so they are kept out of the top-stalls list (their busy fraction
+# is still reported).
+NOT_STALLS = frozenset({"prefetch", "checkpoint_writer"})
 JAEGER_MAX_BYTES = 1 << 30  # one query's answer, read whole
+MAX_S = 1e8  # seconds: a window or a lookback beyond three years names no run
 
 
 # ------------------------------------------------------------------ loading
@@ -36,9 +39,13 @@ def load_run(run_dir) -> list[dict]:
     run = Path(run_dir)
     if not run.is_dir():
         raise ConfigError(f"{run_dir}: no such run directory")
-    files = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
-    if not files and not (run / "telemetry").exists():  # a --telemetry-dir itself (eval, serve, export)
-        files = sorted(f for f in (run / "traces.jsonl", *run.glob("rank*/traces.jsonl")) if f.is_file())
+    found = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
+    if not found and not (run / "telemetry").exists():  # a --telemetry-dir itself (eval, serve, export)
+        found = sorted(f for f in (run / "traces.jsonl", *run.glob("rank*/traces.jsonl")) if f.exists())
+    files = [f for f in found if f.is_file()]  # a FIFO would hang the read, a dir is no file
+    for f in found:
+        if f not in files:
+            print(f"dflash: {f}: not a regular file, skipped", file=sys.stderr)
     if not files:
         raise ConfigError(f"{run_dir}: no telemetry (expected {run}/telemetry/traces.jsonl or "
                           f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry?)")
@@ -152,7 +159,8 @@ def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h
 
 def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None, list[dict]]:
     """Spans of one run: `run_id`, else the most recent one (a resumed run directory or a
-    Jaeger backend can hold several)."""
+    Jaeger backend can hold several; an `export --telemetry-dir RUN/telemetry` adds its own),
+    said on stderr with the others, so a report is never of another run than the reader thinks."""
     by_run = defaultdict(list)
     for s in spans:
         by_run[s.get("resource", {}).get("run.id")].append(s)
@@ -161,7 +169,20 @@ def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None
             raise ConfigError(f"--run-id {run_id}: not found (runs: {', '.join(map(str, by_run))})")
         return run_id, by_run[run_id]
     rid = max(by_run, key=lambda r: max(s["end_ns"] for s in by_run[r]))
+    if len(by_run) > 1:
+        others = sorted((r for r in by_run if r != rid), key=lambda r: -max(s["end_ns"] for s in by_run[r]))
+        shown = ", ".join(f"{r} ({_command(by_run[r])})" for r in others[:5]) + (", ..." if len(others) > 5 else "")
+        print(f"dflash: {len(by_run)} runs in this source: reporting the latest, {rid} ({_command(by_run[rid])}); "
+              f"the others: {shown} (choose with --run-id)", file=sys.stderr)
     return rid, by_run[rid]
+
+
+def _command(spans) -> str:
+    """What a run was: its root span's name (`dflash train`, `dflash export`, ...), else its workers'."""
+    roots = [s["name"] for s in spans if not s.get("parent_span_id") and str(s.get("name", "")).startswith("dflash")]
+    if roots:
+        return roots[0]
+    return "training steps" if any(worker_of(s) is not None for s in spans) else "no root span"
 
 
 # ------------------------------------------------------------------ analysis
@@ -206,9 +227,30 @@ def parse_window(text: str | None):
         hi = float(b) if b.strip() else float("inf")
     except ValueError:
         raise ConfigError(f"--window {text}: expected START:END in seconds, e.g. 1.5:4") from None
+    if not (math.isfinite(lo) and (math.isfinite(hi) or not b.strip())) or max(lo, hi if b.strip() else 0) > MAX_S:
+        raise ConfigError(f"--window {text}: expected START:END in seconds below {MAX_S:g} (leave END empty for "
+                          "the run's end)")
     if lo < 0 or hi <= lo:
         raise ConfigError(f"--window {text}: expected 0 <= START < END")
     return lo, hi
+
+
+def check_window(spans, window) -> None:
+    """One line when ``window`` starts after the run's last span: an empty window would read
+    as every worker idle (stalls) or draw nothing (timeline)."""
+    if not window:
+        return
+    t0 = run_start_ns(spans)
+    wall = (max(s["end_ns"] for s in spans) - t0) / 1e9
+    if window[0] >= wall:
+        raise ConfigError(f"--window {window[0]:g}:{'' if window[1] == float('inf') else f'{window[1]:g}'}: "
+                          f"starts after the run's last span ({wall:.2f} s from its start); expected a start "
+                          f"below {wall:.2f}")
+
+
+def _in_window(spans, win):
+    """The spans that start inside ``win`` (window_ns's), all of them without one."""
+    return spans if win is None else [s for s in spans if win[0] <= s["start_ns"] < win[1]]
 
 
 def run_start_ns(spans) -> int:
@@ -277,13 +319,8 @@ def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, 
         return {"run_id": run_id, "source": source, "ranks": len((start or {}).get("ranks") or []), "by_role": {},
                 "balance": None, "window_s": None, "wall_s": (start or {}).get("wall_s") or 0.0, "workers": [],
                 "critical_path": None, "top_stalls": [], "startup": start}
+    check_window(spans, window)
     t0 = run_start_ns(spans)
-    wall = (max(s["end_ns"] for s in spans) - t0) / 1e9
-    if window and window[0] >= wall:  # an empty window would read as every worker idle
-        from ..errors import ConfigError
-        raise ConfigError(f"--window {window[0]:g}:{'' if window[1] == float('inf') else f'{window[1]:g}'}: "
-                          f"starts after the run's last span ({wall:.2f} s from its start); expected a start "
-                          f"below {wall:.2f}")
     snap, segments = attribute(spans, window, rules)
     roles = {}
     for s in spans:
@@ -300,11 +337,13 @@ def analyze(spans, top: int = 10, window=None, rules=DFLASH_RULES, run_id=None, 
                         "idle_s": idle, "top_idle_cause": top_cause})
     ranks = {w["rank"] for w in workers}
     from .balance import balance
+    inside = _in_window(spans, window_ns(spans, window))  # the per-batch figures: the window's batches
     return {"run_id": run_id, "source": source, "ranks": len(ranks), "by_role": _by_role(workers),
-            "balance": balance(spans),
-            "window_s": list(window) if window else None,
+            "balance": balance(inside),
+            # JSON has no infinity: an open end is null
+            "window_s": [window[0], window[1] if math.isfinite(window[1]) else None] if window else None,
             "wall_s": (max(s["end_ns"] for s in spans) - t0) / 1e9,
-            "workers": workers, "critical_path": _typical_step(spans, t0),
+            "workers": workers, "critical_path": _typical_step(inside, t0),
             "top_stalls": _top_stalls(segments, t0, top), "startup": start}
 
 
@@ -335,16 +374,18 @@ def _ms(s: float) -> str:
 def format_report(rep: dict) -> str:
     lines = [f"dflash stalls: run {rep['run_id']} ({rep['source']}), {rep['ranks']} rank(s), "
              f"{len(rep['workers'])} workers, {rep['wall_s']:.2f}s"
-             + (f", window {rep['window_s'][0]:g}:{rep['window_s'][1]:g}s" if rep["window_s"] else "")]
+             + (f", window {rep['window_s'][0]:g}:{'' if rep['window_s'][1] is None else format(rep['window_s'][1], 'g')}s"
+                if rep["window_s"] else "")]
     from .startup import format_startup
     if not rep["workers"]:  # stopped before its first step: the start-up is the whole story
         return "\n".join(lines + ["", "no training step in this run: its start-up alone"]
                          + format_startup(rep.get("startup")))
+    W = max([16] + [len(w["label"]) + 2 for w in rep["workers"]])  # a long worker name keeps its gap
     causes = [c for c in DFLASH_RULES.all_causes() if any(w["idle_s"].get(c) for w in rep["workers"])]
     lines += ["", "idle time by cause (seconds)",
-              f"  {'worker':<16}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
+              f"  {'worker':<{W}}{'busy':>7}{'wall':>9}" + "".join(f"{c:>12}" for c in causes) + "   top idle cause"]
     for w in rep["workers"]:
-        lines.append(f"  {w['label']:<16}{w['busy_fraction']:>7.1%}{w['wall_s']:>9.3f}"
+        lines.append(f"  {w['label']:<{W}}{w['busy_fraction']:>7.1%}{w['wall_s']:>9.3f}"
                      + "".join(f"{w['idle_s'].get(c, 0):>12.3f}" for c in causes)
                      + (f"   {top} ({w['idle_s'][top] / w['wall_s']:.0%} of wall)"
                         if (top := w["top_idle_cause"]) and w["wall_s"] else "   -"))
@@ -360,16 +401,16 @@ def format_report(rep: dict) -> str:
     if cp:
         lines += ["", f"typical step: batch {cp['batch_id']}, {cp['duration_s'] * 1e3:.1f} ms end to end "
                       f"(median of {cp['traces']} batch traces), trace {cp['trace_id']}",
-                  f"  {'offset':>10}{'duration':>11}{'waited':>11}  {'worker':<16}stage"]
+                  f"  {'offset':>10}{'duration':>11}{'waited':>11}  {'worker':<{W}}stage"]
         for s in cp["stages"]:
             lines.append(f"  {'+' + format(s['offset_s'] * 1e3, '.1f') + 'ms':>10}{_ms(s['duration_s']):>11}"
                          f"{_ms(s['wait_before_s']) if s['wait_before_s'] >= 1e-4 else '':>11}"
-                         f"  {s['worker']:<16}{s['stage']}")
+                         f"  {s['worker']:<{W}}{s['stage']}")
     lines += ["", "top stalls (open the trace id in Jaeger)",
-              f"  {'duration':>10}  {'cause':<12}{'worker':<16}{'stage':<18}{'batch':>6}{'at':>9}  trace id"]
+              f"  {'duration':>10}  {'cause':<12}{'worker':<{W}}{'stage':<18}{'batch':>6}{'at':>9}  trace id"]
     for s in rep["top_stalls"]:
         where = s["stage"] if s["cause"] not in ("host", "data_wait") else f"before {s['stage']}"
-        lines.append(f"  {_ms(s['duration_s']):>10}  {s['cause']:<12}{worker_label((s['rank'], s['worker'])):<16}"
+        lines.append(f"  {_ms(s['duration_s']):>10}  {s['cause']:<12}{worker_label((s['rank'], s['worker'])):<{W}}"
                      f"{where:<18}{s['batch_id'] if s['batch_id'] is not None else '-':>6}"
                      f"{s['start_s']:>8.2f}s  {s['trace_id']}")
     if not rep["top_stalls"]:

@@ -145,7 +145,7 @@ def write_png(spans, path, window=None, run_id=None) -> None:
     causes = [c for c in CAUSE_COLORS if any(d["idle_s"].get(c, 0) >= visible > 0 for d in snap.values())]
     handles = ([Patch(color=CAUSE_COLORS[c], label=f"idle: {c}") for c in causes]
                + [Patch(color=palette[s], label=s) for s in palette if s in used])
-    ncol = min(len(handles), 7)
+    ncol = max(1, min(len(handles), 7))  # no entry at all: still one column
     legend_in = 0.25 + 0.22 * -(-len(handles) // ncol)  # rows of legend entries, in inches
     fig.legend(handles=handles, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, legend_in / fig_h, 1, 1))
@@ -197,7 +197,7 @@ def write_perfetto(spans, path, window=None, run_id=None) -> int:
            "otherData": {"run_id": run_id, "time_origin_unix_ns": run_start_ns(spans)}}
 
     def write(tmp):
-        with open(tmp, "w") as f:
-            json.dump(doc, f)
+        with open(tmp, "w") as f:  # an OTLP bytesValue attribute as hex: JSON has no bytes
+            json.dump(doc, f, default=lambda v: v.hex() if isinstance(v, (bytes, bytearray)) else str(v))
     _replace_atomically(path, write)
     return len(ev)

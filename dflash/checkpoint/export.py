@@ -49,6 +49,7 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
     from ..preflight.run_dir import check_place
 
     dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")
+    _check_not_in_a_runs_own_dirs(out, dst)
     if dst.is_dir() and any(dst.iterdir()):
         foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
         if not (dst / files.EXPORT_MARKER).is_file():
@@ -62,6 +63,22 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
         if not overwrite:
             raise ConfigError(f"--out {out!r}: holds an earlier dflash export; pass --overwrite to replace it")
     return raw
+
+
+# a run's dirs that only the run writes: an export inside one would stop its next --resume ("holds files
+# dflash did not write") or be mixed with its spans
+_RUNS_OWN = ("checkpoint", "checkpoint.old", "telemetry", "engine", "best", "ranks")
+
+
+def _check_not_in_a_runs_own_dirs(out: str, dst: Path) -> None:
+    from ..preflight.run_dir import is_run_dir
+
+    where = dst.absolute()
+    for inner in (where, *where.parents):
+        if inner.name in _RUNS_OWN and is_run_dir(inner.parent):
+            raise ConfigError(f"--out {out!r}: inside the {inner.name}/ of the run in {str(inner.parent)!r}, "
+                              f"which only that run writes; choose a place outside it (its own export/ is "
+                              f"{str(inner.parent / 'export')!r})")
 
 
 def serve_commands(target: str, out: Path, block_size: int) -> dict:

@@ -25,13 +25,14 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..analysis.stalls import analyze, format_report, load, parse_window
+    from ..analysis.stalls import MAX_S, analyze, format_report, load, parse_window
     from ..errors import ConfigError
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")
-    if a.top < 0 or a.limit < 1 or a.lookback <= 0:
-        raise ConfigError("--top must be >= 0, --limit >= 1 and --lookback > 0")
+    if a.top < 0 or a.limit < 1 or not 0 < a.lookback <= MAX_S / 3600:  # NaN fails it too
+        raise ConfigError(f"--top {a.top}, --limit {a.limit}, --lookback {a.lookback:g}: expected --top >= 0, "
+                          f"--limit >= 1 and 0 < --lookback <= {MAX_S / 3600:g} hours")
     window = parse_window(a.window)
     rid, spans, source = load(a.run_dir, a.jaeger, a.service, a.limit, a.run_id, a.lookback)
     rep = analyze(spans, top=a.top, window=window, run_id=rid, source=source)

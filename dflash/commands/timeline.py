@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..analysis.stalls import load, parse_window
+    from ..analysis.stalls import check_window, load, parse_window, worker_of
     from ..analysis.timeline import check_output, write_perfetto, write_png
     from ..errors import ConfigError
 
@@ -29,6 +29,10 @@ def run(a) -> int:
         raise ConfigError(f"--png and --perfetto name the same file {a.png!r}")
     window = parse_window(a.window)
     rid, spans, source = load(a.run_dir, run_id=a.run_id)
+    if not any(worker_of(s) is not None for s in spans):
+        raise ConfigError(f"{source}: no training step in run {rid} (its phases only): nothing to draw; "
+                          f"`dflash stalls {a.run_dir}` prints its start-up")
+    check_window(spans, window)
     if a.png:
         write_png(spans, a.png, window=window, run_id=rid)
         print(f"wrote {a.png}")

@@ -26,6 +26,10 @@ VmHWM of real runs (docs/failures.md, "The memory check"):
 - the export (bf16 copies, 2 bytes a parameter) and the served copy the eval decodes
   (`--eval`, 4 bytes a parameter), beside weights and moments;
 - `--steps 0`: weights only (no gradients, no optimizer state), then the save and export.
+
+`train.feature_cache` adds what it keeps once every training sequence has been seen
+(`feature_cache_bytes`): it grows through the first epoch and is held to the end, so it is
+checked once the data are prepared (their token count is known then), before the drafter.
 """
 from __future__ import annotations
 
@@ -295,6 +299,13 @@ def estimate(fields: dict, shape: RunShape) -> dict:
     phase = max(phases, key=phases.get)
     return {"parameters": n, "peak": int(phases[phase]), "phase": phase,
             "parts": {k: int(v) for k, v in parts.items() if v}}
+
+
+def feature_cache_bytes(tokens: int, *, width: int, elem_bytes: int, topk: int = 0) -> int:
+    """`train.feature_cache` full: per kept token its ``width`` feature columns at the target's
+    dtype (``elem_bytes``), and with a top-k (model/feature_cache.py) k float32 log-probs and
+    int32 ids in place of the last hidden state's columns (left out of ``width`` then)."""
+    return int(tokens) * (int(width) * int(elem_bytes) + 8 * int(topk))
 
 
 def host_copies(fields: dict, shape: RunShape) -> dict:

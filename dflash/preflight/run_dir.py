@@ -60,10 +60,13 @@ def check_place(out: str, *, flag: str = "--out", want_dir: bool = True, expecte
     return p
 
 
-def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = True) -> Path:
+def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = True,
+          by: str = "dflash train") -> Path:
     """Every check that writes nothing; returns the run dir as a Path.
     `judge_earlier_run=False` (ranks other than 0) skips the one check that rank 0's own
-    claim can race: a marked dir without --resume or --overwrite."""
+    claim can race: a marked dir without --resume or --overwrite. ``by``: the command that
+    will write there; a dir another kind of command wrote (a capture's FEATS for `train`, a
+    training run for `capture`) is never resumed nor overwritten by it."""
     p = check_place(out)
     if not p.is_dir():
         if resume:
@@ -79,6 +82,10 @@ def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = 
         shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
         raise ConfigError(f"--out {out}: not empty and not a dflash run dir (holds {shown}); "
                           "choose a new or empty directory")
+    earlier = written_by(p)
+    if earlier != by:
+        raise ConfigError(f"--out {out}: holds the output of `{earlier}`, not of `{by}`; --resume and "
+                          f"--overwrite act only on their own command's dirs: choose another directory")
     if judge_earlier_run and not (resume or overwrite):
         raise ConfigError(f"--out {out}: holds an earlier run; pass --resume to continue it or --overwrite to "
                           "replace it")
@@ -109,15 +116,26 @@ def is_run_dir(p: Path) -> bool:
     return False
 
 
+def written_by(p: Path) -> str:
+    """The command that made run dir ``p`` (its marker's `written_by`): a dir from before the
+    marker, or whose marker cannot be read, is a training run's (`is_run_dir`)."""
+    try:
+        raw = read_json(p / MARKER, "", ValueError)
+    except ValueError:
+        return "dflash train"
+    got = raw.get("written_by") if isinstance(raw, dict) else None
+    return got if isinstance(got, str) and got.startswith("dflash ") else "dflash train"
+
+
 def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") -> Path:
     """Check, then create and lock the run dir (global rank 0 only; other ranks check).
     A dir another run holds is reported as that, whatever else is wrong with it."""
     if os.environ.get("RANK", "0") not in ("", "0"):
-        return check(out, resume=resume, overwrite=overwrite, judge_earlier_run=False)
+        return check(out, resume=resume, overwrite=overwrite, judge_earlier_run=False, by=by)
     p = Path(out).expanduser()
     fd = _lock(out, p) if (p / LOCK).is_file() else None
     try:
-        check(out, resume=resume, overwrite=overwrite)
+        check(out, resume=resume, overwrite=overwrite, by=by)
         if fd is None:
             try:
                 p.mkdir(parents=True, exist_ok=True)

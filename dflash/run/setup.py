@@ -112,6 +112,9 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
             ph.set(samples=len(prep.samples), held_out=len(prep.eval_convs),
                    **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))},
                    **{f"data.{k}": v for k, v in (prep.data_counts or {}).items() if isinstance(v, int)})
+        if cfg.train.feature_cache and place.has_target:  # its size needs the prepared samples
+            memory = _check_feature_cache(cfg, place, target, prep, memory,
+                                          feature_ids(cfg.train, layer_ids, False, cfg.model.arch), dtype)
     start_step = _start_step(place, out, groups, resume)
     samples, held_out = prep.samples, []
     train_step = vote = sync_timer = None
@@ -206,6 +209,46 @@ def _check_memory(cfg, place, target, tok, layer_ids, *, resume: bool, dtype, fe
                      act_bytes=torch.finfo(dtype).bits // 8, host=dev.type != "cuda",
                      queue_size=cfg.pipeline.queue_size, target=tshare)
     return check_training_memory(fields, place.drafter_device, shape)
+
+
+def _check_feature_cache(cfg, place, target, prep, est: dict, fids, dtype, room=None) -> dict:
+    """`train.feature_cache` keeps every training sequence's target features to the end of the
+    run, once per target device: when that does not fit beside the drafter's estimated peak
+    (``est``, `_check_memory`'s) where it lives, one line (exit 2) now, not an OOM kill in the
+    first epoch. Returns ``est`` with the cache among its parts (summary.json's "memory").
+    ``room``: `available_memory` (a test's stand-in)."""
+    from ..errors import ConfigError
+    from ..preflight import memory as mem
+    from ..preflight.launch_checks import available_memory
+
+    room = room or available_memory
+    topk = cfg.train.kl_topk if fids[-1] == target_mod.FINAL else 0
+    tc = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    width = (len(fids) - (1 if topk else 0)) * tc.hidden_size
+    n = cfg.data.max_len
+    seqs = {s.ids[:n].tobytes(): min(len(s.ids), n) for s in prep.samples}  # the cache's keys: one per sequence
+    total = mem.feature_cache_bytes(sum(seqs.values()), width=width, elem_bytes=torch.finfo(dtype).bits // 8,
+                                    topk=topk)
+    # what regeneration kept is on the host already (in this process's resident set)
+    held = sum(r[:n].nbytes for r in (prep.features or {}).values())
+    drafter_dev = torch.device(place.drafter_device) if place.has_drafter else None
+    for dev in dict.fromkeys(torch.device(d) for d in place.target_devices):
+        need = max(total - held, 0) if dev.type == "cpu" else total
+        shared = drafter_dev is not None and (dev == drafter_dev or dev.type == drafter_dev.type == "cpu")
+        peak = est.get("peak", 0) if shared else 0
+        now = mem.process_memory()[0] if dev.type == "cpu" else 0
+        avail = room(str(dev))
+        if avail is not None and peak + need > avail[0]:
+            beside = f" beside the drafter's {mem.gib(peak)} at its peak" if peak else ""
+            held_now = f" on top of the {mem.gib(now)} this process holds now" if now else ""
+            raise ConfigError(
+                f"train.feature_cache=true keeps every training sequence's target features: {len(seqs):,} "
+                f"sequences, {sum(seqs.values()):,} tokens, {mem.gib(total)} on {dev}{beside}{held_now}, and "
+                f"{avail[1]}; set train.feature_cache=false (the target then runs in every epoch), or train "
+                f"on fewer samples (data.max_samples) or shorter ones (data.max_len)")
+    if est:
+        est = dict(est, parts=dict(est["parts"], **{"the feature cache": total}), peak=est["peak"] + total)
+    return est
 
 
 def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):

@@ -69,6 +69,12 @@ def servers(run_dir: Path, port: int = 6006, mlflow_port: int = 5000) -> list[tu
                                     "--host", "127.0.0.1", "--port", str(p)],
                     f"http://127.0.0.1:{p}/", f"http://127.0.0.1:{p}/data/runs"))
     if (run_dir / LOCAL_DIR / "mlflow.db").is_file():
+        db = run_dir / LOCAL_DIR / "mlflow.db"
+        with open(db, "rb") as f:  # a damaged store: one line here, not MLflow's SQLAlchemy traceback
+            head = f.read(16)
+        if head and head != b"SQLite format 3\x00":
+            raise ConfigError(f"{db}: not an SQLite database (the run's local MLflow store is damaged); move it "
+                              "away to watch the rest")
         p = _port(mlflow_port)
         out.append(("MLflow", ["mlflow", "server", "--backend-store-uri", local_uri(run_dir),
                                "--host", "127.0.0.1", "--port", str(p), "--workers", "1"],

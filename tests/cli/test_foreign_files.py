@@ -240,6 +240,17 @@ def test_export_replaces_its_own_earlier_export_only_with_overwrite_and_writes_r
 
 
 @pytest.mark.slow
+def test_export_into_the_runs_own_dirs_is_one_line(run):
+    """An export inside RUN/checkpoint/ would stop the run's next --resume ("holds files dflash did
+    not write"); inside telemetry/ it would sit among the spans: refused before torch, nothing made."""
+    for sub in ("checkpoint/sub", "checkpoint.old/x/y", "telemetry/exp"):
+        out, lines = cli_before_torch("export", "--checkpoint", run / "checkpoint", "--out", run / sub)
+        assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+        assert f"inside the {sub.split('/')[0]}/ of the run in" in lines[0] and "only that run writes" in lines[0]
+        assert not (run / sub).exists()
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("make,needle", [
     (lambda t: (t / "afile").write_text("x") and t / "afile" / "x", "afile is a file, not a directory"),
     (lambda t: (t / "f").write_text("x") and t / "f", "is a file (expected"),

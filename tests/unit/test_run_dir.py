@@ -152,3 +152,21 @@ def test_a_run_dir_from_before_the_marker_can_still_be_resumed(tmp_path):
     (tmp_path / "summary.json").write_text("{}")
     p = run_dir.claim(str(tmp_path), resume=True, overwrite=False)
     assert (p / run_dir.MARKER).is_file()
+
+
+def test_a_capture_and_a_training_run_never_resume_or_overwrite_each_other(tmp_path):
+    """`capture --overwrite` into a training run would delete its telemetry and write shards
+    beside its checkpoint (and `train --overwrite` the reverse): each command acts on its own
+    kind of dir only."""
+    run, feats = tmp_path / "run", tmp_path / "feats"
+    run_dir.claim(str(run), resume=False, overwrite=False)
+    run_dir.claim(str(feats), resume=False, overwrite=False, by="dflash capture")
+    for out, by, other in ((run, "dflash capture", "dflash train"), (feats, "dflash train", "dflash capture")):
+        (out / "telemetry").mkdir(exist_ok=True)
+        (out / "telemetry" / "traces.jsonl").write_text("{}\n")
+        for flags in ({"overwrite": True}, {"resume": True}, {}):
+            with pytest.raises(ConfigError, match=f"holds the output of `{other}`, not of `{by}`"):
+                run_dir.check(str(out), resume=flags.get("resume", False), overwrite=flags.get("overwrite", False),
+                              by=by)
+        assert (out / "telemetry" / "traces.jsonl").read_text() == "{}\n"
+    assert run_dir.check(str(feats), resume=False, overwrite=True, by="dflash capture") == feats

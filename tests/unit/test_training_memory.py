@@ -186,3 +186,52 @@ def test_inside_a_container_the_mount_root_is_its_own_cgroup(tmp_path):
     _write(root, cgroup__controllers="memory", memory__max=GiB, memory__current=GiB // 4)
     assert cgroup_memory(root, "0::/system.slice/docker-1.scope\n") == CgroupMemory(2, "/", GiB, GiB // 4)
     assert cgroup_memory(tmp_path / "none", "0::/\n") is None  # no cgroupfs at all
+
+
+@pytest.mark.parametrize("topk", [0, 8], ids=["features", "top-k"])
+def test_the_feature_cache_check_counts_what_the_cache_keeps_and_refuses_what_does_not_fit(topk):
+    """train.feature_cache grows through the first epoch and is held to the end: its full size
+    (memory.feature_cache_bytes) is what a FeatureCache holds once every sequence has been kept,
+    and run/setup.py refuses a run whose cache does not fit beside the drafter, in one line."""
+    from types import SimpleNamespace
+
+    from dflash.data import dataset as data_mod
+    from dflash.data.sample import Sample
+    from dflash.model.feature_cache import FeatureCache
+    from dflash.model.target import FINAL
+    from dflash.preflight.memory import feature_cache_bytes
+    from dflash.run.setup import _check_feature_cache
+
+    H, V = 16, 40
+    head = torch.nn.Linear(H, V, bias=False)
+    fids = [1, 2] + ([FINAL] if topk else [])
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(torch.randint(0, V, (n,), generator=g).tolist(), [1] * n) for n in (9, 7, 12)]
+    samples.append(samples[0])  # a repeated sequence is kept once
+    cache = FeatureCache(fids, "cpu", head if topk else None, topk)
+    stream = data_mod.batches(samples, batch_size=2, seed=0, pad_id=0)  # endless: epochs until all are kept
+    while len(cache) < 3:
+        b = next(stream)
+        cache.keep(b, torch.randn(*b.input_ids.shape, len(fids) * H))
+    held = sum(t.nbytes for r in cache._rows.values() for t in (r if isinstance(r, tuple) else (r,)))
+    width = (len(fids) - (1 if topk else 0)) * H
+    assert feature_cache_bytes(28, width=width, elem_bytes=4, topk=topk) == held
+
+    cfg = SimpleNamespace(train=SimpleNamespace(kl_topk=topk), data=SimpleNamespace(max_len=96))
+    place = SimpleNamespace(has_drafter=True, drafter_device="cpu", target_devices=["cpu"])
+    target = SimpleNamespace(config=SimpleNamespace(hidden_size=H))
+    prep = SimpleNamespace(samples=samples, features=None)
+    est = {"peak": 1000, "parts": {"weights": 1000}}
+    fits = _check_feature_cache(cfg, place, target, prep, est, fids, torch.float32,
+                                room=lambda d: (1000 + held, "the host has enough"))
+    assert fits["peak"] == 1000 + held and fits["parts"]["the feature cache"] == held
+    with pytest.raises(Exception) as e:
+        _check_feature_cache(cfg, place, target, prep, est, fids, torch.float32,
+                             room=lambda d: (1000 + held - 1, "the cgroup leaves 0.0 GiB"))
+    msg = str(e.value)
+    assert msg.startswith("train.feature_cache=true keeps") and "3 sequences, 28 tokens" in msg, msg
+    assert "the cgroup leaves 0.0 GiB" in msg and "train.feature_cache=false" in msg and "\n" not in msg
+    # what regeneration kept is in the process already: only the rest must still fit
+    pre = {tuple(s.ids.tolist()): torch.zeros(len(s.ids), width) for s in samples[:3]}
+    _check_feature_cache(cfg, place, target, SimpleNamespace(samples=samples, features=pre), est, fids,
+                         torch.float32, room=lambda d: (1000 + held - 28 * width * 4, "the host"))
