@@ -140,8 +140,10 @@ def main() -> None:
               "drop them", file=sys.stderr)
         sys.exit(2)
     if a.recorded:
-        if "engine" not in json.loads((run / "summary.json").read_text()):
-            print(f"verdict_repeat: --run {run}: expected a run whose summary.json holds an engine verdict",
+        eng = json.loads((run / "summary.json").read_text()).get("engine")
+        if not isinstance(eng, dict) or not isinstance(eng.get("methods"), dict):  # none, or one that failed
+            why = f" (it failed: {str(eng['error'])[:200]})" if isinstance(eng, dict) and "error" in eng else ""
+            print(f"verdict_repeat: --run {run}: expected a run whose summary.json holds an engine verdict{why}",
                   file=sys.stderr)
             sys.exit(2)
         r = recorded(run)

@@ -127,6 +127,8 @@ def _check_args(a) -> None:
             a.engine_ks = [0]
         if not a.engine_ks or any(not 1 <= k <= 64 for k in a.engine_ks):
             raise ConfigError(f"--engine-k={a.engine_k}: expected integers in 1..64 or auto, comma-separated")
+        if len(set(a.engine_ks)) < len(a.engine_ks):
+            raise ConfigError(f"--engine-k={a.engine_k}: a k twice; give each once")
     if getattr(a, "engine_rounds", None) is not None and not 1 <= a.engine_rounds <= 100:
         raise ConfigError(f"--engine-rounds={a.engine_rounds}: expected an integer in 1..100")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
@@ -170,6 +172,12 @@ def _plan(a):
     from ..checkpoint.drafter_dirs import inspect
 
     dirs = [inspect(p) for p in a.checkpoint]
+    seen: dict = {}
+    for d in dirs:  # one drafter twice would be served twice, under one label (the verdict's rows are by label)
+        first = seen.setdefault(d.path.resolve(), d.path)
+        if first is not d.path:
+            raise ConfigError(f"--checkpoint {str(first)!r} and {str(d.path)!r}: the same drafter dir twice; "
+                              "give each once")
     owner = next((d for d in dirs if d.kind == "checkpoint"), None) or \
         next((d for d in dirs if export_settings(d) is not None), None)
     run_cfg = _run_config(owner) if owner is not None else {}
@@ -412,15 +420,18 @@ def _run(a, file_sets, dirs, owner, cfg) -> int:
             if stop.is_set():
                 break
     print(results_table(results))
+    failed = None  # the engine's verdict failed or was stopped: the eval's own figures still go out (--json, trackers)
     if getattr(a, "engine", None) and results and not any(r["interrupted"] for r in results):
         a.phase = "engine"
-        from ..engine.runner import EngineFailed
+        from ..engine.runner import EngineError, EngineFailed
         try:
             with phases.phase("engine_verdict"):
                 verdict = _engine(a, cfg, dirs, drafters, results, target.config, stop)
-        except EngineFailed as e:
+        except (EngineFailed, EngineError) as e:
             print(f"dflash eval: --engine: {e}", file=sys.stderr)
-            return 130 if stop.is_set() else 1
+            failed, verdict = (130 if stop.is_set() else 2 if isinstance(e, EngineError) else 1), None
+            for res in results:
+                res["engine"] = {"error": str(e)}
         if verdict is not None:
             from ..engine.verdict import table
             print(table(verdict))
@@ -432,6 +443,8 @@ def _run(a, file_sets, dirs, owner, cfg) -> int:
         for res in results[:-1] if len(results) > 1 else []:
             print(json.dumps(res))
         print(json.dumps(results[0] if len(results) == 1 else {"drafters": results}))
+    if failed is not None:
+        return failed
     if any(r["interrupted"] for r in results):
         import shlex
         print(f"dflash eval: interrupted after {results[-1]['prompts']} prompt(s): the figures above are partial; "
@@ -463,8 +476,10 @@ def _check_engine(dirs, cfg, ks=(), auto_k: bool = False) -> None:
 
     # the paired verdict keeps none, ngram and every drafter (at each k, and at its picked k) up at once:
     # refused now, in one line, if they cannot fit together (the target's weights counted once it is local)
-    per_drafter = max(1, len(ks)) + (1 if auto_k else 0)
-    check_memory(cfg.model.target, [None, None] + [str(d.path) for d in dirs for _ in range(per_drafter)])
+    from ..family import BLOCK_SIZE
+    block_ks = [int(drafter_dirs.fields(d).get("block_size") or BLOCK_SIZE) - 1 for d in dirs]
+    check_memory(cfg.model.target, [None, None] + [str(d.path) for d, K in zip(dirs, block_ks)
+                                                   for _ in range(len(_served_ks(ks, auto_k, K)) + (1 if auto_k else 0))])
 
 
 def _flat_steps(res: dict) -> list[dict]:
@@ -487,9 +502,13 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
         if d.kind != "export":
             export = write_export(drafter, target_config, tmp / f"drafter-{i}", dtype="float32",
                                   target=cfg.model.target)
-        for k in a.engine_ks or [drafter.cfg.block_size - 1]:
-            label = str(d.path) + (f" (k={k})" if len(a.engine_ks) > 1 else "")
-            entries.append({"label": label, "export": str(export), "k": k, "steps": _flat_steps(res)})
+        K = drafter.cfg.block_size - 1
+        ks = _served_ks(a.engine_ks, a.engine_auto_k, K)
+        name = str(d.path) if str(d.path) not in ("none", "ngram") else f"./{d.path}"  # never a baseline's row
+        for k in ks:
+            label = name + (f" (k={k})" if len(ks) > 1 else "")
+            entries.append({"label": label, "export": str(export), "k": k, "block_size": K + 1,
+                            "drafter": str(d.path), "steps": _flat_steps(res)})
     try:
         return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
                               steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],
@@ -499,6 +518,13 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
                               record_k=True)
     finally:
         remove_scratch(tmp)
+
+
+def _served_ks(ks: list[int], auto_k: bool, K: int) -> list[int]:
+    """The k each drafter is served at: --engine-k's, else block_size - 1 (``K``); with auto,
+    block_size - 1 too, which the pick (1..K) is measured against and falls back to."""
+    ks = list(ks) or [K]
+    return ks + [K] if auto_k and K not in ks else ks
 
 
 def _mean(xs):
@@ -623,7 +649,11 @@ def log_trackers(dirs, results, names) -> None:
 
 
 def what_next(a) -> str:
-    """After a second Ctrl-C: eval keeps nothing on disk until its table is printed."""
+    """After a second Ctrl-C: eval keeps nothing on disk; its table is out once the engine's
+    verdict has begun (a.phase "engine")."""
     import shlex
 
+    if getattr(a, "phase", None) == "engine":
+        return (f"the eval's table above stands; the engine's verdict was not reported: run it again for it: "
+                f"dflash {shlex.join(a.argv)}")
     return f"no figures were reported (eval writes nothing before its table); run it again: dflash {shlex.join(a.argv)}"

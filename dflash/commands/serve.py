@@ -98,7 +98,7 @@ def auto_k(export: str, block_size: int) -> int:
     from ..engine import kchoice, machine
 
     k, rec = kchoice.serve_k(export, block_size)
-    where = rec.get("machine") or {}
+    where = rec.get("machine") if isinstance(rec.get("machine"), dict) else {}  # hand-edited: not recorded
     print(f"dflash serve: --k auto: k={k} (measured {rec.get('date', '?')} on {machine.describe(where)})",
           file=sys.stderr)
     here = machine.host()

@@ -73,8 +73,11 @@ def host() -> dict:
     """This machine: CPU model, logical CPUs, the vector flags that matter to vLLM's kernels,
     and the kernel library vLLM would load here."""
     model, flags = _cpuinfo()
-    return {"cpu": model, "logical_cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags],
-            "vllm_kernels": expected_kernels(flags) if flags else None}
+    out = {"cpu": model, "logical_cpus": os.cpu_count(), "flags": [f for f in FLAGS if f in flags],
+           "vllm_kernels": expected_kernels(flags) if flags else None}
+    if os.environ.get(ISA_VAR, "").lower() == "avx2" and flags:  # what an engine started now loads
+        out |= {"vllm_kernels": "_C_AVX2", "isa_cap": "avx2"}
+    return out
 
 
 def merged(engine: dict | None) -> dict:
@@ -94,7 +97,7 @@ def kind(m: dict) -> str:
 
 def describe(m: dict | None) -> str:
     """One line: ``AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels (vllm._C), 1 worker thread``."""
-    if not m:
+    if not m or not isinstance(m, dict):  # a hand-edited record may hold anything there
         return "machine not recorded"
     parts = [m.get("cpu") or "unknown CPU"]
     if m.get("logical_cpus"):

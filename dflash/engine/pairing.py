@@ -6,7 +6,9 @@ minute to minute (the same engine served ngram at 20.1 tokens/s in one run and 1
 next). Engines run one after the other put that drift into their ratio; engines kept up at
 once and asked the same prompt back to back put it into both sides of the ratio, where it
 cancels. The order is rotated per prompt and per round, so that no engine always goes first
-(after a cold start of the prompt) or always follows the same neighbour.
+(after a cold start of the prompt). The rotation is cyclic: each engine follows the same
+neighbour throughout; the engines are separate processes that share no cache, so what one
+request leaves behind (caches warmed in the CPU) is the machine's, which the pairs share.
 
 The interval is a two-stage bootstrap: prompts drawn with replacement, then, within each
 drawn prompt, its rounds drawn with replacement; every method's times come from the same
@@ -14,6 +16,12 @@ draws (paired), and the ratio is that of the sums (tokens/s over the whole draw,
 point is). Prompts are the first stage because they differ most (a prompt's acceptance runs
 from 1.2 to 3.3); rounds carry the machine's jitter. Percentile interval, a fixed seed: the
 same times give the same interval.
+
+Too few requests decide nothing: a bootstrap of one prompt (or of one round, when only the
+rounds are drawn) has zero width whatever the machine did, and a percentile interval from
+two or three units is far narrower than its level says. An interval from fewer than
+MIN_PROMPTS prompts (MIN_ROUNDS rounds with ``these_prompts``) or MIN_REQUESTS paired requests
+is reported, marked ``"enough": false``, and `decided` calls it undecided.
 
 With ``these_prompts`` the first stage is skipped: every prompt is kept once and only its
 rounds are drawn, so the interval holds the machine's jitter alone. It answers "on these
@@ -26,6 +34,9 @@ import random
 
 LEVEL = 0.95
 RESAMPLES = 2000
+MIN_PROMPTS = 3    # prompts an interval over prompts must draw from to decide anything
+MIN_ROUNDS = 2     # rounds per prompt an interval over rounds alone (these_prompts) must draw from
+MIN_REQUESTS = 6   # paired requests (prompts x rounds) behind any decision
 
 
 def rotation(labels: list[str], prompts: int, rounds: int) -> list[tuple[int, int, list[str]]]:
@@ -66,13 +77,26 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
     lo = draws[int(tail * resamples)]
     hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
     point = sum(map(sum, base_s)) / sum(map(sum, other_s))
+    rounds = min(len(r) for r in base_s)
+    enough = prompts * rounds >= MIN_REQUESTS and (rounds >= MIN_ROUNDS if these_prompts else prompts >= MIN_PROMPTS)
     return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
-            "half_width": round((hi - lo) / 2, 4)}
+            "half_width": round((hi - lo) / 2, 4), "prompts": prompts, "rounds": rounds, "enough": enough}
 
 
 def decided(iv: dict) -> str:
-    """What the interval says at its level: faster, slower, or undecided (it holds 1.0)."""
+    """What the interval says at its level: faster, slower, or undecided (it holds 1.0, or it
+    was drawn from too few requests to say anything: the module doc)."""
+    if iv.get("enough") is False:
+        return "undecided"
     return "faster" if iv["low"] > 1 else "slower" if iv["high"] < 1 else "undecided"
+
+
+def too_few(prompts: int, rounds: int) -> str | None:
+    """Why a verdict of ``prompts`` x ``rounds`` requests per engine decides nothing, or None."""
+    if prompts >= MIN_PROMPTS and prompts * rounds >= MIN_REQUESTS:
+        return None
+    return (f"{prompts} prompt(s) x {rounds} round(s) decide nothing: a decision needs >= {MIN_PROMPTS} prompts and "
+            f">= {MIN_REQUESTS} paired requests")
 
 
 def fmt(iv: dict | float | None) -> str:

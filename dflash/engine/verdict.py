@@ -108,7 +108,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                    rounds: int = ROUNDS, auto_k: bool = False, record_k: bool = False, freeze_idle: bool = True,
                    profile: bool = True) -> dict:
     """`steps`: our eval's per_prompt_steps (prompt_ids, output_ids, acceptance_lengths) of the
-    first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts)}].
+    first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts, drafting
+    block_size - 1 a step), "block_size" (else: the largest k given for that export, + 1)}].
 
     Paired and interleaved (engine/pairing.py, engine/paired.py): every engine up at once, each
     prompt asked of every engine back to back in an order rotated per prompt and round, over
@@ -131,8 +132,13 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
            "seed": seed, "enforce_eager": eager, "profile_dir": profile}  # at T > 0 the engine's own generator
     plan = [{"label": "none", "spec": None, "k": None},
             {"label": "ngram", "spec": NGRAM | {"num_speculative_tokens": ngram_k}, "k": ngram_k}]
+    labels = [d["label"] for d in drafters]
+    if len(set(labels)) < len(labels) or {"none", "ngram"} & set(labels):
+        raise ValueError(f"engine_verdict: drafter labels must be unique and not none/ngram: {labels}")
     # exports absolute: the engine runs in a private cwd of its own (runner.py)
     plan += [{"label": d["label"], "k": d["k"], "export": d["export"], "steps": d["steps"],
+              "block_size": d.get("block_size") or 1 + max(e["k"] for e in drafters if e["export"] == d["export"]),
+              "drafter": d.get("drafter") or d["export"],
               "spec": {"method": "dflash", "model": str(Path(d["export"]).resolve()), "num_speculative_tokens": d["k"]}}
              for d in drafters]
     auto_exports = list(dict.fromkeys(d["export"] for d in drafters)) if auto_k and profile else []
@@ -150,7 +156,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                 costs[p["label"]] = pool.ask(p["label"], PROFILE)
         for export in auto_exports:
             entries = [p for p in plan if p.get("export") == export]
-            top = max(entries, key=lambda p: p["k"])
+            # the pick is measured against block_size - 1, where our decoder's acceptance was counted
+            top = next((p for p in entries if p["k"] == p["block_size"] - 1), max(entries, key=lambda p: p["k"]))
             K, c = top["k"], costs.get(top["label"]) or {}
             if "step_s" not in c or "step_s" not in costs.get("none", {}):
                 why = c.get("unavailable") or costs.get("none", {}).get("unavailable")
@@ -159,7 +166,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
             acc = kchoice.per_position(top["steps"], K)
             got = kchoice.pick(acc, {"none_verify_s": costs["none"]["verify_s"], "verify_s": c["verify_s"],
                                      "draft_s": c["draft_s"], "rest_s": c["rest_s"]}, K)
-            picks[export] = got | {"block_k": K, "per_position_acceptance": acc, "label_block": top["label"]}
+            picks[export] = got | {"block_k": K, "per_position_acceptance": acc, "label_block": top["label"],
+                                   "drafter": top["drafter"]}
             if got["k"] not in {p["k"] for p in entries}:
                 label = f"{top['label']} (k={got['k']}, auto)"
                 # our decoder drafted block_size - 1 a step: its accepted drafts are not this k's to
@@ -201,7 +209,9 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         if res["spec"][0] is None:
             res["spec"] = None
     reference = results["none"]["outputs"]
-    ours_by_label = {p["label"]: ours_figures(p["steps"]) for p in plan if p.get("steps") is not None}
+    # ours drafted block_size - 1 a step: its figures are another k's, so only that k's row has them
+    ours_by_label = {p["label"]: ours_figures(p["steps"]) for p in plan
+                     if p.get("steps") is not None and p["k"] == p["block_size"] - 1}
     ks = {p["label"]: p["k"] for p in plan}
     methods = {}
     for label in labels:
@@ -250,7 +260,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                                     "95%, bootstrap over prompts, then rounds within each (engine/pairing.py)"}}
     if picks:
         v["k_auto"] = {e: {k: g[k] for k in ("k", "predicted_k", "block_k", "predicted_tokens_per_s", "tokens_per_step",
-                                             "per_position_acceptance", "measured", "overruled") if k in g}
+                                             "per_position_acceptance", "measured", "overruled", "drafter") if k in g}
                        for e, g in picks.items()}
         if record_k:
             _record_k(v, picks, costs)
@@ -269,7 +279,8 @@ def _speedups(methods: dict, results: dict) -> None:
                 continue
             iv = interval(results[base]["times"], results[label]["times"])
             out = {"concurrency_1": round(iv["point"], 3), "concurrency_1_interval": [iv["low"], iv["high"]],
-                   "level": iv["level"], "half_width": iv["half_width"], "decided": decided(iv)}
+                   "level": iv["level"], "half_width": iv["half_width"], "decided": decided(iv),
+                   "enough": iv["enough"]}
             if len(results[base]["times"][0]) > 1:  # rounds to resample: the machine's jitter alone
                 fixed = interval(results[base]["times"], results[label]["times"], these_prompts=True)
                 out["these_prompts"] = {"interval": [fixed["low"], fixed["high"]],
@@ -321,12 +332,30 @@ def _cost_split(methods: dict, costs: dict, results: dict) -> None:
 
 
 def _record_k(v: dict, picks: dict, costs: dict) -> None:
-    """The pick written into each export dflash wrote (its marker file): what `serve --k auto` reads."""
+    """The pick written into each export dflash wrote (its marker file): what `serve --k auto`
+    reads. Not from a verdict too small to decide anything (a smoke test's one prompt), nor over
+    a pick recorded from more requests on the same kind of machine."""
     from ..preflight.checkpoint_files import EXPORT_MARKER
+    from ..errors import ConfigError
     from . import kchoice
+    from .machine import describe
+    from .pairing import too_few
 
+    requests = v["prompts"] * v["rounds"]
     for export, got in picks.items():
         if not (Path(export) / EXPORT_MARKER).is_file():
+            continue
+        if (why := too_few(v["prompts"], v["rounds"])) is not None:
+            runner.note(f"k auto: not recorded in {export}: {why}")
+            continue
+        try:
+            was = kchoice.read(Path(export)) or {}
+        except ConfigError:  # a damaged record is replaced
+            was = {}
+        if isinstance(was, dict) and isinstance(was.get("requests"), int) and was["requests"] > requests \
+                and describe(was.get("machine")) == describe(v["machine"]):
+            runner.note(f"k auto: kept the k={was.get('k')} {export} records (from {was['requests']} requests per "
+                        f"engine on this kind of machine) over this verdict's {requests}")
             continue
         c = costs.get(got["label_block"]) or {}
         kchoice.record(Path(export), {
@@ -337,7 +366,7 @@ def _record_k(v: dict, picks: dict, costs: dict) -> None:
             "costs_ms": {"none_verify": round(costs["none"]["verify_s"] * 1e3, 3),
                          **{k.removesuffix("_s"): round(c[k] * 1e3, 3) for k in ("verify_s", "draft_s", "rest_s")
                             if k in c}},
-            "measured": got.get("measured"), "overruled": got.get("overruled"),
+            "measured": got.get("measured"), "overruled": got.get("overruled"), "requests": requests,
             "machine": v["machine"], "vllm": v["version"], "target": v["target"]})
 
 
@@ -368,6 +397,7 @@ def table(v: dict) -> str:
     """The engine's verdict as a console table: each ratio with its 95% interval, the machine
     it came from, the cost of a verify step and what it predicts."""
     from .machine import describe
+    from .pairing import too_few
 
     paired = v.get("paired")
     head = (f"engine verdict: vLLM {v['version']} on {v['target']}, {v['dtype']}, T={v['temperature']}; "
@@ -394,6 +424,8 @@ def table(v: dict) -> str:
              "* tau per verify step as engines count it (ngram: only steps where it matched)"]
     if paired:
         idle = v.get("idle_engines") or {}
+        if (why := too_few(v["prompts"], v["rounds"])) is not None:
+            notes.append(f"{why}: the intervals are shown, no ratio is called faster or slower, no k recorded")
         notes.append(f"intervals: 95%, bootstrap over prompts and rounds; idle engines "
                      f"{'frozen' if idle.get('frozen') else 'left running'}, their CPU while another served: "
                      f"{idle.get('cpu_s', 0):.2f} s of {idle.get('timed_s', 0):.0f} s")
@@ -412,7 +444,7 @@ def table(v: dict) -> str:
     for export, got in (v.get("k_auto") or {}).items():
         speeds = ", ".join(f"k={k}: {s:.1f}" for k, s in got["predicted_tokens_per_s"].items())
         meas = (got.get("measured") or {}).get("auto_vs_block")
-        notes.append(f"k auto for {export}: {got['k']} (predicted tok/s {speeds})"
+        notes.append(f"k auto for {got.get('drafter') or export}: {got['k']} (predicted tok/s {speeds})"
                      + (f"; measured k={got.get('predicted_k')} over k={got['block_k']}: {fmt(meas)}" if meas else "")
                      + (f"; {got['overruled']}" if got.get("overruled") else ""))
     return "\n".join([head, lines[0], "  ".join("-" * w for w in widths), *lines[1:], *notes])

@@ -156,6 +156,42 @@ def test_eval_engine_k_auto_and_rounds_are_checked(tmp_path, export):
         assert out == {"rc": 2, "heavy": []} and len(err) == 1 and needle in err[0], (out, err)
     out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine-rounds", "3")
     assert out["rc"] == 2 and "--engine-rounds without --engine vllm" in err[0], (out, err)
+    # one drafter twice (or one k twice) would start an engine whose row the verdict drops
+    for args, needle in ((["--checkpoint", f"{export}/", "--engine-k", "3"], "the same drafter dir twice"),
+                         (["--engine-k", "2,2"], "--engine-k=2,2: a k twice")):
+        out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine", "vllm",
+                                    *args, env=env, heavy=True)
+        assert out == {"rc": 2, "heavy": []} and len(err) == 1 and needle in err[0], (out, err)
+
+
+def test_k_auto_is_measured_against_block_minus_one_whatever_else_is_served():
+    """`--engine-k 2,auto` on a block-4 drafter: served at 2 and at 3 (block - 1, which the pick,
+    in 1..3, is measured against and falls back to), not a pick capped at 2."""
+    from dflash.commands.eval import _served_ks
+
+    assert _served_ks([2], True, 3) == [2, 3] and _served_ks([], True, 3) == [3]
+    assert _served_ks([2], False, 3) == [2] and _served_ks([3, 1], True, 3) == [3, 1]
+
+
+def test_a_hand_edited_machine_in_the_record_is_not_a_traceback(tmp_path, export, capsys):
+    from dflash.commands.serve import auto_k
+    from dflash.engine import kchoice
+
+    exp = tmp_path / "export"
+    shutil.copytree(export, exp)
+    for machine in ("x", ["a"], None):
+        kchoice.record(exp, {"k": 2, "block_size": 4, "machine": machine})
+        assert auto_k(str(exp), 4) == 2
+        assert "on machine not recorded)" in capsys.readouterr().err
+
+
+def test_serve_k_auto_under_the_avx2_cap_compares_avx2_kernels(monkeypatch):
+    from dflash.engine import machine
+
+    monkeypatch.setenv(machine.ISA_VAR, "avx2")
+    here = machine.host()
+    if here["flags"]:  # a /proc/cpuinfo to read
+        assert here["vllm_kernels"] == "_C_AVX2" and here["isa_cap"] == "avx2"
 
 
 # ------------------------------------------------------------------ drafters the engine cannot serve
@@ -502,3 +538,15 @@ def test_a_failed_engine_start_marks_the_root_and_the_engine_hangs_under_its_pha
                         "--port", str(free_port())], cwd=ROOT, capture_output=True, text=True,
                        env=os.environ | env | {"TRACEPARENT": outer}, timeout=300)
     assert p.returncode == 1 and json.loads(record.read_text())["env"]["TRACEPARENT"] == outer
+
+
+def test_a_failed_engine_verdict_keeps_the_evals_json(tmp_path, export):
+    """`eval --engine vllm --json` whose engines die at start: the eval's own figures are still
+    printed as JSON (with the engine's error under "engine"), and it exits 1."""
+    env, _ = _standin(tmp_path)
+    p = subprocess.run([sys.executable, "-m", "dflash", "eval", "--checkpoint", str(export), "--target", "tiny-qwen3",
+                        "--prompts", "1", "--max-new-tokens", "4", "--engine", "vllm", "--engine-k", "3", "--json"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=os.environ | env)
+    assert p.returncode == 1, p.stderr[-2000:]
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    assert res["acceptance_length"] >= 1 and "exited" in res["engine"]["error"], res.get("engine")

@@ -39,10 +39,11 @@ def test_recorded_intervals_both_ways_and_the_prompts_the_goal_needs(tmp_path):
 
 
 def test_a_run_without_a_verdict_is_one_line(tmp_path):
-    (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "export").mkdir()
-    p = run("--run", tmp_path, "--recorded")
-    assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "engine verdict" in p.stderr, p.stderr
+    for summary in ({}, {"engine": None}, {"engine": {"error": "vLLM (none) exited with 1"}}):  # none, or it failed
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        p = run("--run", tmp_path, "--recorded")
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "engine verdict" in p.stderr, p.stderr
 
 
 def test_verdict_design_prices_shorter_replies_from_a_runs_decoded_steps(tmp_path):

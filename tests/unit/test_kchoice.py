@@ -79,3 +79,25 @@ def test_a_new_export_removes_the_old_measured_k(tmp_path):
     assert files.foreign_entries(tmp_path, files.EXPORT_WRITTEN) == []
     files.remove_written(tmp_path, files.EXPORT_WRITTEN)
     assert not (tmp_path / files.SERVING_K).exists()
+
+
+def test_a_verdict_too_small_to_decide_or_smaller_than_the_recorded_one_records_no_k(tmp_path, capsys):
+    """A smoke test's one-prompt verdict must not replace the k a 6 x 2 paired verdict measured
+    (what `serve --k auto` then serves, silently); a verdict on another kind of machine does."""
+    from dflash.engine.verdict import _record_k
+    from dflash.preflight import checkpoint_files as files
+
+    (tmp_path / files.EXPORT_MARKER).write_text("")
+    here = {"cpu": "X", "logical_cpus": 2, "vllm_kernels": "_C"}
+    costs = {"none": {"verify_s": 0.01}, "d": {"verify_s": 0.012, "draft_s": 0.002, "rest_s": 0.003}}
+
+    def verdict(prompts, rounds, k, machine=here):
+        v = {"prompts": prompts, "rounds": rounds, "machine": machine, "version": "0.32", "target": "t"}
+        _record_k(v, {str(tmp_path): {"k": k, "block_k": 3, "label_block": "d", "predicted_tokens_per_s": {},
+                                      "tokens_per_step": {}, "per_position_acceptance": [0.4, 0.1, 0.0]}}, costs)
+        return (kchoice.read(tmp_path) or {}).get("k")
+
+    assert verdict(1, 1, 3) is None and "not recorded" in capsys.readouterr().err
+    assert verdict(6, 2, 2) == 2 and kchoice.read(tmp_path)["requests"] == 12
+    assert verdict(3, 2, 3) == 2 and "kept the k=2" in capsys.readouterr().err  # fewer requests, same machine
+    assert verdict(3, 2, 3, {"cpu": "Y", "vllm_kernels": "_C_AVX2"}) == 3  # another kind of machine: its own

@@ -69,7 +69,8 @@ def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
     readme.write_text(f"# x\n\n{demo_record.BEGIN}\n{demo_record.END}\n\nmore\n")
     assert demo_record.update_readme(readme, records) and not demo_record.update_readme(readme, records)
     row = readme.read_text().splitlines()[-4]
-    assert row == ("| `make demo`, 2026-12-06 | **1.26 / 1.40** | 1.51 / 1.53 | 27.0 / 29.0 / 20.0 | "
+    assert row == ("| `make demo`, 2026-12-06 | **1.26 / 1.40** | 1.51 / 1.53 | 1.28 (k=2, 8 prompts) | "
+                   "27.0 / 29.0 / 20.0 | "
                    "1.35x [1.30, 1.40] | 0.93x [0.90, 0.96] | 8 min 39 s, cache empty | "
                    "AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels |"), row
     assert json.loads((records / "demo.json").read_text())["machine"]["cpu"] == "AMD EPYC"

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from dflash.engine.pairing import decided, fmt, interval, rotation
+from dflash.engine.pairing import decided, fmt, interval, rotation, too_few
 
 # per_request_s[prompt][round] of one `engine_verdict` run (its JSON), seconds
 NONE = [[0.3266, 0.3455], [0.354, 0.3039], [0.2755, 0.2712]]
@@ -102,3 +102,16 @@ def test_engines_that_cannot_fit_together_are_refused_in_one_line(tmp_path, monk
     with pytest.raises(EngineError) as e:
         check_memory("tiny-qwen3", [None, None, str(export)], have=sum(need) - 0.5)
     assert "keeps 3 engines up at once" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_too_few_requests_decide_nothing():
+    """One prompt once per engine (a smoke test) gives a zero-width interval whatever the machine
+    did: reported, never called faster or slower (nor allowed to overrule k auto)."""
+    one = interval([[1.0]], [[1.1]])
+    assert one["low"] == one["high"] and not one["enough"] and decided(one) == "undecided"
+    two = interval([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2)  # 2 prompts: too few to draw prompts from
+    assert not two["enough"] and decided(two) == "undecided"
+    assert not interval([[1.0]] * 6, [[2.0]] * 6, these_prompts=True)["enough"]  # one round: no jitter to draw
+    three = interval([[1.0, 1.0]] * 3, [[2.0, 2.0]] * 3)
+    assert three["enough"] and decided(three) == "slower"
+    assert too_few(1, 1) and too_few(2, 5) and too_few(3, 1) and too_few(3, 2) is None and too_few(6, 1) is None
