@@ -47,7 +47,26 @@ class ExportConfig:
     run_link: Optional[tuple] = None
     gpu_interval_s: float = 1.0
 
+    # the prefix of the layer's own metric names (`{prefix}.stage.duration`): the service name the
+    # code gave, never OTEL_SERVICE_NAME's (which renames the resource only: a dashboard's queries
+    # stay valid, and a service name that is no valid instrument name cannot stop a run)
+    metric_prefix: str = ""
+
+    @property
+    def metric_name_prefix(self) -> str:
+        return valid_metric_prefix(self.metric_prefix or self.service_name)
+
     @property
     def stage_metric(self) -> str:
         """The stage duration histogram's name."""
-        return f"{self.service_name}.stage.duration"
+        return f"{self.metric_name_prefix}.stage.duration"
+
+
+def valid_metric_prefix(name: str) -> str:
+    """``name`` as the start of an OpenTelemetry instrument name (a letter, then letters, digits,
+    ``_ . - /``; 255 characters in all): other characters become ``_``, a name that does not start
+    with a letter gets ``m_`` before it."""
+    out = "".join(c if (c.isascii() and c.isalnum()) or c in "_.-/" else "_" for c in str(name or ""))[:200]
+    if not out or not (out[0].isascii() and out[0].isalpha()):
+        out = "m_" + out
+    return out

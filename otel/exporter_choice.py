@@ -16,21 +16,25 @@ def env(*names, default=None):
 
 
 def selected_exporters(signal: str, file_dir) -> list[str]:
-    """OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER, defaulting to otlp when an endpoint is
-    configured, else the file sink when a directory was given, else nothing."""
+    """OTEL_TRACES_EXPORTER / OTEL_METRICS_EXPORTER; unset: otlp when an endpoint is configured
+    (for traces the file sink as well when a directory was given: a collector that is down
+    loses no span the run's own files keep, and `dflash stalls RUN` reads them; metrics, which
+    write every series each second, go to the collector alone), else the file sink when a
+    directory was given, else nothing."""
     names = env(f"OTEL_{signal.upper()}_EXPORTER")
     if names:
-        chosen = [n.strip().lower() for n in names.split(",") if n.strip()]
+        chosen = dict.fromkeys(n.strip().lower() for n in names.split(",") if n.strip())  # each once
         return [n for n in chosen if n != "none"]
+    local = ["file"] if file_dir else []
     if env("OTEL_EXPORTER_OTLP_ENDPOINT", f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT"):
-        return ["otlp"]
-    return ["file"] if file_dir else []
+        return ["otlp"] + (local if signal == "traces" else [])
+    return local
 
 
-def spans_local_only(file_dir) -> bool:
-    """True when every span exporter writes locally (files, console): such a sink is
-    always drained completely, however long it takes."""
-    return set(selected_exporters("traces", file_dir)) <= LOCAL_EXPORTERS
+def spans_drained_whole(file_dir) -> bool:
+    """True when some span exporter writes locally: the shutdown then waits for it to take
+    every span (the network exporters beside it keep their bound, in their own lanes)."""
+    return bool(set(selected_exporters("traces", file_dir)) & LOCAL_EXPORTERS)
 
 
 def endpoint_error(value: str, protocol: str = "grpc") -> str | None:

@@ -15,6 +15,10 @@
                       start (a bad OTEL_* value, a refused file), or none is configured
 - queued: waiting for CUDA events, in flight to the exporter, or in its export queue.
 
+With several span exporters (`OTEL_TRACES_EXPORTER=otlp,file`, or an endpoint beside a run's
+files) a span counts as exported when an exporter kept it; each exporter's own counts are in
+``exporters`` (the file may hold every span a dead collector never got).
+
 The exporter side commits its counts batch by batch (otel.exporter.sdk_pipeline), so the sum holds
 for any status snapshot, not only at the end.
 """
@@ -38,7 +42,26 @@ def add_statuses(a: dict, b: dict) -> dict:
         out[k] = a.get(k, 0) + b.get(k, 0)
     out["dropped"] = {r: a.get("dropped", {}).get(r, 0) + b.get("dropped", {}).get(r, 0) for r in DROP_REASONS}
     out["notes"] = list(a.get("notes", [])) + [n for n in b.get("notes", []) if n not in a.get("notes", [])]
+    exporters: dict = {}  # with several span exporters: each one's own counts
+    for st in (a, b):
+        for name, c in (st.get("exporters") or {}).items():
+            e = exporters.setdefault(name, {"exported": 0, "dropped": {}})
+            e["exported"] += c.get("exported", 0)
+            for r, n in (c.get("dropped") or {}).items():
+                e["dropped"][r] = e["dropped"].get(r, 0) + n
+    if exporters:
+        out["exporters"] = exporters
     return out
+
+
+def exporters_line(exporters: dict | None) -> str:
+    """``otlp: exported 0, dropped 46 (collector_down); file: exported 46``, or "" for one exporter."""
+    parts = []
+    for name, c in (exporters or {}).items():
+        why = ", ".join(f"{r} {n}" for r, n in c["dropped"].items() if n)
+        parts.append(f"{name}: exported {c['exported']}" + (f", dropped {sum(c['dropped'].values())} ({why})"
+                                                            if why else ""))
+    return "; ".join(parts)
 
 
 def health(buffer_full: int, pending: int, shipped: int, status: dict) -> dict:

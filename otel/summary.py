@@ -54,6 +54,9 @@ def format_table(summary: dict, title: str = "telemetry profile", wait_attribute
             h.get("spans_recorded", 0), h.get("spans_exported", 0), h.get("spans_dropped", 0),
             f" ({reasons})" if reasons else "", h.get("spans_queued", 0), h.get("export_failures", 0))
     )
+    if h.get("exporters"):
+        from otel.health import exporters_line
+        lines.append(f"health by exporter: {exporters_line(h['exporters'])}")
     for note in summary.get("notes", []):
         lines.append(f"note: {note}")
     return "\n".join(lines)

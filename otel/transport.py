@@ -40,7 +40,7 @@ from typing import Protocol
 
 from otel.config import ExportConfig
 from otel.confined import start_python
-from otel.exporter_choice import spans_local_only
+from otel.exporter_choice import LOCAL_EXPORTERS, spans_drained_whole
 from otel.health import add_statuses, empty_status
 from otel.records import ATTRS, EXTRA, POINT_ATTRS
 
@@ -152,7 +152,7 @@ class InProcessTransport:
     def __init__(self, config: ExportConfig):
         from otel.exporter.consumer import BatchConsumer  # the SDK only loads when used
         self.consumer = BatchConsumer(config)
-        self.local_only = self.consumer.pipeline.local_only
+        self.drain_whole = bool(set(l.name for l in self.consumer.pipeline.lanes) & LOCAL_EXPORTERS)
         self.dead = False
         self._final = None
 
@@ -177,7 +177,7 @@ class InProcessTransport:
     def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> None:
         def run():
             self._final = self.consumer.shutdown(network_timeout_s * 0.9, end_epoch_s)
-        if not _bounded(run, None if self.local_only else network_timeout_s):
+        if not _bounded(run, None if self.drain_whole else network_timeout_s):
             self._final = self.consumer.status(final=True)
 
 
@@ -202,7 +202,7 @@ class ProcessTransport:
     def __init__(self, config: ExportConfig, max_backlog_bytes: int = 16 << 20, start_wait_s: float = 3.0,
                  stuck_s: float = 15.0):
         self.config = config
-        self.local_only = spans_local_only(config.file_dir)
+        self.drain_whole = spans_drained_whole(config.file_dir)  # a local sink: shutdown waits for all of it
         self.start_wait_s = start_wait_s     # shutdown: how long a child that is not ready yet gets
         self.stuck_s = stuck_s               # shutdown: no progress for this long -> fallback
         self._max_backlog = max_backlog_bytes
@@ -370,6 +370,8 @@ class ProcessTransport:
     def status(self) -> dict:
         child = self._child
         fb = self._fallback
+        if not isinstance(fb, InProcessTransport):  # None, False (not allowed) or "failed" (it could not start)
+            fb = None
         st = add_statuses(empty_status(), child)
         if fb:
             st = add_statuses(st, fb.status())
@@ -403,7 +405,7 @@ class ProcessTransport:
 
     # ------------------------------------------------------------ shutdown
     def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> None:
-        deadline = None if self.local_only else time.monotonic() + network_timeout_s
+        deadline = None if self.drain_whole else time.monotonic() + network_timeout_s
         if not self.dead:
             self._append({"shutdown": max(network_timeout_s * 0.8, 0.05), "end_epoch_s": end_epoch_s})
             why = self._wait_child(deadline)

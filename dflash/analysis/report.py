@@ -69,10 +69,12 @@ def print_summary(s: dict, out_dir: str, console: Console | None = None) -> None
                   f"busy {w['busy_fraction']:.1%} of {w['wall_s']:.1f} s, top idle cause: {top} ({share:.1%})")
     h = (s.get("telemetry") or {}).get("health") or {}
     if h:
+        from otel.health import exporters_line
         dropped = ", ".join(f"{r} {n}" for r, n in (h.get("dropped") or {}).items() if n)
         t.add_row("telemetry", f"spans recorded {h.get('spans_recorded', 0)}, exported {h.get('spans_exported', 0)}, "
                                f"dropped {h.get('spans_dropped', 0)}{f' ({dropped})' if dropped else ''}, "
-                               f"queued {h.get('spans_queued', 0)}, export failures {h.get('export_failures', 0)}")
+                               f"queued {h.get('spans_queued', 0)}, export failures {h.get('export_failures', 0)}"
+                               + (f"; by exporter: {exporters_line(h['exporters'])}" if h.get("exporters") else ""))
     # only what is on disk: a run whose telemetry went to a collector has no telemetry/
     written = [name for name in ("checkpoint", "summary.json", "learning_curve.png", "telemetry/", "error.txt")
                if (Path(out_dir) / name.rstrip("/")).exists()]

@@ -63,7 +63,9 @@ def load_run(run_dir) -> list[dict]:
                   "attributes", file=sys.stderr)
     if not spans:
         raise ConfigError(f"{run_dir}: telemetry holds no spans")
-    return spans
+    # the exporter's fallback re-sends what a dead exporter process had not acknowledged (at least
+    # once): a span may be in the file twice
+    return list({(s["trace_id"], s["span_id"]): s for s in spans}.values())
 
 
 def _usable(span) -> bool:

@@ -56,7 +56,7 @@ class BatchConsumer:
         if config.idle_attribution:
             from otel.exporter.idle_metrics import IdleMetrics
             rules = config.idle_rules
-            self.idle = IdleMetrics(config.service_name, **({"rules": rules} if rules else {}))
+            self.idle = IdleMetrics(config.metric_name_prefix, **({"rules": rules} if rules else {}))
             self.pipeline.declare({
                 self.idle.busy_name: ("counter", "s", "Worker time inside compute stages."),
                 self.idle.idle_name: ("counter", "s", "Worker idle time by cause."),

@@ -8,11 +8,13 @@ reported by its position and key name only. Well-formed entries pass unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
-VARIABLES = ("OTEL_EXPORTER_OTLP_HEADERS", "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
-             "OTEL_EXPORTER_OTLP_METRICS_HEADERS")
+GENERIC = "OTEL_EXPORTER_OTLP_HEADERS"
+VARIABLES = (GENERIC, "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_METRICS_HEADERS")
+EMPTIED: set = set()  # per-signal variables given whose every entry was dropped (own_headers_only)
 
 
 def _parses(entry: str) -> bool:
@@ -52,6 +54,22 @@ def sanitize(environ=os.environ) -> list[str]:
         notes.append(f"{var}: {named} of {len(entries)} not key=value; dropped (values not shown)")
         if good:
             environ[var] = ",".join(e for _, e in good)
-        else:
+        else:  # the SDK reads an empty or missing per-signal variable as "use the generic one"
             del environ[var]
+            if var != GENERIC:
+                EMPTIED.add(var)
     return notes
+
+
+@contextlib.contextmanager
+def own_headers_only(signal: str, environ=os.environ):
+    """While a ``signal`` exporter is built (the SDK reads the headers then): without the generic
+    variable when that signal's own was given and every entry in it was dropped, so the generic
+    one's headers (another endpoint's credentials, maybe) are not sent in their place."""
+    var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
+    saved = environ.pop(GENERIC, None) if var in EMPTIED else None
+    try:
+        yield
+    finally:
+        if saved is not None:
+            environ[GENERIC] = saved

@@ -13,7 +13,9 @@ Signals: SIGINT, SIGTERM and SIGHUP are ignored. Ctrl-C, `timeout`, `scancel`, m
 runners and a closed terminal signal the whole process group; the training process decides
 when telemetry stops (it may still be saving a checkpoint and flushing). EOF on stdin means it is done
 or gone: export what is left (local files completely, the network within the budget)
-and exit. The child never outlives its parent for long.
+and exit. The child never outlives its parent for long: one stopped (SIGSTOP) when its parent
+dies is continued (the parent-death signal is SIGCONT), so it reads the EOF and exits; a
+parent that died without saying so (SIGKILL) gets its open traces' root spans all the same.
 """
 from __future__ import annotations
 
@@ -35,9 +37,23 @@ def _nice(config: ExportConfig) -> None:
         pass
 
 
+def _continue_when_orphaned() -> None:
+    """Linux: SIGCONT when the parent dies (prctl PR_SET_PDEATHSIG). A child stopped by SIGSTOP
+    (a debugger, a job control mishap) would else stay stopped forever, holding its parent's
+    stderr open; continued, it finds stdin at EOF and exits."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGCONT))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError, ValueError):
+        pass
+
+
 def main() -> int:
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(s, signal.SIG_IGN)
+    _continue_when_orphaned()
     stdin = sys.stdin.buffer
     out_lock = threading.Lock()
 
@@ -75,6 +91,7 @@ def main() -> int:
     threading.Thread(target=report, name="otel-status", daemon=True).start()
     budget, end_epoch_s = 2.0, None
     errors = 0
+    told = False  # the parent said it is done (shutdown); EOF without it: the parent is gone
     for msg in frames:
         if "flush" in msg:
             ok = consumer.flush(msg.get("timeout_s", 2.0))
@@ -82,6 +99,7 @@ def main() -> int:
                 say({"status": consumer.status()})
             say({"flushed": msg["flush"], "ok": ok})
         elif "shutdown" in msg:
+            told = True
             budget, end_epoch_s = msg["shutdown"], msg.get("end_epoch_s")
         else:
             try:
@@ -94,6 +112,11 @@ def main() -> int:
     stop.set()
     t0 = time.monotonic()
     with lock:
+        if not told:  # the parent died (SIGKILL, OOM): close its open traces, so no stage span is orphaned
+            try:
+                consumer.consume({"seq": 0, "spans": [], "final": True})
+            except Exception:
+                pass
         final = consumer.shutdown(budget, end_epoch_s)
     final["shutdown_s"] = time.monotonic() - t0
     say({"final": final})

@@ -2,15 +2,19 @@
 and exports them with the SDK's own exporters, chosen from the standard OTEL_* variables.
 
 Runs in the exporter subprocess ("process" mode) or in the training process's background
-thread ("thread" mode), fed by otel.exporter.consumer.BatchConsumer. Spans wait in a bounded queue
-for a dedicated export thread, one shipped batch per queue entry: a slow or dead
-collector drops (and counts) spans instead of growing memory, and the counts are
-committed batch by batch, so `status()` always says exactly which batches are finished
-(`done_seq`) and what became of their spans.
+thread ("thread" mode), fed by otel.exporter.consumer.BatchConsumer. Spans wait in a bounded queue,
+one shipped batch per entry, and every span exporter has a lane of its own (its queue and
+thread): a slow or dead collector never holds up the file sink beside it
+(`OTEL_TRACES_EXPORTER=otlp,file`). A network lane sends what has queued up to `export_chunk`
+spans a request (a slow collector gets fewer, larger requests, not one per batch). A slow
+or dead collector drops (and counts) spans instead of growing memory, and the counts are
+committed batch by batch once every lane is done with it, so `status()` always says exactly
+which batches are finished (`done_seq`) and what became of their spans.
 
 Span accounting (every span ends in exactly one of these):
-  exported                   accepted by every span exporter
-  dropped.collector_down     an exporter refused it, or the export queue was full
+  exported                   kept by a span exporter (with several: by the one that kept the
+                             most of its batch; each exporter's own counts are under "exporters")
+  dropped.collector_down     every exporter refused it, or the export queue was full
   dropped.write_failed       a file exporter could not write it (disk full, I/O error)
   dropped.shutdown_timeout   still queued for a network exporter when the shutdown bound ran out
 Local sinks (file, console) are always drained completely at shutdown: the bound is for a
@@ -19,6 +23,7 @@ collector that does not answer, not for writing files.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -104,14 +109,29 @@ def _clean(attrs: dict) -> dict:
     return out
 
 
+_PROTOCOLS = ("grpc", "http/protobuf")  # what the Python SDK's exporters speak (no http/json)
+_said_protocol: set = set()
+
+
 def _protocol(signal: str) -> str:
-    return _env(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL",
-                default="http/protobuf")
+    got = _env(f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL",
+               default="http/protobuf")
+    if got not in _PROTOCOLS:
+        if got not in _said_protocol:
+            _said_protocol.add(got)
+            print(f"otel: OTLP protocol {got!r} is not one this exporter speaks ({', '.join(_PROTOCOLS)}): "
+                  "sending http/protobuf", file=sys.stderr)
+        return "http/protobuf"
+    return got
 
 
-def _timeout(export_timeout_s: float) -> float:
-    # the SDK default (10 s) is longer than our shutdown bound; never wait longer than asked
-    return min(number_from_env("OTEL_EXPORTER_OTLP_TIMEOUT", export_timeout_s, unit="seconds"), export_timeout_s)
+def _timeout(export_timeout_s: float, signal: str = "traces") -> float:
+    """OTEL_EXPORTER_OTLP_{TRACES,METRICS}_TIMEOUT, else OTEL_EXPORTER_OTLP_TIMEOUT, in seconds as the
+    Python SDK reads them (its docs; the spec says milliseconds), never above ``export_timeout_s``:
+    the SDK default (10 s) is longer than our shutdown bound."""
+    name = next((n for n in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_TIMEOUT", "OTEL_EXPORTER_OTLP_TIMEOUT")
+                 if os.environ.get(n, "").strip()), "OTEL_EXPORTER_OTLP_TIMEOUT")
+    return min(number_from_env(name, export_timeout_s, unit="seconds, as the Python SDK reads it"), export_timeout_s)
 
 
 def _build_each(kind, names, make, notes):
@@ -130,8 +150,29 @@ def _build_each(kind, names, make, notes):
     return out
 
 
-def make_span_exporters(names, file_dir, export_timeout_s, notes):
-    return _build_each("traces", names, lambda n: _make_span_exporter(n, file_dir, export_timeout_s), notes)
+def make_span_exporters(names, file_dir, export_timeout_s, notes) -> list[tuple[str, object]]:
+    """(name, exporter) for each configured span exporter that could be built."""
+    built = []
+
+    def make(name):
+        exp = _make_span_exporter(name, file_dir, export_timeout_s)
+        if exp is not None:
+            built.append((name, exp))
+        return exp
+    _build_each("traces", names, make, notes)
+    return built
+
+
+class _Lane:
+    """One span exporter, its queue of entries and its thread."""
+
+    def __init__(self, name: str, exp):
+        self.name, self.exp = name, exp
+        self.network = name not in LOCAL_EXPORTERS
+        self.queue: deque = deque()
+        self.current: list | None = None   # the entries its export call is working on
+        self.abandoned = False             # the shutdown bound ran out: it sends nothing more
+        self.thread = None
 
 
 def _make_span_exporter(name, file_dir, export_timeout_s):
@@ -140,7 +181,8 @@ def _make_span_exporter(name, file_dir, export_timeout_s):
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        return OTLPSpanExporter(timeout=_timeout(export_timeout_s))
+        with env_headers.own_headers_only("traces"):
+            return OTLPSpanExporter(timeout=_timeout(export_timeout_s))
     if name == "file":
         return filesink.FileSpanExporter(file_dir) if file_dir else None
     if name == "console":
@@ -166,7 +208,8 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        exporter = OTLPMetricExporter(timeout=_timeout(export_timeout_s))
+        with env_headers.own_headers_only("metrics"):
+            exporter = OTLPMetricExporter(timeout=_timeout(export_timeout_s, "metrics"))
     elif name == "file":
         if not file_dir:
             return None
@@ -176,7 +219,7 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
     else:
         raise ValueError("unknown exporter name")
     return PeriodicExportingMetricReader(exporter, export_interval_millis=interval_s * 1000.0,
-                                         export_timeout_millis=_timeout(export_timeout_s) * 1000.0)
+                                         export_timeout_millis=_timeout(export_timeout_s, "metrics") * 1000.0)
 
 
 class ExportPipeline:
@@ -198,21 +241,21 @@ class ExportPipeline:
             self.notes.append(note)
             print(f"otel: {note}", file=sys.stderr)
         span_names = selected_exporters("traces", file_dir)
-        self.span_exporters = make_span_exporters(span_names, file_dir, export_timeout_s, self.notes)
-        # only files / the console: shutdown drains everything, whatever the bound
-        self.local_only = set(span_names) <= LOCAL_EXPORTERS
+        self.lanes: list[_Lane] = []
+        self.span_exporters: list = []
 
         # committed batch by batch (see the module docstring); guarded by _cv
         self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0,
                        "export_failures": 0, "buffer_full": 0,
                        "dropped": {"collector_down": 0, "write_failed": 0, "shutdown_timeout": 0,
                                    "no_exporter": 0}}
-        self._queue: deque = deque()     # [seq, spans, dropped_at_enqueue, n_parent, n_roots]
+        # entries [seq, spans, dropped_at_enqueue, n_parent, n_roots] by id(entry), until every lane is done
+        # with them: (entry, its lanes' results {id(lane): (spans kept, failure reason or None)})
+        self._open: dict[int, tuple[list, dict]] = {}
         self._queued_spans = 0
-        self._current = None             # the entry the export thread is working on
+        self.exporter_counts = {lane.name: {"exported": 0, "dropped": {}} for lane in self.lanes}
         self._cv = threading.Condition()
         self._closing = False
-        self._abandon = False            # shutdown bound reached: stop sending to the network
         self._gauge_values: dict[str, list] = {}
         self._gauge_callbacks: dict[str, object] = {}
         self._instruments: dict[str, object] = {}
@@ -239,8 +282,20 @@ class ExportPipeline:
             for name, (unit, desc) in self.gpu.gauge_specs().items():
                 self.meter.create_observable_gauge(name, [self._gpu_callback(name)], unit=unit, description=desc)
 
-        self._thread = threading.Thread(target=self._export_loop, name="otel-span-export", daemon=True)
-        self._thread.start()
+        for name, exp in make_span_exporters(span_names, file_dir, export_timeout_s, self.notes):
+            self.add_span_exporter(name, exp)
+
+    def add_span_exporter(self, name: str, exp) -> None:
+        """A span exporter on a lane of its own (its queue and thread); ``name`` in
+        LOCAL_EXPORTERS makes it a local sink, drained whole at shutdown."""
+        lane = _Lane(name, exp)
+        with self._cv:
+            self.lanes.append(lane)
+            self.span_exporters.append(exp)
+            self.exporter_counts[name] = {"exported": 0, "dropped": {}}
+        lane.thread = threading.Thread(target=self._export_loop, args=(lane,), name=f"otel-span-export-{name}",
+                                       daemon=True)
+        lane.thread.start()
 
     # ------------------------------------------------------------ metrics
     def _health_counters(self):
@@ -323,8 +378,18 @@ class ExportPipeline:
             dropped = max(len(built) - room, 0)
             if dropped:
                 built = built[:room]
-            self._queue.append([seq, built, dropped, n_parent, n_roots])
+            entry = [seq, built, dropped, n_parent, n_roots]
             self._queued_spans += len(built)
+            if not self.lanes:  # nothing takes them: never "exported"
+                self._queued_spans -= len(built)
+                self._commit(entry, 0, {"no_exporter": len(built)} if built else {}, 0)
+            else:
+                self._open[id(entry)] = (entry, {})  # alive while open: its id is its key
+                for lane in self.lanes:
+                    if lane.abandoned:  # past the shutdown bound: nothing more for the network
+                        self._lane_done(lane, entry, 0, "shutdown_timeout")
+                    else:
+                        lane.queue.append(entry)
             self._cv.notify_all()
 
     def build_spans(self, spans: list) -> list:
@@ -369,50 +434,84 @@ class ExportPipeline:
             c["dropped"][reason] += n
         c["dropped"]["shutdown_timeout"] += timed_out
 
-    def _export_loop(self):
+    def _export_loop(self, lane: "_Lane"):
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while not lane.queue and not self._closing:
                     self._cv.wait()
-                if not self._queue:
+                if not lane.queue:
                     return
-                entry = self._current = self._queue.popleft()
-            spans = entry[1]
-            exported = timed_out = 0
-            failed: dict = {}
+                # a network lane takes what has queued up, to a chunk's worth (at least one entry)
+                take = [lane.queue.popleft()]
+                n = len(take[0][1])
+                while lane.network and lane.queue and n + len(lane.queue[0][1]) <= self.chunk:
+                    n += len(lane.queue[0][1])
+                    take.append(lane.queue.popleft())
+                lane.current = take
+            spans = [sp for e in take for sp in e[1]]
+            ok = [True] * len(spans)
+            reason = None
             for i in range(0, len(spans), self.chunk):
-                chunk = spans[i:i + self.chunk]
-                if not self.span_exporters:  # nothing took them: never "exported"
-                    failed["no_exporter"] = failed.get("no_exporter", 0) + len(chunk)
-                    continue
-                if self._abandon:
-                    timed_out += len(chunk)
-                    continue
-                reason = None
-                for exp in self.span_exporters:
-                    try:
-                        result = exp.export(chunk)
-                    except Exception:
-                        result = SpanExportResult.FAILURE
-                    if result is not SpanExportResult.SUCCESS:
-                        reason = reason or getattr(exp, "drop_reason", "collector_down")
-                        with self._cv:
-                            self.counts["export_failures"] += 1
-                if reason is None:
-                    exported += len(chunk)
-                else:
-                    failed[reason] = failed.get(reason, 0) + len(chunk)
+                if lane.abandoned:
+                    ok[i:] = [False] * (len(spans) - i)
+                    reason = reason or "shutdown_timeout"
+                    break
+                try:
+                    result = lane.exp.export(spans[i:i + self.chunk])
+                except Exception:
+                    result = SpanExportResult.FAILURE
+                if result is not SpanExportResult.SUCCESS:
+                    ok[i:i + self.chunk] = [False] * len(spans[i:i + self.chunk])
+                    reason = reason or getattr(lane.exp, "drop_reason", "collector_down")
+                    with self._cv:
+                        self.counts["export_failures"] += 1
             with self._cv:
-                self._queued_spans -= len(spans)
-                if self._current is entry:  # else final_status() already counted it
-                    self._current = None
-                    self._commit(entry, exported, failed, timed_out)
+                if lane.current is take:  # else the shutdown bound already settled them (_give_up)
+                    lane.current = None
+                    at = 0
+                    for e in take:
+                        kept = sum(ok[at:at + len(e[1])])
+                        at += len(e[1])
+                        self._lane_done(lane, e, kept, reason if kept < len(e[1]) else None)
                 self._cv.notify_all()
 
-    def _wait_idle(self, deadline) -> bool:
+    def _lane_done(self, lane: "_Lane", entry, kept: int, reason) -> None:
+        """Caller holds _cv. One lane is done with one entry; the entry is committed once all are."""
+        c = self.exporter_counts[lane.name]
+        c["exported"] += kept
+        if kept < len(entry[1]):
+            c["dropped"][reason] = c["dropped"].get(reason, 0) + len(entry[1]) - kept
+        key = id(entry)
+        if key not in self._open:
+            return
+        results = self._open[key][1]
+        results[id(lane)] = (kept, reason)
+        if len(results) < len(self.lanes):
+            return
+        del self._open[key]
+        self._queued_spans -= len(entry[1])
+        best = max(results.values(), key=lambda r: r[0])
+        lost = len(entry[1]) - best[0]
+        why = best[1] or next((r for _, r in results.values() if r), "collector_down")
+        timed_out = lost if why == "shutdown_timeout" else 0
+        self._commit(entry, best[0], {why: lost} if lost and not timed_out else {}, timed_out)
+
+    def _give_up(self, lanes) -> None:
+        """Caller holds _cv. The shutdown bound ran out for ``lanes`` (network ones): what they
+        still hold, queued or in a call that has not returned, is settled as shutdown_timeout
+        for them; a call that returns later changes nothing."""
+        for lane in lanes:
+            lane.abandoned = True
+            pending, lane.current = list(lane.current or []) + list(lane.queue), None
+            lane.queue.clear()
+            for e in pending:
+                self._lane_done(lane, e, 0, "shutdown_timeout")
+
+    def _wait_idle(self, deadline, lanes=None) -> bool:
+        lanes = self.lanes if lanes is None else lanes
         with self._cv:
             self._cv.notify_all()
-            while self._queue or self._current is not None:
+            while any(lane.queue or lane.current is not None for lane in lanes):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -429,15 +528,13 @@ class ExportPipeline:
 
     def shutdown(self, network_timeout_s: float) -> None:
         """Local sinks: export everything, however long it takes. A network exporter: wait
-        up to the bound, then count what is left as dropped (shutdown_timeout)."""
-        deadline = None if self.local_only else time.monotonic() + network_timeout_s
-        if not self._wait_idle(deadline):
+        up to the bound, then count what is left for it as dropped (shutdown_timeout)."""
+        deadline = time.monotonic() + network_timeout_s
+        network = [lane for lane in self.lanes if lane.network]
+        if network and not self._wait_idle(deadline, network):
             with self._cv:
-                self._abandon = True
-                while self._queue:
-                    entry = self._queue.popleft()
-                    self._queued_spans -= len(entry[1])
-                    self._commit(entry, 0, {}, len(entry[1]))
+                self._give_up(network)
+        self._wait_idle(None, [lane for lane in self.lanes if not lane.network])
         with self._cv:
             self._closing = True
             self._cv.notify_all()
@@ -448,7 +545,8 @@ class ExportPipeline:
                 exp.shutdown()
             except Exception:
                 pass
-        left = network_timeout_s if deadline is None else max(deadline - time.monotonic(), 0.05)
+        # the metrics' last export: what the network bound leaves, or all of it when every span sink is local
+        left = max(deadline - time.monotonic(), 0.05) if network else network_timeout_s
         try:
             self.meter_provider.shutdown(timeout_millis=max(left, 0.05) * 1000)
         except Exception:
@@ -457,6 +555,8 @@ class ExportPipeline:
     def status(self) -> dict:
         with self._cv:
             s = {**self.counts, "dropped": dict(self.counts["dropped"])}
+        s["exporters"] = {n: {"exported": c["exported"], "dropped": dict(c["dropped"])}
+                          for n, c in self.exporter_counts.items()} if len(self.lanes) > 1 else {}
         s["notes"] = list(self.notes)
         if self.metric_errors:
             s["metric_errors"] = self.metric_errors
@@ -466,7 +566,5 @@ class ExportPipeline:
         """After shutdown(): an export call still hanging past the bound cannot finish
         before this process moves on; its spans count as shutdown_timeout."""
         with self._cv:
-            if self._current is not None:
-                entry, self._current = self._current, None
-                self._commit(entry, 0, {}, len(entry[1]))
+            self._give_up([lane for lane in self.lanes if lane.current is not None or lane.queue])
         return self.status()

@@ -100,6 +100,20 @@ class BufferRegistry:
         """Running total of metric points refused by full lists (reads only)."""
         return self._dead_dropped_points + sum(b.dropped_points for b in list(self.buffers))
 
+    def abandon(self) -> int:
+        """Shutdown without its final drain (the background cycle held the lock past the network
+        bound): the records still in the lists, counted as dropped (buffer_full) instead of
+        vanishing. Returns how many."""
+        n = 0
+        with self._lock:
+            for b in self.buffers:
+                left = len(b.spans) + len(b.cuda)
+                b.spans.clear()
+                b.cuda.clear()
+                self._dead_dropped += left
+                n += left
+        return n
+
     def close(self) -> None:
         """Stop buffering (after shutdown, or in a forked child): later records are
         counted as dropped, never silently kept."""

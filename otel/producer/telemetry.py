@@ -21,7 +21,7 @@ from otel.producer.phases import RunTrace
 from otel.summary import format_table, with_shares
 from otel.transport import InProcessTransport, ProcessTransport
 
-_TRUE = ("1", "true", "yes", "on")
+_TRUE = ("true",)  # the spec's booleans: only "true", in any case, is true
 DEFAULT_METRIC_EXPORT_INTERVAL_S = 1.0
 
 
@@ -54,7 +54,8 @@ class Telemetry:
                  metric_export_interval_s, max_queue, export_timeout_s=5.0, cuda_pool_size=512,
                  exporter_nice=EXPORTER_NICE, idle_attribution=True, idle_rules=None, root_spans=True,
                  exporter_start_wait_s=3.0, exporter_stuck_s=15.0, wait_attributes=WAIT_ATTRIBUTES,
-                 run_span=None, run_root=True, process_span=None, run_start_ns=None, run_attributes=None):
+                 run_span=None, run_root=True, process_span=None, run_start_ns=None, run_attributes=None,
+                 metric_prefix=None):
         if mode not in ("process", "thread"):
             raise ValueError(f"mode must be 'process' or 'thread', not {mode!r}")
         self.service_name = service_name
@@ -81,7 +82,7 @@ class Telemetry:
             from otel.producer.devices import resolve_devices
             gpu_devices = resolve_devices(list(gpu_indices))
         self.config = ExportConfig(
-            service_name=service_name, run_id=run_id, mode=mode,
+            service_name=service_name, metric_prefix=metric_prefix or service_name, run_id=run_id, mode=mode,
             resource_attributes={**resource_attributes, "service.name": service_name, "run.id": run_id},
             # absolute: the exporter process runs in a cwd of its own (otel.confined)
             file_dir=os.path.abspath(file_dir) if file_dir else None, metric_attributes=tuple(metric_attributes),
@@ -124,7 +125,9 @@ class Telemetry:
         """Build the layer from the standard OTEL_* environment (see docs/otel.md).
         `service_name` is the caller's (the `service.name` resource attribute and the
         prefix of the layer's own metrics, e.g. `{service_name}.stage.duration`);
-        OTEL_SERVICE_NAME, when set, wins over it, as the OpenTelemetry spec says.
+        OTEL_SERVICE_NAME, when set, wins over it for the resource, as the OpenTelemetry spec
+        says, and leaves the metric names alone (a dashboard's queries stay valid, and a name
+        with a space in it is a valid service name but no valid instrument name).
         Extra options: export_timeout_s (per export request, default 5), cuda_pool_size
         (CUDA events pre-allocated, default 512), exporter_nice (niceness increment of the
         exporter process, default EXPORTER_NICE; see docs/otel.md for the measurement), idle_attribution (live busy /
@@ -140,8 +143,13 @@ class Telemetry:
         `metric_export_interval_s` not given: OTEL_METRIC_EXPORT_INTERVAL (milliseconds, the
         spec's unit) when set, else 1 s (live dashboards; the spec's 60 s default would leave
         Prometheus a minute behind)."""
-        if os.environ.get("OTEL_SDK_DISABLED", "").strip().lower() in _TRUE:
+        disabled = os.environ.get("OTEL_SDK_DISABLED", "").strip().lower()
+        if disabled in _TRUE:
             return cls.disabled()
+        if disabled not in ("", "false"):
+            print(f"otel: OTEL_SDK_DISABLED={os.environ['OTEL_SDK_DISABLED']!r} read as false: the spec's booleans "
+                  "are true or false", file=sys.stderr)
+        options.setdefault("metric_prefix", service_name)  # the code's name: OTEL_SERVICE_NAME renames the resource only
         service_name = os.environ.get("OTEL_SERVICE_NAME") or service_name
         run_id = str(run_id or os.environ.get("TORCHELASTIC_RUN_ID") or secrets.token_hex(8))
         if metric_export_interval_s is None:
@@ -267,7 +275,7 @@ class Telemetry:
     def _declare_phase_gauges(self) -> None:
         self._phase_gauges = True
         trace = self.run_trace
-        svc = self.service_name
+        svc = self.config.metric_name_prefix
         self._instruments.observable_gauge(
             f"{svc}.run.phase.elapsed", lambda: trace.observations()[0], "s",
             "Seconds since each open phase of the run began (one series per open phase).")
@@ -286,7 +294,8 @@ class Telemetry:
         # the exporter's figures are as of its last report; shares are of this wall time
         stages = {name: with_shares(dict(st), wall) for name, st in (remote.get("stages") or {}).items()}
         out = {"wall_s": wall, "stages": stages,
-               "health": span_health(bg.buffer_full, bg.spans_pending, bg.spans_shipped, st)}
+               "health": span_health(bg.buffer_full, bg.spans_pending, bg.spans_shipped, st)
+               | ({"exporters": st["exporters"]} if st.get("exporters") else {})}
         if self.config.idle_attribution:
             out["workers"] = remote.get("workers", [])
         notes = list(st.get("notes", []))
@@ -335,11 +344,17 @@ class Telemetry:
             return
         self._closed = True
         self.run_trace.end()  # no-op when end_run() was called; else the run ends here
-        self._bg.stop(join_timeout_s=min(0.5, timeout_s * 0.25))
+        # with a local sink every record is written: wait for a cycle in progress, however long it
+        # takes (CPU work: a thread-mode cycle consumes its batch; it cannot hang on the network)
+        whole = bool(getattr(self._transport, "drain_whole", False))
+        self._bg.stop(join_timeout_s=None if whole else min(0.5, timeout_s * 0.25))
+        drained = False
         try:
-            self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=timeout_s * 0.25)
+            drained = self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=-1 if whole else timeout_s * 0.25)
         except Exception as e:
             print(f"otel: final drain failed: {e!r}", file=sys.stderr)
+        if not drained:  # what is still in the lists is counted as dropped, never lost uncounted
+            self._bg.buffer_full = self._registry.abandon() + self._bg.buffer_full
         self._registry.close()  # later records are counted as dropped, never kept
         if self._t_end is None:  # else end_profile() stopped the profile's clock
             self._t_end = time.monotonic()

@@ -59,3 +59,71 @@ def test_otlp_endpoints_are_parsed(value, protocol, ok):
     from otel.exporter_choice import endpoint_error
 
     assert (endpoint_error(value, protocol) is None) == ok, endpoint_error(value, protocol)
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+@pytest.mark.parametrize("name", ["dflash trainer", "1svc", "ünï"])
+def test_any_service_name_renames_the_resource_and_never_the_metrics(monkeypatch, make_tel, tmp_path, mode, name):
+    """OTEL_SERVICE_NAME may be any string (the spec); it used to prefix the metric names, so a
+    space or a leading digit made an invalid instrument name that killed the exporter and the
+    run's end. Now the resource takes it and the metrics keep the code's prefix."""
+    from otel import read_metrics, read_spans
+    from otel.config import valid_metric_prefix
+
+    monkeypatch.setenv("OTEL_SERVICE_NAME", name)
+    monkeypatch.setenv("OTEL_TRACES_EXPORTER", "file")
+    monkeypatch.setenv("OTEL_METRICS_EXPORTER", "file")
+    tel = make_tel(mode=mode, file_dir=str(tmp_path))
+    for _ in range(5):
+        with tel.stage("step"):
+            pass
+    tel.shutdown(timeout_s=5.0)
+    spans = read_spans(str(tmp_path))
+    assert spans and {s["resource"]["service.name"] for s in spans} == {name}
+    assert "dflash.stage.duration" in {m["name"] for m in read_metrics(str(tmp_path))}
+    assert tel.summary()["health"]["spans_dropped"] == 0
+    assert valid_metric_prefix("dflash trainer") == "dflash_trainer" and valid_metric_prefix("1svc") == "m_1svc"
+
+
+def test_a_malformed_per_signal_header_variable_never_lets_the_generic_headers_through(monkeypatch):
+    """Every entry of OTEL_EXPORTER_OTLP_TRACES_HEADERS malformed: the traces exporter is built
+    without OTEL_EXPORTER_OTLP_HEADERS, so the SDK does not fall back to it (another endpoint's
+    credentials); the metrics exporter keeps it."""
+    import os
+
+    from otel.exporter import env_headers, sdk_pipeline
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "authorization=Bearer%20GENERIC-SECRET")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "x-tenant")
+    monkeypatch.setattr(env_headers, "EMPTIED", set())
+    notes = env_headers.sanitize()
+    assert len(notes) == 1 and "OTEL_EXPORTER_OTLP_TRACES_HEADERS" in notes[0]
+    seen = {}
+    for signal in ("traces", "metrics"):
+        with env_headers.own_headers_only(signal):
+            seen[signal] = os.environ.get("OTEL_EXPORTER_OTLP_HEADERS")
+    assert seen == {"traces": None, "metrics": "authorization=Bearer%20GENERIC-SECRET"}
+    assert os.environ["OTEL_EXPORTER_OTLP_HEADERS"] == "authorization=Bearer%20GENERIC-SECRET"
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
+    exp = sdk_pipeline._make_span_exporter("otlp", None, 1.0)
+    assert "authorization" not in {k.lower() for k in dict(exp._client._headers)}, exp._client._headers  # the SDK's own
+
+
+def test_only_true_disables_the_sdk_and_an_unknown_protocol_is_said(monkeypatch, capsys):
+    """The spec's booleans: `true` (any case) is true, anything else false (said when it is not
+    `false`). An OTLP protocol the exporter does not speak is said once, and http/protobuf sent."""
+    from otel.api import DisabledTelemetry
+    from otel.exporter import sdk_pipeline
+
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "TRUE")
+    assert isinstance(Telemetry.from_env("t", console=False), DisabledTelemetry)
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "1")
+    tel = Telemetry.from_env("t", mode="thread", console=False)
+    try:
+        assert not isinstance(tel, DisabledTelemetry)
+    finally:
+        tel.shutdown(timeout_s=5.0)
+    assert "OTEL_SDK_DISABLED='1' read as false" in capsys.readouterr().err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    assert sdk_pipeline._protocol("traces") == "http/protobuf"
+    assert "'http/json' is not one this exporter speaks" in capsys.readouterr().err

@@ -17,7 +17,8 @@ def test_spans_and_metrics_reach_receiver(receiver, mode, monkeypatch, make_tel)
     monkeypatch.setenv("OTEL_SERVICE_NAME", "dflash-test")
     monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=test,team=ml")
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_HEADERS", "x-api-key=secret42")
-    tel = make_tel(service_name="ignored-by-env", run_id="run-A", mode=mode,
+    # OTEL_SERVICE_NAME names the resource; the metrics keep the name the code gave (docs/otel.md, Metrics)
+    tel = make_tel(service_name="given-in-code", run_id="run-A", mode=mode,
                    resource_attributes={"rank": 0, "world_size": 2})
     assert tel.run_id == "run-A"
 
@@ -83,9 +84,9 @@ def test_spans_and_metrics_reach_receiver(receiver, mode, monkeypatch, make_tel)
     assert any(h.get("x-api-key") == "secret42" for h in receiver.headers)
 
     points = receiver.wait_for_metrics(lambda p: any(
-        x["name"] == "dflash-test.stage.duration" and x["attributes"].get("stage") == "model_forward"
+        x["name"] == "given-in-code.stage.duration" and x["attributes"].get("stage") == "model_forward"
         for x in p) and any(x["name"] == "dflash.queue.depth" for x in p))
-    hist = [p for p in points if p["name"] == "dflash-test.stage.duration"
+    hist = [p for p in points if p["name"] == "given-in-code.stage.duration"
             and p["attributes"]["stage"] == "model_forward"][-1]
     assert hist["unit"] == "s" and hist["type"] == "histogram"
     assert hist["attributes"] == {"stage": "model_forward", "clock": "host", "worker": "target0", "device": "cpu"}

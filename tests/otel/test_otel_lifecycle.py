@@ -35,6 +35,43 @@ def test_exporter_child_dies_with_its_parent(tmp_path):
             parent.kill()
 
 
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_a_killed_parent_leaves_no_orphan_span_and_no_stopped_child(tmp_path, stopped):
+    """The parent SIGKILLed after its stages reached the child: the child still closes their
+    traces (their root spans are written), and a child that was SIGSTOPped at that moment is
+    continued by the parent-death signal, so it exits instead of staying stopped for good."""
+    from otel import read_spans
+
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {ROOT!r})
+        import otel
+        tel = otel.Telemetry.from_env("dflash", file_dir={str(tmp_path)!r}, console=False)
+        for i in range(40):
+            with tel.stage("step", trace=("batch", i // 10)):
+                pass
+        assert tel.flush(timeout_s=30)
+        print(tel._transport.proc.pid, flush=True)
+        time.sleep(60)
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        child = psutil.Process(int(parent.stdout.readline()))
+        if stopped:
+            child.send_signal(signal.SIGSTOP)
+        parent.send_signal(signal.SIGKILL)  # no atexit, no shutdown: only the pipe's EOF
+        parent.wait()
+        child.wait(timeout=20)  # raises psutil.TimeoutExpired if it lingers (or stays stopped)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+    spans = read_spans(str(tmp_path))
+    ids = {s["span_id"] for s in spans}
+    steps = [s for s in spans if s["name"] == "step"]
+    assert len(steps) == 40 and all(s["parent_span_id"] in ids for s in steps), "a stage span without its root"
+
+
 def test_spawned_from_stdin_script_works(tmp_path):
     """subprocess + `python -m`, not multiprocessing spawn: works for code fed on stdin."""
     code = textwrap.dedent(f"""

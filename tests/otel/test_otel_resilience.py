@@ -108,3 +108,29 @@ def test_collector_down_then_up_export_resumes(protocol, mode, monkeypatch, make
         assert tel.summary()["health"]["spans_exported"] >= 1
     finally:
         rx.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hanging_collector_never_holds_up_the_file_sink_beside_it(blackhole_endpoint, mode, monkeypatch, make_tel,
+                                                                    tmp_path):
+    """An endpoint and a run dir, no OTEL_TRACES_EXPORTER: the collector and the files both
+    (a collector that is down loses nothing `dflash stalls RUN` reads). Each exporter has its
+    own lane: the file holds every span however long the collector hangs, the shutdown stays
+    bounded, and the counts say the file kept them and the collector did not."""
+    from otel import read_spans
+
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", blackhole_endpoint)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    monkeypatch.delenv("OTEL_TRACES_EXPORTER", raising=False)
+    tel = make_tel(mode=mode, file_dir=str(tmp_path))
+    for i in range(400):
+        with tel.stage("step", trace=("batch", i // 50)):
+            pass
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    tel.shutdown(timeout_s=1.0)
+    assert time.monotonic() - t0 < 1.0 + 8.0  # bounded (slack for a loaded host)
+    spans = read_spans(str(tmp_path))
+    assert sum(s["name"] == "step" for s in spans) == 400
+    h = tel.summary()["health"]
+    assert h["spans_exported"] == len(spans) == h["spans_recorded"] and h["spans_dropped"] == 0, h
