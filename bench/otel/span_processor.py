@@ -1,5 +1,5 @@
 """Our span queue (otel/exporter/sdk_pipeline.py `ExportPipeline`: one entry per shipped
-batch, one export thread, counts committed batch by batch) against the SDK's
+batch, an export thread per exporter, counts committed batch by batch) against the SDK's
 `BatchSpanProcessor` behind a counting exporter that keeps the same per-batch accounting
 (`done_seq`: every span of every batch up to it is exported or dropped), side by side:
 
