@@ -251,8 +251,14 @@ def check_window(spans, window) -> None:
 
 
 def _in_window(spans, win):
-    """The spans that start inside ``win`` (window_ns's), all of them without one."""
-    return spans if win is None else [s for s in spans if win[0] <= s["start_ns"] < win[1]]
+    """The spans of the traces (a batch's stages share one) whose first span starts inside ``win``
+    (window_ns's): whole batches, never one cut in half; all of them without a window."""
+    if win is None:
+        return spans
+    first: dict = {}
+    for s in spans:
+        first[s["trace_id"]] = min(first.get(s["trace_id"], s["start_ns"]), s["start_ns"])
+    return [s for s in spans if win[0] <= first[s["trace_id"]] < win[1]]
 
 
 def run_start_ns(spans) -> int:

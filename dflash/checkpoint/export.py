@@ -73,7 +73,7 @@ _RUNS_OWN = ("checkpoint", "checkpoint.old", "telemetry", "engine", "best", "ran
 def _check_not_in_a_runs_own_dirs(out: str, dst: Path) -> None:
     from ..preflight.run_dir import is_run_dir
 
-    where = dst.absolute()
+    where = dst.resolve()  # through links: a link to a run's checkpoint/ is that checkpoint/
     for inner in (where, *where.parents):
         if inner.name in _RUNS_OWN and is_run_dir(inner.parent):
             raise ConfigError(f"--out {out!r}: inside the {inner.name}/ of the run in {str(inner.parent)!r}, "

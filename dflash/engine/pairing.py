@@ -20,7 +20,7 @@ same times give the same interval.
 Too few requests decide nothing: a bootstrap of one prompt (or of one round, when only the
 rounds are drawn) has zero width whatever the machine did, and a percentile interval from
 two or three units is far narrower than its level says. An interval from fewer than
-MIN_PROMPTS prompts (MIN_ROUNDS rounds with ``these_prompts``) or MIN_REQUESTS paired requests
+MIN_PROMPTS prompts (and MIN_ROUNDS rounds with ``these_prompts``) or MIN_REQUESTS paired requests
 is reported, marked ``"enough": false``, and `decided` calls it undecided.
 
 With ``these_prompts`` the first stage is skipped: every prompt is kept once and only its
@@ -78,7 +78,9 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
     hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
     point = sum(map(sum, base_s)) / sum(map(sum, other_s))
     rounds = min(len(r) for r in base_s)
-    enough = prompts * rounds >= MIN_REQUESTS and (rounds >= MIN_ROUNDS if these_prompts else prompts >= MIN_PROMPTS)
+    # these prompts alone (their rounds drawn) decide for these prompts only: still not from fewer than
+    # MIN_PROMPTS of them (one prompt's rounds say nothing of a verdict)
+    enough = prompts * rounds >= MIN_REQUESTS and prompts >= MIN_PROMPTS and (rounds >= MIN_ROUNDS or not these_prompts)
     return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": prompts, "rounds": rounds, "enough": enough}
 

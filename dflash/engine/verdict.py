@@ -352,8 +352,9 @@ def _record_k(v: dict, picks: dict, costs: dict) -> None:
             was = kchoice.read(Path(export)) or {}
         except ConfigError:  # a damaged record is replaced
             was = {}
-        if isinstance(was, dict) and isinstance(was.get("requests"), int) and was["requests"] > requests \
-                and describe(was.get("machine")) == describe(v["machine"]):
+        same = (describe(was.get("machine")) == describe(v["machine"]) and was.get("vllm") == v["version"]
+                and was.get("target") == v["target"]) if isinstance(was, dict) else False
+        if same and isinstance(was.get("requests"), int) and was["requests"] > requests:
             runner.note(f"k auto: kept the k={was.get('k')} {export} records (from {was['requests']} requests per "
                         f"engine on this kind of machine) over this verdict's {requests}")
             continue

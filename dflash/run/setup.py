@@ -232,10 +232,12 @@ def _check_feature_cache(cfg, place, target, prep, est: dict, fids, dtype, room=
     # what regeneration kept is on the host already (in this process's resident set)
     held = sum(r[:n].nbytes for r in (prep.features or {}).values())
     drafter_dev = torch.device(place.drafter_device) if place.has_drafter else None
+    beside = 0  # the cache where the drafter's estimate is: summary.json's peak of that memory
     for dev in dict.fromkeys(torch.device(d) for d in place.target_devices):
         need = max(total - held, 0) if dev.type == "cpu" else total
         shared = drafter_dev is not None and (dev == drafter_dev or dev.type == drafter_dev.type == "cpu")
         peak = est.get("peak", 0) if shared else 0
+        beside += total if shared else 0
         now = mem.process_memory()[0] if dev.type == "cpu" else 0
         avail = room(str(dev))
         if avail is not None and peak + need > avail[0]:
@@ -246,8 +248,8 @@ def _check_feature_cache(cfg, place, target, prep, est: dict, fids, dtype, room=
                 f"sequences, {sum(seqs.values()):,} tokens, {mem.gib(total)} on {dev}{beside}{held_now}, and "
                 f"{avail[1]}; set train.feature_cache=false (the target then runs in every epoch), or train "
                 f"on fewer samples (data.max_samples) or shorter ones (data.max_len)")
-    if est:
-        est = dict(est, parts=dict(est["parts"], **{"the feature cache": total}), peak=est["peak"] + total)
+    if est and beside:  # the estimate counts from the first check, before regeneration kept any of it
+        est = dict(est, parts=dict(est["parts"], **{"the feature cache": beside}), peak=est["peak"] + beside)
     return est
 
 

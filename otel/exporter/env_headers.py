@@ -8,9 +8,9 @@ reported by its position and key name only. Well-formed entries pass unchanged.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import sys
 
 GENERIC = "OTEL_EXPORTER_OTLP_HEADERS"
 VARIABLES = (GENERIC, "OTEL_EXPORTER_OTLP_TRACES_HEADERS", "OTEL_EXPORTER_OTLP_METRICS_HEADERS")
@@ -61,15 +61,30 @@ def sanitize(environ=os.environ) -> list[str]:
     return notes
 
 
-@contextlib.contextmanager
-def own_headers_only(signal: str, environ=os.environ):
-    """While a ``signal`` exporter is built (the SDK reads the headers then): without the generic
-    variable when that signal's own was given and every entry in it was dropped, so the generic
-    one's headers (another endpoint's credentials, maybe) are not sent in their place."""
+def own_headers_only(exporter, signal: str, environ=os.environ):
+    """A built ``signal`` exporter without the generic variable's headers, when that signal's own
+    variable was given and every entry in it was dropped: the SDK reads a missing per-signal
+    variable as "use the generic one", which would send its headers (another endpoint's
+    credentials, maybe) where none were meant. The environment is never changed (other threads
+    read it); the headers are taken off the exporter itself. Returns the exporter, or None
+    (said) when this SDK keeps its headers where this cannot reach them: no exporter rather
+    than a leak."""
     var = f"OTEL_EXPORTER_OTLP_{signal.upper()}_HEADERS"
-    saved = environ.pop(GENERIC, None) if var in EMPTIED else None
-    try:
-        yield
-    finally:
-        if saved is not None:
-            environ[GENERIC] = saved
+    generic = environ.get(GENERIC)
+    if var not in EMPTIED or not generic:
+        return exporter
+    from opentelemetry.util.re import parse_env_headers
+
+    drop = {k.lower() for k in parse_env_headers(generic, liberal=True)}
+    client = getattr(exporter, "_client", None)
+    if isinstance(getattr(client, "_headers", None), dict):  # OTLP/HTTP
+        for k in list(client._headers):
+            if k.lower() in drop:
+                del client._headers[k]
+        return exporter
+    if isinstance(getattr(exporter, "_headers", None), tuple):  # OTLP/gRPC: metadata pairs
+        exporter._headers = tuple((k, v) for k, v in exporter._headers if k.lower() not in drop)
+        return exporter
+    print(f"otel: {var}: every entry dropped, and this SDK's {signal} exporter would send "
+          f"{GENERIC}'s headers instead: not exporting {signal} over OTLP", file=sys.stderr)
+    return None

@@ -170,6 +170,7 @@ class _Lane:
         self.name, self.exp = name, exp
         self.network = name not in LOCAL_EXPORTERS
         self.queue: deque = deque()
+        self.backlog = 0                   # spans in its queue
         self.current: list | None = None   # the entries its export call is working on
         self.abandoned = False             # the shutdown bound ran out: it sends nothing more
         self.thread = None
@@ -181,8 +182,7 @@ def _make_span_exporter(name, file_dir, export_timeout_s):
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-        with env_headers.own_headers_only("traces"):
-            return OTLPSpanExporter(timeout=_timeout(export_timeout_s))
+        return env_headers.own_headers_only(OTLPSpanExporter(timeout=_timeout(export_timeout_s)), "traces")
     if name == "file":
         return filesink.FileSpanExporter(file_dir) if file_dir else None
     if name == "console":
@@ -208,8 +208,10 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         else:
             from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-        with env_headers.own_headers_only("metrics"):
-            exporter = OTLPMetricExporter(timeout=_timeout(export_timeout_s, "metrics"))
+        exporter = env_headers.own_headers_only(OTLPMetricExporter(timeout=_timeout(export_timeout_s, "metrics")),
+                                                "metrics")
+        if exporter is None:
+            return None
     elif name == "file":
         if not file_dir:
             return None
@@ -253,6 +255,7 @@ class ExportPipeline:
         # with them: (entry, its lanes' results {id(lane): (spans kept, failure reason or None)})
         self._open: dict[int, tuple[list, dict]] = {}
         self._queued_spans = 0
+        self._max_seq = 0
         self.exporter_counts = {lane.name: {"exported": 0, "dropped": {}} for lane in self.lanes}
         self._cv = threading.Condition()
         self._closing = False
@@ -287,9 +290,12 @@ class ExportPipeline:
 
     def add_span_exporter(self, name: str, exp) -> None:
         """A span exporter on a lane of its own (its queue and thread); ``name`` in
-        LOCAL_EXPORTERS makes it a local sink, drained whole at shutdown."""
+        LOCAL_EXPORTERS makes it a local sink, drained whole at shutdown. Before any span is
+        queued (an open batch waits for the lanes there were), one per name."""
         lane = _Lane(name, exp)
         with self._cv:
+            if self._open or name in self.exporter_counts:
+                raise ValueError(f"span exporter {name!r}: add each exporter once, before any span is queued")
             self.lanes.append(lane)
             self.span_exporters.append(exp)
             self.exporter_counts[name] = {"exported": 0, "dropped": {}}
@@ -374,7 +380,13 @@ class ExportPipeline:
         built = self.build_spans(spans)
         with self._cv:
             self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
-            room = max(self.max_queue - self._queued_spans, 0)
+            # the bound holds what the local sinks have still to write (a network lane beside them
+            # keeps its own half and sheds beyond it); without a local sink, everything queued
+            local = [lane for lane in self.lanes if not lane.network]
+            used = max((lane.backlog + sum(len(e[1]) for e in lane.current or ()) for lane in local),
+                       default=self._queued_spans)
+            room = max(self.max_queue - used, 0)
+            self._max_seq = max(self._max_seq, seq)
             dropped = max(len(built) - room, 0)
             if dropped:
                 built = built[:room]
@@ -385,11 +397,23 @@ class ExportPipeline:
                 self._commit(entry, 0, {"no_exporter": len(built)} if built else {}, 0)
             else:
                 self._open[id(entry)] = (entry, {})  # alive while open: its id is its key
+                local = any(not lane.network for lane in self.lanes)
                 for lane in self.lanes:
+                    if dropped:  # cut before any lane saw them
+                        c = self.exporter_counts[lane.name]["dropped"]
+                        c["collector_down"] = c.get("collector_down", 0) + dropped
                     if lane.abandoned:  # past the shutdown bound: nothing more for the network
                         self._lane_done(lane, entry, 0, "shutdown_timeout")
-                    else:
-                        lane.queue.append(entry)
+                        continue
+                    lane.queue.append(entry)
+                    lane.backlog += len(built)
+                    # beside a local sink a network lane keeps half the bound and sheds its oldest
+                    # beyond it: a slow or dead collector never holds the batches the files are
+                    # done with (nor, through them, the queue's room or the parent's backlog)
+                    while local and lane.network and lane.backlog > self.max_queue // 2 and len(lane.queue) > 1:
+                        old = lane.queue.popleft()
+                        lane.backlog -= len(old[1])
+                        self._lane_done(lane, old, 0, "collector_down")
             self._cv.notify_all()
 
     def build_spans(self, spans: list) -> list:
@@ -425,7 +449,10 @@ class ExportPipeline:
         reason -> spans (an exporter says its reason by a `drop_reason` attribute)."""
         seq, spans, dropped_at_enqueue, n_parent, n_roots = entry
         c = self.counts
-        c["done_seq"] = max(c["done_seq"], seq)
+        # every batch up to done_seq is finished: entries commit out of order across lanes (a network
+        # lane sheds a newer one while an older one is in its export call), so not past an open one
+        first_open = min((e[0] for e, _ in self._open.values()), default=self._max_seq + 1)
+        c["done_seq"] = max(c["done_seq"], first_open - 1)
         c["spans_done"] += n_parent
         c["roots"] += n_roots
         c["spans_exported"] += exported
@@ -447,6 +474,7 @@ class ExportPipeline:
                 while lane.network and lane.queue and n + len(lane.queue[0][1]) <= self.chunk:
                     n += len(lane.queue[0][1])
                     take.append(lane.queue.popleft())
+                lane.backlog -= n
                 lane.current = take
             spans = [sp for e in take for sp in e[1]]
             ok = [True] * len(spans)
@@ -485,14 +513,15 @@ class ExportPipeline:
         if key not in self._open:
             return
         results = self._open[key][1]
-        results[id(lane)] = (kept, reason)
+        results[id(lane)] = (kept, reason, not lane.network)
         if len(results) < len(self.lanes):
             return
         del self._open[key]
         self._queued_spans -= len(entry[1])
-        best = max(results.values(), key=lambda r: r[0])
+        # the lane that kept the most (a local sink on a tie: its reason, write_failed say, is the one to tell)
+        best = max(results.values(), key=lambda r: (r[0], r[2]))
         lost = len(entry[1]) - best[0]
-        why = best[1] or next((r for _, r in results.values() if r), "collector_down")
+        why = best[1] or next((r[1] for r in results.values() if r[1]), "collector_down")
         timed_out = lost if why == "shutdown_timeout" else 0
         self._commit(entry, best[0], {why: lost} if lost and not timed_out else {}, timed_out)
 
@@ -504,6 +533,7 @@ class ExportPipeline:
             lane.abandoned = True
             pending, lane.current = list(lane.current or []) + list(lane.queue), None
             lane.queue.clear()
+            lane.backlog = 0
             for e in pending:
                 self._lane_done(lane, e, 0, "shutdown_timeout")
 

@@ -21,6 +21,7 @@ from otel.producer.phases import RunTrace
 from otel.summary import format_table, with_shares
 from otel.transport import InProcessTransport, ProcessTransport
 
+LOCAL_DRAIN_S = 60.0  # shutdown with a local sink: how long a background cycle in progress is waited for
 _TRUE = ("true",)  # the spec's booleans: only "true", in any case, is true
 DEFAULT_METRIC_EXPORT_INTERVAL_S = 1.0
 
@@ -344,13 +345,15 @@ class Telemetry:
             return
         self._closed = True
         self.run_trace.end()  # no-op when end_run() was called; else the run ends here
-        # with a local sink every record is written: wait for a cycle in progress, however long it
-        # takes (CPU work: a thread-mode cycle consumes its batch; it cannot hang on the network)
+        # with a local sink every record is written: wait for a cycle in progress to end (CPU work: a
+        # thread-mode cycle consumes its batch), up to LOCAL_DRAIN_S (a gauge callback that blocks, or
+        # a shutdown from inside a cycle, must not hang the process)
         whole = bool(getattr(self._transport, "drain_whole", False))
-        self._bg.stop(join_timeout_s=None if whole else min(0.5, timeout_s * 0.25))
+        wait_s = LOCAL_DRAIN_S if whole else timeout_s * 0.25
+        self._bg.stop(join_timeout_s=wait_s if whole else min(0.5, wait_s))
         drained = False
         try:
-            drained = self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=-1 if whole else timeout_s * 0.25)
+            drained = self._bg.cycle(final=True, give_up_cuda=True, lock_timeout_s=wait_s)
         except Exception as e:
             print(f"otel: final drain failed: {e!r}", file=sys.stderr)
         if not drained:  # what is still in the lists is counted as dropped, never lost uncounted

@@ -248,6 +248,10 @@ def test_export_into_the_runs_own_dirs_is_one_line(run):
         assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
         assert f"inside the {sub.split('/')[0]}/ of the run in" in lines[0] and "only that run writes" in lines[0]
         assert not (run / sub).exists()
+    link = run.parent / "link-to-checkpoint"  # a link is where it points
+    link.symlink_to(run / "checkpoint")
+    out, lines = cli_before_torch("export", "--checkpoint", run / "checkpoint", "--out", link / "sub")
+    assert out == {"rc": 2, "torch": False} and "inside the checkpoint/ of the run in" in lines[0], lines
 
 
 @pytest.mark.slow

@@ -91,8 +91,8 @@ def test_a_verdict_too_small_to_decide_or_smaller_than_the_recorded_one_records_
     here = {"cpu": "X", "logical_cpus": 2, "vllm_kernels": "_C"}
     costs = {"none": {"verify_s": 0.01}, "d": {"verify_s": 0.012, "draft_s": 0.002, "rest_s": 0.003}}
 
-    def verdict(prompts, rounds, k, machine=here):
-        v = {"prompts": prompts, "rounds": rounds, "machine": machine, "version": "0.32", "target": "t"}
+    def verdict(prompts, rounds, k, machine=here, version="0.32"):
+        v = {"prompts": prompts, "rounds": rounds, "machine": machine, "version": version, "target": "t"}
         _record_k(v, {str(tmp_path): {"k": k, "block_k": 3, "label_block": "d", "predicted_tokens_per_s": {},
                                       "tokens_per_step": {}, "per_position_acceptance": [0.4, 0.1, 0.0]}}, costs)
         return (kchoice.read(tmp_path) or {}).get("k")
@@ -101,3 +101,5 @@ def test_a_verdict_too_small_to_decide_or_smaller_than_the_recorded_one_records_
     assert verdict(6, 2, 2) == 2 and kchoice.read(tmp_path)["requests"] == 12
     assert verdict(3, 2, 3) == 2 and "kept the k=2" in capsys.readouterr().err  # fewer requests, same machine
     assert verdict(3, 2, 3, {"cpu": "Y", "vllm_kernels": "_C_AVX2"}) == 3  # another kind of machine: its own
+    verdict(6, 2, 2)
+    assert verdict(3, 2, 1, version="0.33") == 1  # another vLLM: its own

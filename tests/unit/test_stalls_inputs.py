@@ -44,6 +44,9 @@ def test_a_window_covers_the_typical_step_and_the_balance():
     assert fast["balance"]["target_s_per_batch"] == pytest.approx(0.1)
     assert slow["balance"]["target_s_per_batch"] == pytest.approx(0.6)
     assert analyze(steps())["balance"]["target_s_per_batch"] == pytest.approx(0.35)  # the whole run: both halves
+    # a window that starts inside batch 5 (forward 5.0-5.6, backward 5.6-5.8) leaves it out whole
+    cut = analyze(steps(), window=(5.3, math.inf))
+    assert cut["critical_path"]["batch_id"] > 5 and cut["critical_path"]["duration_s"] == pytest.approx(0.8)
 
 
 def test_the_checkpoint_writers_wait_is_no_stall_and_long_names_keep_their_gap():

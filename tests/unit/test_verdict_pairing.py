@@ -112,6 +112,7 @@ def test_too_few_requests_decide_nothing():
     two = interval([[1.0, 1.0]] * 2, [[2.0, 2.0]] * 2)  # 2 prompts: too few to draw prompts from
     assert not two["enough"] and decided(two) == "undecided"
     assert not interval([[1.0]] * 6, [[2.0]] * 6, these_prompts=True)["enough"]  # one round: no jitter to draw
+    assert not interval([[1.0] * 6], [[2.0] * 6], these_prompts=True)["enough"]  # one prompt's rounds: no verdict
     three = interval([[1.0, 1.0]] * 3, [[2.0, 2.0]] * 3)
     assert three["enough"] and decided(three) == "slower"
     assert too_few(1, 1) and too_few(2, 5) and too_few(3, 1) and too_few(3, 2) is None and too_few(6, 1) is None
