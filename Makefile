@@ -39,7 +39,11 @@ lock:
 
 # Each demo ends by writing its record (docs/records/NAME.json: tau, the verdict with its intervals,
 # the wall time, the machine) and README's table from the records (dflash/analysis/demo_record.py)
+# The verdict needs the engine's venv: built first (once), and where it cannot be built the demo
+# still trains and scores, and eval.engine=auto says the verdict was left out and how to get it.
+ENGINE_VENV = $(MAKE) --no-print-directory vllm || echo "make demo: the engine's venv (.venv-vllm) did not build: no vLLM verdict this time ('make vllm' to retry)" >&2
 demo: setup
+	@$(ENGINE_VENV)
 	@t0=$$(date +%s); $(PY) -m dflash train --config configs/demo.yaml --eval --overwrite && \
 	  $(PY) -m dflash.analysis.demo_record runs/demo --name demo --command "make demo" --wall-s $$(( $$(date +%s) - t0 ))  # a new demo replaces the last one (runs/demo)
 	@echo "make demo: tau is given per verify step (as engines count it) and as the per-prompt mean; on ~270" \
@@ -49,6 +53,7 @@ demo: setup
 # The demo's recipe with 5.5x the regenerated replies and 5x the steps: its served drafter
 # beats prompt lookup on its held-out prompts (configs/demo-long.yaml, docs/demo-recipe.md)
 demo-long: setup
+	@$(ENGINE_VENV)
 	@t0=$$(date +%s); $(PY) -m dflash train --config configs/demo-long.yaml --eval --overwrite && \
 	  $(PY) -m dflash.analysis.demo_record runs/demo-long --name demo-long --command "make demo-long" --wall-s $$(( $$(date +%s) - t0 ))  # runs/demo-long
 

@@ -271,6 +271,10 @@ def _coerce(value, typ, key: str):
     if typ is str:
         if isinstance(value, (dict, list)):
             raise ConfigError(f"{key}={value!r}: expected a string")
+        if value is None:  # `target:` with nothing after it in a file
+            raise ConfigError(f"{key}: empty; expected a string (leave the key out for its default)")
+        if isinstance(value, bool):  # YAML 1.1 reads a bare on/off/yes/no as a bool (`regenerate: off`)
+            return "on" if value else "off"
         return str(value)
     return value
 
@@ -278,10 +282,12 @@ def _coerce(value, typ, key: str):
 def _yaml(text: str, where: str, what: str = "valid YAML"):
     """YAML from the user (a config file, a --set value), aliases bounded (inputs.yaml_load):
     a malformed document, an alias bomb or a document nested too deeply is one line."""
-    from .preflight.inputs import YAMLTooLarge, yaml_load
+    from .preflight.inputs import YAMLDuplicateKey, YAMLTooLarge, yaml_load
 
     try:
         return yaml_load(text)
+    except YAMLDuplicateKey as e:
+        raise ConfigError(f"{where}: {e}") from None
     except YAMLTooLarge as e:
         raise ConfigError(f"{where}: refused ({e})") from None
     except yaml.YAMLError as e:
@@ -323,9 +329,15 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
         data = _yaml(text, f"config file {path!r}") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"config file {path!r}: expected a mapping at top level")
+        leaves: dict = {}  # `train.steps:` and `train: {steps:}` in one file: the same key twice
         for k, v in data.items():
             if not isinstance(k, str):
                 raise ConfigError(f"config file {path!r}: key {k!r} is not a name (expected e.g. train: or train.lr:)")
+            for leaf in _leaves(k, v):
+                if leaf in leaves:
+                    raise ConfigError(f"config file {path!r}: {leaf} is given twice (as {leaves[leaf]!r} and as "
+                                      f"{k!r}); give it once")
+                leaves[leaf] = k
             _set(cfg, k, v, from_text=False)
     for item in overrides:
         if "=" not in item:
@@ -337,6 +349,13 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
             _set(cfg, k, v, from_text=False)
     validate(cfg)
     return cfg
+
+
+def _leaves(key: str, value) -> list[str]:
+    """The dotted keys a file's entry sets: `train: {steps: 3}` sets train.steps."""
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)] or [key]
+    return [key]
 
 
 def override(cfg: Config, **flags) -> Config:
@@ -530,6 +549,14 @@ def check_layer_types(m: ModelConfig) -> None:
                           f"model.layer_types (e.g. --set model.layer_types=sliding_attention)")
 
 
+def regenerates(cfg: Config) -> bool:
+    """Whether the run trains on the target's own replies (data.regenerate; auto: on for the
+    tiny random targets, whose replies are all they can be trained on)."""
+    if cfg.data.regenerate == "auto":
+        return cfg.model.target.startswith("tiny-")
+    return cfg.data.regenerate == "on"
+
+
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
@@ -583,6 +610,13 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
+    if regenerates(cfg) and not d.features and d.regen_max_new_tokens + 2 < 2 * m.block_size:
+        # a regenerated sample's loss tokens are its one reply (and the turn's end token or two):
+        # under 2 x block_size every sample would be dropped, after the target loaded and regenerated
+        raise ConfigError(f"data.regen_max_new_tokens={d.regen_max_new_tokens} with model.block_size={m.block_size}: "
+                          f"every regenerated reply would be too short to train on (a sample needs "
+                          f"{2 * m.block_size} reply tokens); raise data.regen_max_new_tokens to at least "
+                          f"{2 * m.block_size} or lower model.block_size")
     if d.long_samples not in ("cut", "split"):
         raise ConfigError(f"data.long_samples={d.long_samples!r}: expected cut or split")
     if d.features:

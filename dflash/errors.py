@@ -210,6 +210,34 @@ def raise_on_sigterm() -> None:
                 signal.signal(s, _raise)
 
 
+def interruptible(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, run in a helper thread while the main thread waits for it in short slices.
+    A call that blocks in C++ (joining the ranks: torch.distributed's rendezvous and first
+    collective, waiting for a rank that has not come) keeps Python's signal handlers from
+    running, so a SIGTERM (torchrun's, a job runner's) or a Ctrl-C would not stop the rank: the
+    phase it waits in would never be marked, its trace never written, and torchrun would SIGKILL
+    it 30 s later. Waiting here, the signal's exception leaves at once; the helper is a daemon
+    and is left blocked as the process exits. Thread-local state ``fn`` sets (a CUDA device) is
+    the helper's: set it in both threads."""
+    if threading.current_thread() is not threading.main_thread():
+        return fn(*args, **kwargs)
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run, name=f"dflash-{getattr(fn, '__name__', 'call')}", daemon=True)
+    t.start()
+    while t.is_alive():
+        t.join(0.1)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 class stop_on_signal:
     def __init__(self, what: str = "the current prompt"):
         self.what = what

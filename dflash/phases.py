@@ -209,10 +209,12 @@ def start(command: str, *, file_dir: str | None = None, run_id: str | None = Non
     return tel
 
 
-def fallback(command: str, file_dir: str) -> None:
+def fallback(command: str, file_dir: str | None) -> None:
     """Where this command's spans go if it stops (a signal, a crash) before its telemetry starts
     (`train` and `capture` start theirs after torch's import and the ranks' agreement): the
-    phases until then are written there rather than lost. Set once its inputs are known good."""
+    phases until then are written there rather than lost. ``file_dir`` None (set once the inputs
+    are checked, before the run dir is claimed: a long data read): the OTLP endpoint the OTEL_*
+    variables name, else the phase table on stderr; the dir once it is claimed."""
     global _fallback
     _fallback = (command, file_dir)
 
@@ -234,24 +236,29 @@ def finish(error: BaseException | tuple | None = None) -> None:
     the telemetry is shut down (files complete, the collector within its bound). Idempotent;
     never raises (the command's own exit code stands)."""
     tel = _current
-    if tel is None and _fallback is not None and _early and error is not None:
+    if (tel is None and _fallback is not None and _early and error is not None
+            and (_fallback[1] or not _bad_input(error))):  # no dir yet: bad input is its one line
         try:  # stopped before the telemetry started: the phases so far, marked, where it would have gone
             rank, world = int(os.environ.get("RANK", "0") or 0), int(os.environ.get("WORLD_SIZE", "1") or 1)
-            tel = start(_fallback[0], file_dir=os.path.join(_fallback[1], f"rank{rank}" if world > 1 else ""),
-                        mode="thread", rank=rank, world=world)
+            where = _fallback[1] and os.path.join(_fallback[1], f"rank{rank}" if world > 1 else "")
+            tel = start(_fallback[0], file_dir=where, mode="thread", rank=rank, world=world)
         except Exception as e:  # noqa: BLE001 -- telemetry never changes how a command ends
             print(f"dflash: telemetry: {e!r}", file=sys.stderr)
             return
     if tel is None:
         return
     try:
-        from .errors import user_error
-        if isinstance(error, Exception) and user_error(error) is not None:
+        if _bad_input(error):
             tel.console = False  # bad input is one line (exit 2): no table after it
         tel.end_run(error)
         tel.shutdown(timeout_s=2.0)
     except Exception as e:  # noqa: BLE001 -- telemetry never changes how a command ends
         print(f"dflash: telemetry: {e!r}", file=sys.stderr)
+
+
+def _bad_input(error) -> bool:
+    from .errors import user_error
+    return isinstance(error, Exception) and user_error(error) is not None
 
 
 class PhaseTable:

@@ -52,11 +52,14 @@ def startup(spans: list[dict]) -> dict | None:
         if a.get("worker") is not None and not a.get(KIND):
             r = _rank(s)
             first_step[r] = min(first_step.get(r, s["start_ns"]), s["start_ns"])
+    # a rank's top-level phases: under its root or process span, or under one that was never
+    # written (a SIGKILL, the OOM killer: those spans end with the process, their phases are on disk)
+    phase_ids = {s["span_id"] for s in phases}
     ranks = []
     for r in sorted(by_rank_start):
         start = by_rank_start[r]
         until = first_step.get(r)
-        top_level = [s for s in phases if _rank(s) == r and s.get("parent_span_id") in tops]
+        top_level = [s for s in phases if _rank(s) == r and s.get("parent_span_id") not in phase_ids]
         before = [s for s in top_level if until is None or s["start_ns"] < until]
         by_phase: dict[str, float] = defaultdict(float)
         for s in before:
@@ -67,6 +70,7 @@ def startup(spans: list[dict]) -> dict | None:
     out = {"trace_id": (root or next(iter(tops.values()), phases[0] if phases else {})).get("trace_id"),
            "command": root["name"] if root else None,
            "wall_s": _s(root["end_ns"] - root["start_ns"]) if root else None,
+           "root_missing": root is None,  # killed before it ended (SIGKILL, out of memory): phases only
            "ranks": ranks,
            "longest_phase": {"phase": longest["name"], "rank": _rank(longest),
                              "seconds": _s(longest["end_ns"] - longest["start_ns"]),
@@ -128,6 +132,9 @@ def format_startup(rep: dict | None) -> list[str]:
         return []
     lines = ["", f"start-up (the run's own trace {rep['trace_id']}"
                  + (f", {rep['command']} {rep['wall_s']:.1f}s end to end" if rep.get("wall_s") else "") + ")"]
+    if rep.get("root_missing"):
+        lines.append("  the run's root span is not in the trace: the process ended without closing it (SIGKILL, "
+                     "the out-of-memory killer); what follows is read from the phases it finished")
     for r in rep["ranks"]:
         first = f"first step after {r['first_step_s']:.2f}s" if r["first_step_s"] is not None else "no step"
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in list(r["phases"].items())[:6])

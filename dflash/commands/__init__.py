@@ -7,6 +7,7 @@ dispatches; nothing below this package imports it.
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 
 NAMES = ("train", "eval", "export", "serve", "stalls", "timeline", "watch", "data", "capture")
@@ -15,3 +16,23 @@ NAMES = ("train", "eval", "export", "serve", "stalls", "timeline", "watch", "dat
 def command(name: str):
     """The module of subcommand ``name``."""
     return importlib.import_module(f"{__name__}.{name}")
+
+
+class Once(argparse.Action):
+    """A flag that takes one value and may be given once (``--config``): a second one is an
+    error, not a silent replacement of the first (two config files do not merge)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r}, then {values!r}); "
+                         f"give it once (and --set KEY=VALUE for the rest)")
+        setattr(namespace, self.dest, values)
+
+
+class CommaList(argparse.Action):
+    """A comma list that may also be given again (``--tracker tensorboard --tracker mlflow``):
+    the lists add up, as the repeated form reads."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        setattr(namespace, self.dest, f"{before},{values}" if before else values)

@@ -12,6 +12,7 @@ from pathlib import Path
 from ..config import needs_target_distribution
 from ..errors import ConfigError
 from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
+from . import Once
 
 
 def add_parser(sub) -> None:
@@ -19,7 +20,7 @@ def add_parser(sub) -> None:
                                        "(then: dflash train --features FEATS, as often as you like)")
     c.add_argument("--out", required=True, metavar="FEATS", help="the directory to write (shards + index.json)")
     c.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
-    c.add_argument("--config", help="YAML file with any of the config keys (data.*, model.* decide what is captured)")
+    c.add_argument("--config", action=Once, help="YAML file with any of the config keys (data.*, model.* decide what is captured)")
     c.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config key")
     c.add_argument("--seed", type=int, help="train.seed: which conversations are picked and held out")
     c.add_argument("--target-devices", help="the device of this rank's target, e.g. cuda (default cpu)")
@@ -41,6 +42,8 @@ def run(a) -> int:
 
     with phases.phase("check_inputs"):  # recorded in the capture's trace once its telemetry starts
         cfg = _checked_config(a)
+    if cfg.telemetry.enabled:  # a signal in the data read (before FEATS is ours): the collector, or the table
+        phases.fallback("capture", None)
     with phases.phase("read_data"):
         from .train import load_data
         load_data(cfg)

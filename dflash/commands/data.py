@@ -49,9 +49,10 @@ def run(a) -> int:
     with phases.phase("load_tokenizer", target=a.target):
         from ..model.target import load_tokenizer  # transformers (and torch): only once the input is good
         tok = load_tokenizer(a.target)
-    with phases.phase("inspect", records=len(records)):
+    with phases.phase("inspect", records=len(records)) as ph:
         report = inspect(records, tok, target=a.target, max_len=a.max_len, examples=a.examples,
                          chat_template=a.chat_template, chat_template_kwargs=kwargs)
+        ph.set(used=report["used"], **{f"data.{k}": v for k, v in report["dropped"].items()})  # as train's
     report["path"] = a.path
     print(format_report(report))
     if a.json:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..config import MAX_NEW_TOKENS, MAX_SEED, check_sampling, load_config
 from ..errors import ConfigError, stop_on_signal
+from . import CommaList
 
 
 def add_parser(sub) -> None:
@@ -52,7 +53,7 @@ def add_parser(sub) -> None:
     e.add_argument("--no-copy-head", action="store_true",
                    help="draft without the drafter's copy proposals (model.copy_head): what the rest of it does")
     e.add_argument("--wandb", action="store_true", help="add tau to the training run's W&B summary")
-    e.add_argument("--tracker", metavar="NAMES",
+    e.add_argument("--tracker", action=CommaList, metavar="NAMES",
                    help="add tau, the baseline and per-position acceptance to the training run's trackers "
                         "(a comma list of wandb, tensorboard, mlflow)")
     e.add_argument("--baseline", choices=("prompt_lookup", "none"),

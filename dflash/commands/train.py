@@ -8,6 +8,7 @@ import sys
 
 from ..config import needs_target_distribution
 from ..errors import ConfigError
+from . import CommaList, Once
 
 
 def add_parser(sub) -> None:
@@ -16,7 +17,7 @@ def add_parser(sub) -> None:
     t.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
     t.add_argument("--steps", type=int)
     t.add_argument("--seed", type=int)
-    t.add_argument("--config", help="YAML file with any of the config keys")
+    t.add_argument("--config", action=Once, help="YAML file with any of the config keys")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
     t.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -34,7 +35,7 @@ def add_parser(sub) -> None:
                    help="raise in a stage at a step: a tool for testing the failure path")
     t.add_argument("--no-telemetry", action="store_true")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
-    t.add_argument("--tracker", metavar="NAMES",
+    t.add_argument("--tracker", action=CommaList, metavar="NAMES",
                    help="experiment trackers, a comma list of wandb, tensorboard, mlflow (--wandb: wandb)")
 
     t.add_argument("--features", metavar="FEATS",
@@ -46,13 +47,13 @@ def add_parser(sub) -> None:
 
 
 def run(a) -> int:
-    from ..phases import phase
-
-    from ..phases import inject_delays
+    from ..phases import fallback, inject_delays, phase
 
     with phase("check_inputs"):  # the run's first phases: recorded once its telemetry starts
         cfg = _checked_config(a)
     inject_delays(cfg.pipeline.inject_delay, int(os.environ.get("RANK", "0") or 0))  # --inject-delay PHASE=S
+    if cfg.telemetry.enabled:  # a signal in the data read (before OUT is ours): the collector, or the table
+        fallback("train", None)
     if not cfg.data.features:  # training from a capture: the samples are in it
         with phase("read_data") as ph:
             load_data(cfg)
@@ -72,7 +73,6 @@ def run(a) -> int:
                 clean_stale_temps(out / "checkpoint")
     a.phase = "set-up"  # a signal before training starts: nothing to save yet
     if cfg.telemetry.enabled:  # stopped before the run's telemetry starts: its phases still reach OUT/telemetry
-        from ..phases import fallback
         fallback("train", str(out / "telemetry"))
     with phase("import_torch"):
         from ..run.trainer import train  # torch and transformers: only once the input is known to be good

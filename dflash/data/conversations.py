@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import re
+import sys
 from pathlib import Path
 from typing import Iterator
 
@@ -70,6 +71,9 @@ def _iter_records(path: Path, chunk: int = 1 << 20, max_record: int = MAX_RECORD
         raise DatasetError(f"dataset '{path}': unreadable ({getattr(e, 'strerror', None) or e})") from None
 
 
+_SAID_SPLITS: set = set()  # saved DatasetDicts whose splits were named once
+
+
 def _stream_hf(path: Path) -> Iterator:
     """Rows of a parquet file or a `save_to_disk` directory, through `datasets`: arrow data
     memory-mapped or streamed, never loaded whole. Whatever `datasets` or arrow raise for a
@@ -82,7 +86,14 @@ def _stream_hf(path: Path) -> Iterator:
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
-            parts = ds.values() if isinstance(ds, datasets.DatasetDict) else [ds]
+            parts = [ds]
+            if isinstance(ds, datasets.DatasetDict):
+                parts = [ds["train"]] if "train" in ds else list(ds.values())
+                if len(ds) > 1 and str(path) not in _SAID_SPLITS:  # a test split must not train silently
+                    _SAID_SPLITS.add(str(path))
+                    read = "its train split" if "train" in ds else "all of them"
+                    print(f"data: {path} holds the splits {', '.join(ds)}: reading {read} "
+                          f"(name {path}/SPLIT for one)", file=sys.stderr)
         else:
             parts = [datasets.load_dataset("parquet", data_files=str(path), split="train", streaming=True)]
         for part in parts:
@@ -100,6 +111,8 @@ def _stream_lines(path: Path, max_record: int) -> Iterator:
     held whole, and counted as too large, as is one holding more than MAX_RECORD_VALUES
     values."""
     with open_binary(path) as f:
+        if f.read(3) != b"\xef\xbb\xbf":  # a byte-order mark (Windows editors write one): not data
+            f.seek(0)
         while True:
             line = f.readline(max_record + 1)
             if not line:
@@ -174,7 +187,8 @@ def _skip_value(f, buf: str, pos: int, chunk: int, budget: int) -> tuple[str, in
 def _stream_array(path: Path, chunk: int, max_record: int = MAX_RECORD_BYTES) -> Iterator:
     """Stream the elements of a top-level JSON array without loading the whole file.
 
-    A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream.
+    A truncated last element (the embedded ShareGPT file is cut mid-record) ends the stream,
+    counted as `not_json`.
     An element over ``max_record`` characters is skipped unparsed (`too_large`).
     """
     dec = json.JSONDecoder()
@@ -217,8 +231,8 @@ def _stream_array(path: Path, chunk: int, max_record: int = MAX_RECORD_BYTES) ->
                     buf, pos = buf[pos:] + more, 0
                     continue
                 if pos == len(buf) or yielded:  # missing "]" or a cut last record: keep what we have
-                    if pos < len(buf):
-                        log.info("dataset %s: ignoring a truncated last record", path)
+                    if buf[pos:].strip():  # the cut record: counted with the lines that do not parse
+                        yield _NOT_JSON
                     return
                 raise DatasetError(f"dataset '{path}': malformed JSON ({e.msg} at char {e.pos})") from None
             yielded += 1
@@ -266,7 +280,19 @@ def classify(record) -> tuple[list[dict] | None, str | None]:
             return None, "roles_out_of_order"
         if not m["content"].strip():
             return None, "empty"
+    if not all(_is_text(m["content"]) for m in system + rest):
+        return None, "not_json"  # valid JSON, but a lone "\ud83d" escape is no text a tokenizer takes
     return system + rest, None
+
+
+def _is_text(s: str) -> bool:
+    """Encodable as UTF-8: JSON's \\uXXXX escapes can spell a lone UTF-16 surrogate, which
+    Python keeps in a str and tokenizers (and every file we write) refuse."""
+    try:
+        s.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _subset_cache_path(paths: list[Path], limit: int, seed: int) -> Path:

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import Config, local_device, needs_target_distribution, resolve_dtype
+from ..config import Config, local_device, needs_target_distribution, regenerates, resolve_dtype
 from ..data import chat_template
 from ..data import dataset as data_mod
-from ..errors import ConfigError
+from ..errors import ConfigError, interruptible
 from ..model import target as target_mod
 from ..preflight.inputs import arch_hash
 from .feature_index import FORMAT, INDEX, TARGET_DIR, VERSION, FeaturesError, check_positions
@@ -43,7 +43,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     vllm``). The HF target is loaded only where HF regenerates; else a meta-device skeleton
     (config, tokenizer, generation config: `load_target_skeleton`) serves the preparation."""
     from ..model.features import target_features
-    from ..prep.prepare import prepare, should_regenerate
+    from ..prep.prepare import prepare
     from ..prep.regen_shard import SOLO, Shard
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -52,7 +52,7 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     dtype = resolve_dtype(cfg, device)
     t0 = time.perf_counter()
     with phase("load_target", target=cfg.model.target, dtype=str(dtype).removeprefix("torch.")):
-        if engine == "vllm" and not (should_regenerate(cfg) and cfg.data.regen_engine == "hf"):
+        if engine == "vllm" and not (regenerates(cfg) and cfg.data.regen_engine == "hf"):
             # vLLM runs the weights: here only what the data preparation reads (no weights in memory)
             target, tok = target_mod.load_target_skeleton(cfg.model.target, dtype=dtype, seed=cfg.model.target_seed)
         else:
@@ -62,15 +62,15 @@ def capture(cfg: Config, out: Path, *, shard_bytes: int = SHARD_BYTES, resume: b
     L = target_mod.num_layers(target)
     layer_ids = cfg.model.target_layer_ids or target_mod.default_layer_ids(L, cfg.model.num_target_layers)
     shard = SOLO
-    if world > 1 and should_regenerate(cfg):  # the ranks split the regeneration and gather the replies
+    if world > 1 and regenerates(cfg):  # the ranks split the regeneration and gather the replies
         shard = Shard(rank, world, None, dst=None)
     # regenerated replies with train.feature_cache: regeneration keeps the layers' outputs it
     # computes anyway (model/features.py), so those samples need no second target pass here
     topk = kl_topk(cfg)
-    reuse = world == 1 and engine == "hf" and not topk and should_regenerate(cfg) and cfg.data.regen_engine == "hf"
+    reuse = world == 1 and engine == "hf" and not topk and regenerates(cfg) and cfg.data.regen_engine == "hf"
     with phase("prepare_data") as ph:
         prep = prepare(cfg, target, tok, device=device, shard=shard, layer_ids=layer_ids if reuse else None)
-        ph.set(samples=len(prep.samples))
+        ph.set(**prep.span_attributes())
     samples, regen_feats = prep.samples, prep.features or {}
     fingerprint = data_fingerprint(samples)
     _same_on_every_rank(fingerprint, world)
@@ -227,8 +227,8 @@ def join_ranks(world: int) -> None:
     import torch.distributed as dist
     from datetime import timedelta
     if not dist.is_initialized():
-        with phase("join_ranks", collective=True, world_size=world):
-            dist.init_process_group("gloo", timeout=timedelta(hours=6))
+        with phase("join_ranks", collective=True, world_size=world):  # a signal stops a waiting rank
+            interruptible(dist.init_process_group, "gloo", timeout=timedelta(hours=6))
 
 
 def agreed_run_id(world: int) -> str:

@@ -272,7 +272,12 @@ def read_json_object(path: Path, label: str, error: type[Exception], max_bytes: 
 
 class YAMLTooLarge(ValueError):
     """A YAML document whose aliases expand past MAX_YAML_NODES, that refers to itself, or
-    that is nested too deeply."""
+    that is nested too deeply; or (the subclass) one that gives a key twice."""
+
+
+class YAMLDuplicateKey(YAMLTooLarge):
+    """A mapping with one key twice: PyYAML keeps the last silently (a second `train:` section
+    drops the whole first one), so the document is refused instead."""
 
 
 def yaml_load(text: str, max_nodes: int = MAX_YAML_NODES):
@@ -294,11 +299,37 @@ def yaml_load(text: str, max_nodes: int = MAX_YAML_NODES):
             if node is None:
                 return None
             _check_expansion(node, max_nodes)
+            _check_duplicate_keys(node)
             return loader.construct_document(node)
         except RecursionError:
             raise YAMLTooLarge("nested too deeply") from None
     finally:
         loader.dispose()
+
+
+def _check_duplicate_keys(root) -> None:
+    """Every mapping's plain keys once each (after _check_expansion: the graph is finite and
+    acyclic). A merge key (`<<: *base`) is YAML's own way to override and is left to PyYAML."""
+    import yaml
+
+    seen_nodes: set[int] = set()
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen_nodes:
+            continue
+        seen_nodes.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            first: dict = {}
+            for k, _ in n.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    if k.value in first:
+                        raise YAMLDuplicateKey(f"key {k.value!r} given twice in one mapping (lines "
+                                               f"{first[k.value] + 1} and {k.start_mark.line + 1}); give it once")
+                    first[k.value] = k.start_mark.line
+            stack.extend(x for kv in n.value for x in kv)
+        elif isinstance(n, yaml.SequenceNode):
+            stack.extend(n.value)
 
 
 def _check_expansion(root, max_nodes: int) -> None:
@@ -397,11 +428,12 @@ def is_jsonl(path) -> bool:
 
 
 def open_text(path):
-    """A data file as UTF-8 text, gzip-compressed (.gz) or not."""
+    """A data file as UTF-8 text, gzip-compressed (.gz) or not; a leading byte-order mark is
+    skipped (utf-8-sig), as Windows editors write one."""
     import gzip
 
     p = Path(path)
-    return gzip.open(p, "rt", encoding="utf-8") if p.name.endswith(".gz") else open(p, encoding="utf-8")
+    return gzip.open(p, "rt", encoding="utf-8-sig") if p.name.endswith(".gz") else open(p, encoding="utf-8-sig")
 
 
 def open_binary(path):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 
-from ..config import Config
+from ..config import Config, regenerates
 from ..data import dataset as data_mod
 from ..data.prompt_sets import user_turn_keys
 from ..preflight.inputs import cache_dir
@@ -30,6 +30,14 @@ class Prepared:
     counts: dict = field(default_factory=dict)  # regeneration: regenerated / cached / total / seconds
     data_counts: dict = field(default_factory=dict)  # records read, conversations, dropped by reason, cut
 
+    def span_attributes(self) -> dict:
+        """What the `prepare_data` phase carries (train's and capture's alike): samples, held-out
+        prompts, regeneration's counts (regen.*) and the data's (data.records_read, a count per
+        drop reason, ...)."""
+        return {"samples": len(self.samples), "held_out": len(self.eval_convs),
+                **{f"regen.{k}": v for k, v in (self.counts or {}).items() if isinstance(v, (int, float))},
+                **{f"data.{k}": v for k, v in (self.data_counts or {}).items() if isinstance(v, int)}}
+
 
 def first_samples(samples: list, max_samples: int) -> list:
     """`data.max_samples`: the first N prepared samples (all for 0), said once when it cuts."""
@@ -38,12 +46,6 @@ def first_samples(samples: list, max_samples: int) -> list:
               file=sys.stderr)
         return samples[:max_samples]
     return samples
-
-
-def should_regenerate(cfg: Config) -> bool:
-    if cfg.data.regenerate == "auto":
-        return cfg.model.target.startswith("tiny-")
-    return cfg.data.regenerate == "on"
 
 
 def split(cfg: Config, counts: dict | None = None):
@@ -102,7 +104,7 @@ def prepare(cfg: Config, target, tokenizer, device="cpu", layer_ids=None, shard:
     data_counts: dict = {}  # records dropped by reason, samples cut: reported once, below
     train_convs, eval_convs = split_convs if split_convs is not None else split(cfg, data_counts)
     data_counts["held_out"] = len(eval_convs)
-    regen = should_regenerate(cfg)
+    regen = regenerates(cfg)
     feats, counts = None, {}  # counts: the regeneration's
     if regen:
         keep = layer_ids if cfg.train.feature_cache and layer_ids and can_capture(target, layer_ids) else None

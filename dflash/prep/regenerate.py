@@ -106,6 +106,7 @@ def regenerate(model, tokenizer, convs, *, max_new_tokens: int, batch_size: int 
                workers=workers, engine="vllm" if engine is not None else "hf") as regen_phase, \
             tqdm(total=len(mine), desc="regenerate", unit="conv", file=sys.stderr) as bar, \
             _workers(workers if outside is None else 1, len(groups), stop) as run:
+        regen_phase.progress(0, len(mine))  # 0 of N on the dashboard while the first batch runs
         for idx, (gens, feats) in zip(groups, run(generate, range(len(groups)))):
             batch = {keys[i]: gen for i, gen in zip(idx, gens)}
             if feats is not None:

@@ -51,9 +51,7 @@ def join(cfg, place, run_id: str | None = None) -> tuple[str, object]:
         return own, None
     p = cfg.pipeline
     timeout = timedelta(seconds=p.rank_timeout_s)
-    mine = place.drafter_device or place.target_devices[0]
-    if mine.startswith("cuda"):
-        torch.cuda.set_device(torch.device(mine))
+    use_local_device(place)
     groups = None
     if place.layout is None:
         cuda = any(d.startswith("cuda") for d in p.drafter_devices)
@@ -72,6 +70,14 @@ def join(cfg, place, run_id: str | None = None) -> tuple[str, object]:
     box = [own if place.rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=setup_group)
     return box[0], groups
+
+
+def use_local_device(place) -> None:
+    """This rank's CUDA device as the calling thread's current one (NCCL's communicators and
+    the collectives' buffers go where it points); nothing on the CPU."""
+    mine = place.drafter_device or place.target_devices[0]
+    if mine.startswith("cuda"):
+        torch.cuda.set_device(torch.device(mine))
 
 
 def broadcast(obj, src: int, groups):

@@ -13,8 +13,9 @@ import torch
 from .. import family
 from ..checkpoint import checkpoint as ckpt
 from ..checkpoint.drafter_dirs import check_fits
-from ..config import Config, local_device, resolve_dtype
+from ..config import Config, local_device, regenerates, resolve_dtype
 from ..data import chat_template
+from ..errors import interruptible
 from ..model import target as target_mod
 from ..model.build import build_drafter, drafter_config
 from ..model.feature_cache import FeatureCache
@@ -51,7 +52,8 @@ def setup(cfg: Config, *, resume: bool, tel: TelemetryAPI | None = None,
         phases.use(tel)
     if place.world > 1:
         with phases.phase("join_ranks", collective=True, world_size=place.world):
-            run_id, groups = dist_mod.join(cfg, place, run_id)
+            dist_mod.use_local_device(place)  # thread-local: here, and in the join's own thread
+            run_id, groups = interruptible(dist_mod.join, cfg, place, run_id)  # a signal stops a waiting rank
     else:
         run_id, groups = dist_mod.join(cfg, place, run_id)
     if tel is None:  # a launch without torchrun's store: the ranks agreed on the run id by joining
@@ -109,9 +111,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
         with phases.phase("prepare_data") as ph:
             prep = _prepare_data(cfg, place, groups, target, tok, resume,
                                  feature_ids(cfg.train, layer_ids, False, cfg.model.arch))
-            ph.set(samples=len(prep.samples), held_out=len(prep.eval_convs),
-                   **{f"regen.{k}": v for k, v in (prep.counts or {}).items() if isinstance(v, (int, float))},
-                   **{f"data.{k}": v for k, v in (prep.data_counts or {}).items() if isinstance(v, int)})
+            ph.set(**prep.span_attributes())
         if cfg.train.feature_cache and place.has_target:  # its size needs the prepared samples
             memory = _check_feature_cache(cfg, place, target, prep, memory,
                                           feature_ids(cfg.train, layer_ids, False, cfg.model.arch), dtype)
@@ -259,10 +259,10 @@ def _prepare_data(cfg, place, groups, target, tok, resume, layer_ids):
     rank) reads the data set, the target ranks split the regeneration and gather the replies
     to rank 0, and rank 0's samples go to every rank: drafter ranks never generate, and nodes
     need no shared file system (each rank's disk cache serves its own resume)."""
-    from ..prep.prepare import Prepared, should_regenerate, split
+    from ..prep.prepare import Prepared, split
     from ..prep.regen_shard import SOLO, Shard
 
-    regen = should_regenerate(cfg)
+    regen = regenerates(cfg)
     if place.layout is None:
         shard = SOLO
         if place.world > 1 and regen:  # every rank, same order; gloo: the default group may be NCCL

@@ -41,13 +41,34 @@ def make_telemetry(cfg: Config, out: Path, place, run_id: str, argv: list[str] |
     gpus = sorted({torch.device(d).index or 0 for d in devices if d.startswith("cuda")}) or None
     tdir = out / "telemetry" / (f"rank{place.rank}" if place.world > 1 else "")
     with rank_prometheus_port():
-        return otel.Telemetry.from_env(
+        tel = otel.Telemetry.from_env(
             service_name="dflash", run_id=run_id, file_dir=str(tdir), resource_attributes=attrs,
             console=console, console_interval_s=cfg.telemetry.console_interval_s or None,
             mode=cfg.telemetry.mode, gpu_indices=gpus, idle_rules=DFLASH_RULES, root_spans=root_spans,
             run_span="dflash train", run_root=place.rank == 0, run_start_ns=phases.run_start_ns(),
             process_span=f"dflash train rank {place.rank}" if place.world > 1 else None,
             run_attributes=phases.run_attributes("train", argv) | {"world_size": place.world})
+    for name, (kind, unit, description) in METRICS.items():
+        tel.declare(name, kind, unit, description)
+    return tel
+
+
+# the steps' own metrics (run/workers.py), with UCUM units: seconds as "s", counts of things as
+# annotations ("{token}"), which Prometheus names leave out (its suffix for "s" is the _seconds
+# the names already end with)
+METRICS = {
+    "dflash.queue.producer_blocked_seconds": ("counter", "s", "Time a target worker waited for room in the queue."),
+    "dflash.queue.consumer_starved_seconds": ("counter", "s", "Time a drafter worker waited for a batch."),
+    "dflash.worker.batches": ("counter", "{batch}", "Batches a target worker handed over."),
+    "dflash.worker.tokens": ("counter", "{token}", "Tokens a target worker handed over."),
+    "dflash.tokens": ("counter", "{token}", "Tokens the drafter trained on."),
+    "dflash.train.steps": ("counter", "{step}", "Optimizer steps."),
+    "dflash.train.nonfinite_steps": ("counter", "{step}", "Steps whose loss or gradient was not finite."),
+    "dflash.train.loss": ("histogram", "1", "Training loss per step."),
+    "dflash.train.grad_norm": ("histogram", "1", "Gradient norm per step, before clipping."),
+    "dflash.batch.padding_ratio": ("histogram", "1", "Share of a batch's token slots that are padding."),
+    "dflash.batch.sequence_length": ("histogram", "{token}", "Length of each sequence in a batch."),
+}
 
 
 def _prometheus_enabled() -> bool:

@@ -96,8 +96,8 @@ class Trainer:
             self.run_steps()
             readback.finish(state)
             ph.set(end_step=state.train_step.step, tokens=state.tokens - tokens0, interrupted=state.stop.is_set())
-        wall = time.perf_counter() - t0
-        state.tel.end_profile()  # the profile is the steps': printed now, its shares of their wall alone
+            wall = time.perf_counter() - t0
+            state.tel.end_profile()  # the profile is the steps': printed now, its shares of their wall alone
         with phases.phase("checkpoint", step=state.train_step.step):
             save(spec, state, final=True)  # from the live tensors: nothing changes them until it is written
             wait_for_checkpoint(state)  # the run's result is on disk before anything else happens
@@ -133,11 +133,13 @@ class Trainer:
             with phases.phase("eval_after", served=True) as ph:
                 summary["eval_after"] = run_eval(spec, state, "after training (served drafter)", served=True)
                 ph.set(tau_per_step=summary["eval_after"].get("tau_per_step"))
+                if state.stop.is_set():  # a signal during the eval: its figure is partial, the phase says so
+                    ph.set(interrupted=True)
             if st.drafter.copying and not state.stop.is_set():  # the copy head's own figure
                 with phases.phase("eval_after_copy_head"):
                     summary["eval_after_copy_head"] = run_eval(spec, state, "after training, with the copy head",
                                                                checked=summary["eval_after"])
-            if state.stop.is_set():  # a signal during the eval: its figure is partial, and the run says so
+            if state.stop.is_set():  # and the run too
                 summary["interrupted"] = True
                 if spec.rank == 0:
                     print(f"eval after training interrupted: tau above is partial; run it whole with: "
@@ -169,6 +171,11 @@ class Trainer:
         spec, state = self.spec, self.state
         place, out = spec.placement, spec.out
         linger_for_scrape(state.tel)
+        if error is None and state.stop.is_set():
+            # a handled signal: the run saved and ends 130 (cli.py), so its root is not an OK one;
+            # marked here, because the root ends here, before cli.py sees the exit code
+            at = f" at step {state.train_step.step}, its checkpoint saved" if state.train_step is not None else ""
+            error = ("KeyboardInterrupt", f"interrupted by a signal; stopped{at}", "")
         state.tel.end_run(error)
         state.tel.shutdown(timeout_s=2.0)
         summary["telemetry"] = state.tel.summary()

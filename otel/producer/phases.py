@@ -275,13 +275,18 @@ class RunTrace:
     # ------------------------------------------------------------------ live metrics and the table
     def observations(self) -> tuple[list, list]:
         """(elapsed, progress): [(seconds since the phase began, {"phase": name})] for every
-        open phase, [(done / total, {"phase": name})] for those that report a total."""
+        open phase, [(done / total, {"phase": name})] for those that report a total. Phases of
+        one name open at once (worker threads' batches) are one point, the longest-open one's:
+        points with equal attributes would overwrite each other, and the oldest is the one to see."""
         now = time.perf_counter_ns()
         with self._lock:
-            open_ = list(self._open_phases)
-        elapsed = [((now - p.t0) / 1e9, {"phase": p.name}) for p in open_]
-        progress = []
+            open_ = sorted(self._open_phases, key=lambda p: p.t0)
+        oldest = {}
         for p in open_:
+            oldest.setdefault(p.name, p)
+        elapsed = [((now - p.t0) / 1e9, {"phase": name}) for name, p in oldest.items()]
+        progress = []
+        for p in oldest.values():
             if p.done is not None and p.total:
                 try:
                     progress.append((_value(p.done) / p.total, {"phase": p.name}))

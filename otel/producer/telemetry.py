@@ -317,12 +317,15 @@ class Telemetry:
 
     def end_profile(self, timeout_s=2.0) -> None:
         """The measured work is over and other work follows (an eval, an engine's verdict):
-        drain what is buffered, stop the profile's wall clock here and print its table now
-        (console), so its shares are of this work's wall time. shutdown() then exports the
-        rest without printing the table a second time. Once; bounded like flush()."""
+        fold what is buffered into the profile, stop its wall clock here and print its table
+        now (console), so its shares are of this work's wall time. It does not wait for the
+        export (a slow or dead collector would hold the run up to the bound, in time that no
+        phase covers): the records are handed to the exporter as every cycle's are, and
+        shutdown() exports the rest without printing the table a second time. Once; the wait
+        for a cycle in progress is bounded by ``timeout_s``."""
         if self._closed or self._t_end is not None:
             return
-        self.flush(timeout_s)
+        self._bg.cycle(final=True, lock_timeout_s=timeout_s / 2)
         self._t_end = time.monotonic()
         if self.console:
             print(self.profile_table(), file=sys.stderr, flush=True)

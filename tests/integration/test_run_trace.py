@@ -61,6 +61,8 @@ def test_train_eval_capture_and_eval_are_traced_from_first_second_to_last(tmp_pa
     train = next(s for s in spans if s["name"] == "train")
     assert summary["telemetry"]["wall_s"] <= (train["end_ns"] - train["start_ns"]) / 1e9 + 1.0
     assert {r["phase"] for r in summary["telemetry"]["run"]["phases"]} >= {"load_target", "train"}
+    units = {m["name"]: m["unit"] for m in read_metrics(str(run / "telemetry"))}  # UCUM: seconds are "s"
+    assert units["dflash.queue.consumer_starved_seconds"] == "s" and units["dflash.tokens"] == "{token}"
     # batch traces lead to the run: their roots link to its root span
     batch_roots = [s for f in (run / "telemetry").rglob("traces.jsonl") for s in read_spans(str(f))
                    if s["attributes"].get("otel.root")]
@@ -76,6 +78,8 @@ def test_train_eval_capture_and_eval_are_traced_from_first_second_to_last(tmp_pa
     share, gap = coverage(spans, t0, t1)
     assert share >= 0.95, (share, gap)
     assert {"dflash capture", "load_target", "prepare_data", "capture", "capture_shard"} <= {s["name"] for s in spans}
+    prep = next(s for s in spans if s["name"] == "prepare_data")["attributes"]  # the data's counts, as train's
+    assert prep["data.records_read"] > 0 and prep["samples"] > 0
 
     tel = tmp_path / "eval-telemetry"
     _, t0, t1 = timed("eval", "--checkpoint", run / "checkpoint", "--prompts", 1, "--max-new-tokens", 8,

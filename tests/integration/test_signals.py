@@ -79,8 +79,9 @@ def test_sigterm_during_dflash_eval_reports_partial_figures_as_partial(checkpoin
 
 
 def test_sigterm_during_the_after_training_eval_is_not_exit_0(checkpoint, tmp_path):
+    """... nor an OK run in its trace: the root and the eval's phase say it was interrupted."""
     out = tmp_path / "run"
-    proc = Proc("train", "--out", out, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY, "--eval",
+    proc = Proc("train", "--out", out, "--target", "tiny-qwen3", "--steps", 2, *TINY, "--eval",
                 "--set", "eval.before=false", "--set", "eval.prompts=8", "--set", "eval.max_new_tokens=96")
     proc.wait_for(lambda: "eval:" in proc.stderr)  # eval.before=false: the only eval is the one after
     rc, took, _ = proc.term()
@@ -90,3 +91,8 @@ def test_sigterm_during_the_after_training_eval_is_not_exit_0(checkpoint, tmp_pa
     assert summary["interrupted"] is True and summary["eval_after"]["interrupted"] is True
     assert summary["eval_after"]["command"] == f"dflash eval --checkpoint {out / 'checkpoint'}"
     assert "eval after training interrupted" in err and (out / "checkpoint" / "config.json").is_file()
+    from otel import read_spans
+    spans = {s["name"]: s for s in read_spans(str(out / "telemetry" / "traces.jsonl"))
+             if (s.get("attributes") or {}).get("otel.kind")}
+    assert spans["dflash train"]["status"].get("code") == 2, spans["dflash train"]  # not an OK run
+    assert spans["eval_after"]["attributes"].get("interrupted") is True

@@ -175,3 +175,22 @@ def test_overlapping_repeats_of_a_phase_count_their_wall_once():
     rows = {r["phase"]: r for r in t.rows()}
     assert (rows["engine_start"]["count"], rows["engine_start"]["seconds"]) == (3, 1.0)
     assert (rows["regen_batch"]["count"], rows["regen_batch"]["seconds"]) == (2, 2.0)
+
+
+def test_phases_of_one_name_open_at_once_are_one_gauge_point_the_oldest():
+    """Worker threads' batches open side by side: points with the same attributes would
+    overwrite each other, so the gauge reports the one open longest (and its progress)."""
+    from otel.producer.phases import RunTrace
+
+    t = RunTrace("r", "dflash train", start_ns=time.perf_counter_ns())
+    old = t.phase("regen_batch", batch=0)
+    old.__enter__()
+    old.progress(1, 4)
+    time.sleep(0.05)
+    new = t.phase("regen_batch", batch=1)
+    new.__enter__()
+    new.progress(3, 4)
+    elapsed, progress = t.observations()
+    batches = [(v, a) for v, a in elapsed if a == {"phase": "regen_batch"}]
+    assert len(batches) == 1 and batches[0][0] >= 0.05
+    assert [v for v, a in progress if a == {"phase": "regen_batch"}] == [0.25]

@@ -88,3 +88,16 @@ def test_end_profile_prints_the_table_once_with_the_measured_works_wall(make_tel
     assert "telemetry profile" not in capsys.readouterr().err
     assert tel.summary()["wall_s"] == wall
     assert tel.summary()["stages"]["backward"]["count"] == 3
+
+
+def test_end_profile_never_waits_for_the_export(make_tel, tmp_path):
+    """A slow or dead collector must not hold the run between training and what follows (time no
+    phase covers): end_profile folds the records into the profile and leaves the export to run."""
+    tel = make_tel(mode="thread", file_dir=str(tmp_path), console=False)
+    waited = []
+    tel._transport.flush = lambda *a, **k: waited.append(1) or True
+    with tel.stage("backward"):
+        pass
+    tel.end_profile()
+    assert not waited and tel.summary()["stages"]["backward"]["count"] == 1
+    tel.shutdown()

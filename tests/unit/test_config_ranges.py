@@ -99,6 +99,11 @@ def test_layer_ids_of_a_local_target_come_from_its_config_json(tmp_path):
     (b"train: [unclosed\n", "not valid YAML"),
     (b"- 1\n", "expected a mapping at top level"),
     (b"train:\n  steps: .inf\n", "train.steps=inf: expected int"),
+    # a key twice is refused, never a silent last-one-wins (a second `train:` dropped the first)
+    (b"train: {steps: 3}\ntrain: {lr: 0.1}\n", "key 'train' given twice in one mapping (lines 1 and 2)"),
+    (b"train:\n  steps: 3\n  steps: 5\n", "key 'steps' given twice"),
+    (b"train.steps: 3\ntrain: {steps: 4}\n", "train.steps is given twice"),
+    (b"model:\n  target:\n", "model.target: empty; expected a string"),
 ])
 def test_bad_config_files_are_one_line(tmp_path, content, needle):
     f = tmp_path / "c.yaml"
@@ -125,3 +130,19 @@ def test_a_bad_list_form_is_one_line(text, needle):
     with pytest.raises(ConfigError) as e:
         load_config(None, [f"model.target_layer_ids={text}"])
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_11_on_off_reads_as_the_word_and_merge_keys_still_override(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  regenerate: off\n")  # YAML 1.1: the bool False
+    assert load_config(str(f)).data.regenerate == "off"
+    f.write_text("model: &m\n  num_layers: 2\n  block_size: 8\n")
+    assert load_config(str(f)).model.num_layers == 2
+
+
+def test_replies_too_short_to_train_on_are_refused_before_the_target_loads():
+    with pytest.raises(ConfigError, match="data.regen_max_new_tokens=20 with model.block_size=16"):
+        load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=16"])
+    load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=8"])
+    load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=16",
+                       "data.regenerate=off"])  # others' text: its replies are as long as they are

@@ -103,3 +103,19 @@ def test_data_inspect_reports_counts_lengths_loss_share_and_marked_examples(tmp_
     assert "records read 8, used 3" in p.stdout
     bad = run_dflash("data", "inspect", tmp_path / "nope.jsonl", check=False)
     assert bad.returncode == 2 and "nope.jsonl" in bad.stderr
+
+
+def test_a_lone_surrogate_escape_a_bom_and_a_cut_array_are_counted_not_crashes(tmp_path):
+    """Valid JSON whose text no tokenizer takes (a lone "\\ud83d"), a UTF-8 byte-order mark, and
+    a JSON array cut mid-record: dropped and counted as not_json, read, and counted."""
+    surr = tmp_path / "s.jsonl"
+    surr.write_text('{"messages": [{"role": "user", "content": "\\ud83d hi"}, {"role": "assistant", "content": "x"}]}\n'
+                    + json.dumps(CHAT[2]) + "\n")
+    assert [C.classify(r)[1] for r in C._iter_records(surr)] == ["not_json", None]
+    bom = tmp_path / "b.jsonl"
+    bom.write_bytes(b"\xef\xbb\xbf" + "\r\n".join(json.dumps(r) for r in CHAT).encode())
+    check_dataset_path(str(bom))
+    assert [C.classify(r)[1] for r in C._iter_records(bom)] == [None, None, None]
+    cut = tmp_path / "c.json"
+    cut.write_text(json.dumps(CHAT)[:-20])
+    assert [C.classify(r)[1] for r in C._iter_records(cut)] == [None, None, "not_json"]

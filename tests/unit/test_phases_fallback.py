@@ -29,3 +29,29 @@ def test_phases_before_the_telemetry_reach_the_fallback_dir(tmp_path, monkeypatc
     finally:
         phases.reset()
 
+
+
+def test_a_stop_in_the_data_read_before_the_run_dir_is_ours_prints_the_phases(monkeypatch, capsys):
+    """No dir yet (the data read comes before OUT is claimed, so bad data never touches an
+    earlier run): the phases go to the collector the OTEL_* variables name, else the table on
+    stderr, the open phase marked; bad input stays its one line."""
+    import pytest
+
+    from dflash import phases
+    from dflash.errors import ConfigError
+
+    for k, v in NO_OTEL_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for error, table in ((KeyboardInterrupt("SIGTERM"), True), (ConfigError("bad"), False)):
+        phases.reset()
+        try:
+            phases.fallback("train", None)
+            with pytest.raises(type(error)):
+                with phases.phase("read_data"):
+                    raise error
+            phases.finish(error)
+            err = capsys.readouterr().err
+            assert ("read_data" in err and "(failed)" in err) == table, err
+        finally:
+            phases.reset()

@@ -91,3 +91,13 @@ def test_stalls_reads_a_telemetry_dir_itself(tmp_path):
     (tel / "rank1" / "traces.jsonl").write_text("")
     with pytest.raises(ConfigError, match="no spans"):
         load_run(tel)
+
+
+def test_a_killed_run_without_its_root_and_process_spans_still_has_its_start_up():
+    """SIGKILL (the out-of-memory killer): the root and process spans, open till the end, are
+    never written; the phases the ranks finished are, and they are the start-up."""
+    spans = [s for s in two_ranks() if s["attributes"].get("otel.kind") not in ("run", "process")]
+    rep = startup(spans)
+    assert rep["root_missing"] and list(rep["ranks"][0]["phases"]) == ["load_target", "join_ranks", "read_data"]
+    text = "\n".join(format_startup(rep))
+    assert "the run's root span is not in the trace" in text and "load_target 5.00s" in text
