@@ -319,8 +319,11 @@ def _set(cfg, dotted: str, value, *, from_text: bool):
                 raise ConfigError(f"unknown config key {dotted!r} ({'.'.join(parts[:i + 1])} is not a section)")
 
 
-def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> Config:
-    """Build and validate the config. flags are dotted keys from dedicated CLI options."""
+def load_config(path: str | None = None, overrides: list[str] = (), *, asked: dict | None = None,
+                **flags) -> Config:
+    """Build and validate the config. flags are dotted keys from dedicated CLI options.
+    ``asked``, when given, gets the dotted keys the file and the --set items named, with the
+    values they gave (what `--init-from DIR` then replaces is said, not silent)."""
     cfg = Config()
     if path:
         from .preflight.inputs import read_text_file
@@ -339,16 +342,27 @@ def load_config(path: str | None = None, overrides: list[str] = (), **flags) -> 
                                       f"{k!r}); give it once")
                 leaves[leaf] = k
             _set(cfg, k, v, from_text=False)
+        if asked is not None:
+            asked.update({leaf: _get(cfg, leaf) for leaf in leaves})
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected key=value")
         k, v = item.split("=", 1)
         _set(cfg, k.strip(), v, from_text=True)
+        if asked is not None:
+            asked.update({leaf: _get(cfg, leaf) for leaf in _leaves(k.strip(), None)})
     for k, v in flags.items():
         if v is not None:
             _set(cfg, k, v, from_text=False)
     validate(cfg)
     return cfg
+
+
+def _get(cfg, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def _leaves(key: str, value) -> list[str]:

@@ -54,6 +54,9 @@ def inspect(path: str | Path, flag: str = "--checkpoint") -> DrafterDir:
         headers = {f: files.check_safetensors(f) for f in sorted(p.glob("*.safetensors")) or [p / files.WEIGHTS]}
     except files.CheckpointError as e:
         raise DrafterDirError(named(e)) from None
+    if not isinstance(raw.get("dflash_config", {}), dict):  # what every reader looks into first
+        raise DrafterDirError(f"{flag} {str(path)!r}: config.json: dflash_config={str(raw['dflash_config'])[:60]}: "
+                              f"expected a mapping (of target_layer_ids, mask_token_id, block_size, ...)")
     if fmt.is_export_config(raw):
         try:
             f = fmt.drafter_config_fields(raw, str(path))

@@ -21,11 +21,30 @@ def init_flags(path: str) -> dict:
              "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
              "model.layer_types": list(f.get("layer_types") or []),
              "model.sliding_window": int(f.get("sliding_window") or 0)}
+    if not f.get("draft_vocab_size"):  # a full-vocabulary DIR stays one: its head (and DSpark's Markov
+        flags["model.draft_vocab"] = 0  # rows) cover every token, a draft vocabulary would be new weights
     fam = family.of(f)
     if fam.name != family.DEFAULT:  # DIR's family and its own parts' sizes (dflash/family/)
         flags["model.arch"] = fam.name
         flags.update({f"model.{k}": f[k] for k in fam.model_names})
     return flags
+
+
+def say_replaced(path: str, flags: dict, asked: dict) -> None:
+    """What the config asked that DIR's shape replaces (``asked``: load_config's), said in one
+    line rather than silently; another family than DIR's is refused: DIR's own parts (DSpark's
+    Markov head, DFlash2's selector) would be dropped, and only a DFlash DIR starts another family."""
+    import sys
+
+    if "model.arch" in flags and asked.get("model.arch", flags["model.arch"]) != flags["model.arch"]:
+        raise drafter_dirs.DrafterDirError(
+            f"--init-from {path!r}: a {flags['model.arch']} drafter, and model.arch={asked['model.arch']} asks for "
+            f"another family; --init-from keeps DIR's ({flags['model.arch']}; a {family.DEFAULT} DIR starts any "
+            f"family): leave model.arch out, or start from a {family.DEFAULT} drafter")
+    replaced = [f"{k}={v!r} (asked {asked[k]!r})" for k, v in flags.items()
+                if k in asked and k not in ("model.init_from", "model.arch") and asked[k] != v]
+    if replaced:
+        print(f"--init-from {path}: the drafter keeps its shape: {', '.join(replaced)}", file=sys.stderr)
 
 
 def load_into_run(cfg, target):

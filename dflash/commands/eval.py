@@ -196,17 +196,20 @@ def _plan(a):
             ev[key] = v
     # the confidence gate belongs to each drafter, not to the config: an export's settings name no
     # arch, so a run's threshold checked against the config's would refuse the DSpark it came from
-    a.gates = confidence_gates(dirs, getattr(a, "confidence_threshold", None), ev.pop("confidence_threshold", 0.0))
+    ev.pop("confidence_threshold", None)
+    a.gates = confidence_gates(dirs, getattr(a, "confidence_threshold", None),
+                               [((_run_config(d) or {}).get("eval") or {}).get("confidence_threshold") for d in dirs])
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
                                    "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
     _notice_other_targets(dirs, target)
     return dirs, owner, cfg
 
 
-def confidence_gates(dirs, given: float | None, run_threshold) -> list[float]:
+def confidence_gates(dirs, given: float | None, run_thresholds: list) -> list[float]:
     """Each drafter's confidence threshold: ``given`` (--confidence-threshold) for every one, and a
-    drafter without a confidence head refuses a gate > 0 in one line; else the run's own
-    eval.confidence_threshold, for the drafters that have the head (the others draft whole blocks)."""
+    drafter without a confidence head refuses a gate > 0 in one line; else each drafter's own
+    run's eval.confidence_threshold (``run_thresholds``, one per dir), for the drafters that have
+    the head (the others draft whole blocks)."""
     from ..checkpoint.drafter_dirs import fields
 
     heads = [bool(fields(d).get("confidence_head")) for d in dirs]
@@ -217,12 +220,14 @@ def confidence_gates(dirs, given: float | None, run_threshold) -> list[float]:
                                   f"head to gate drafting by (a DSpark drafter trained with "
                                   f"model.confidence_head=true has one); drop the flag or that drafter")
         return [given] * len(dirs)
-    try:
-        t = float(run_threshold or 0.0)
-    except (TypeError, ValueError):
-        t = 0.0
-    t = t if 0 <= t <= 1 else 0.0  # a hand-edited settings file: no gate rather than a failed eval
-    return [t if head else 0.0 for head in heads]
+    return [_threshold(t) if head else 0.0 for t, head in zip(run_thresholds, heads)]
+
+
+def _threshold(value) -> float:
+    """A settings file's threshold: a number in [0, 1], else (hand-edited: `true`, "0.5", NaN, 2)
+    no gate rather than a failed eval; `true` is not 1.0, which would draft nothing at all."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
+    return float(value) if ok else 0.0
 
 
 def _notice_other_targets(dirs, target: str) -> None:

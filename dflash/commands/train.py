@@ -105,10 +105,14 @@ def _checked_config(a):
         from ..trackers import check_installed, parse
         flags["telemetry.trackers"] = parse(a.tracker)
         check_installed(flags["telemetry.trackers"])
+    asked: dict = {}
     if a.init_from:
-        from ..checkpoint.init_from import init_flags
-        flags |= init_flags(a.init_from)
-    cfg = load_config(a.config, a.set, **flags)
+        from ..checkpoint.init_from import init_flags, say_replaced
+        init = init_flags(a.init_from)
+        flags |= init
+    cfg = load_config(a.config, a.set, asked=asked, **flags)
+    if a.init_from:
+        say_replaced(a.init_from, init, asked)
     features = a.features or cfg.data.features
     if features:  # the capture decides target, its seed and the layer ids
         cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))

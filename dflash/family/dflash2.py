@@ -69,6 +69,9 @@ class DFlash2(Family):
         if model.copy_head or model.draft_vocab:
             return ("model.arch=dflash2 with model.copy_head or model.draft_vocab: the DFlash2 selector walks "
                     "the full-vocabulary head's top-k (as vLLM serves it); choose one")
+        if model.conv_kernel_size > model.block_size:  # a tap past slot 0 of the block only ever reads zeros
+            return (f"model.conv_kernel_size={model.conv_kernel_size}: expected at most model.block_size="
+                    f"{model.block_size} (a slot reads itself and the slots before it in its block)")
         return None
 
     def parameters(self, fields: dict) -> int:

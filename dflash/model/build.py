@@ -20,9 +20,15 @@ def drafter_config(cfg: Config, target, tokenizer, layer_ids) -> DrafterConfig:
     return DrafterConfig.from_target(
         target.config, target_layer_ids=layer_ids, mask_token_id=mask_id, vocab_size=vocab_rows,
         num_hidden_layers=cfg.model.num_layers, block_size=cfg.model.block_size, target=cfg.model.target,
-        copy_head=cfg.model.copy_head, draft_vocab_size=min(cfg.model.draft_vocab, vocab_rows),
+        copy_head=cfg.model.copy_head, draft_vocab_size=draft_vocab_size(cfg.model.draft_vocab, vocab_rows),
         layer_types=list(cfg.model.layer_types), sliding_window=cfg.model.sliding_window,
         **family.get(cfg.model.arch).drafter_fields(cfg.model))  # its family's own (none for dflash)
+
+
+def draft_vocab_size(asked: int, vocab_rows: int) -> int:
+    """model.draft_vocab as the drafter holds it: one that covers the whole vocabulary is none (a
+    full head, as engines serve one without `d2t`), never a draft head as wide as the target's."""
+    return asked if asked < vocab_rows else 0
 
 
 def build_drafter(cfg: Config, target, tokenizer, layer_ids) -> DFlashDrafter:

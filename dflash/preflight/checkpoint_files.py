@@ -94,6 +94,10 @@ def bounds_error(fields: dict, where: str) -> str | None:
     mask = fields.get("mask_token_id")
     if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < fields["vocab_size"]:
         return f"{where}: mask_token_id={mask!r}: expected an id in [0, vocab_size={fields['vocab_size']})"
+    dv = fields.get("draft_vocab_size")
+    if dv is not None and (isinstance(dv, bool) or not isinstance(dv, int) or not 0 <= dv < fields["vocab_size"]):
+        return (f"{where}: draft_vocab_size={dv!r}: expected an integer in [0, vocab_size={fields['vocab_size']}) "
+                f"(0: the full vocabulary)")
     for key, lo, hi in (("rms_norm_eps", 0.0, 0.1), ("rope_theta", 0.0, 1e12)):
         v = fields.get(key, lo + 1e-6)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not lo < v <= hi:
@@ -298,10 +302,18 @@ def resume_mismatch(ckpt_config: dict, model_cfg, target_layers: int | None) -> 
     if arch != model_cfg.arch:
         return f"model.arch: the checkpoint is a {arch} drafter, this run builds a {model_cfg.arch} one"
     own = family.get(arch).drafter_fields(model_cfg)
+    vocab, asked_dv = ckpt_config.get("vocab_size"), model_cfg.draft_vocab
+    draft_vocab = 0 if isinstance(vocab, int) and asked_dv >= vocab else asked_dv  # model/build.py's rule
+    # every field the drafter is built from, its shape's or not: one the checkpoint has and the
+    # run would change (a sliding window, a multiplier, a draft vocabulary) would be recorded as
+    # the run's while the resumed drafter keeps the checkpoint's
     pairs = [("model.block_size", ckpt_config.get("block_size"), model_cfg.block_size),
-             *((f"model.{k}", ckpt_config.get(k), own[k]) for k in family.get(arch).fit if k in own),
+             *((f"model.{k}", ckpt_config.get(k), v) for k, v in own.items()),
              ("model.num_layers", ckpt_config.get("num_hidden_layers"), model_cfg.num_layers),
-             ("model.copy_head", ckpt_config.get("copy_head", False), model_cfg.copy_head)]
+             ("model.copy_head", ckpt_config.get("copy_head", False), model_cfg.copy_head),
+             ("model.layer_types", list(ckpt_config.get("layer_types") or []), list(model_cfg.layer_types)),
+             ("model.sliding_window", ckpt_config.get("sliding_window") or 0, model_cfg.sliding_window),
+             ("model.draft_vocab", ckpt_config.get("draft_vocab_size") or 0, draft_vocab)]
     ids = model_cfg.target_layer_ids
     if not ids and target_layers is not None:
         ids = default_layer_ids(target_layers, model_cfg.num_target_layers)

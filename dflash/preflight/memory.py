@@ -285,7 +285,7 @@ def estimate(fields: dict, shape: RunShape) -> dict:
     else:
         intermediate = 0 < shape.save_every < shape.steps
         act = ACT_LAYER * fields["num_hidden_layers"] * _layer_bytes(fields, shape)
-        parts = {"weights, gradients and AdamW's moments": weights + grads + moments,
+        parts = {"weights, gradients and the optimizer's moments": weights + grads + moments,
                  "activations": int(act + _loss_bytes(fields, shape) + _target_bytes(fields, shape)),
                  # weights and moments copied (12 bytes a parameter), and ~4 more the allocator keeps
                  # beside them (measured: 15-16 bytes a parameter at 64 and 128 layers)
@@ -316,7 +316,7 @@ def host_copies(fields: dict, shape: RunShape) -> dict:
     n = parameter_count(fields)
     copies = 12 * n if shape.steps > 0 else 4 * n
     return {"parameters": n, "peak": copies + FIXED_CPU, "phase": "the save's host copies",
-            "parts": {"weights and AdamW's moments copied to the host": copies}}
+            "parts": {"weights and the optimizer's moments copied to the host": copies}}
 
 
 def refusal(est: dict, room: tuple[int, str] | None, *, now: int, knobs: str = "", device: str = "cpu",

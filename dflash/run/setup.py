@@ -5,6 +5,7 @@ lm_head; every target worker gets a frozen replica (and a feature cache) on its 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -334,7 +335,10 @@ def _setup_drafter(cfg: Config, place: Placement, out: Path, groups: Groups | No
         vote = dist_mod.StopVote(place.world)
     train_step = TrainStep(cfg.train, cfg.model.block_size, drafter, embed, head, ddev, ddp=ddp)
     train_step.use_loss_vocab(samples)
-    if cfg.model.draft_vocab:  # model.draft_vocab: the most frequent training tokens (a resume restores the same)
+    if cfg.model.draft_vocab and not drafter.cfg.draft_vocab_size and place.rank == 0:
+        print(f"model.draft_vocab={cfg.model.draft_vocab} covers the target's whole vocabulary "
+              f"({drafter.cfg.vocab_size}): the drafter drafts from all of it (no draft vocabulary)", file=sys.stderr)
+    if cfg.model.draft_vocab and drafter.cfg.draft_vocab_size:  # the most frequent training tokens (a resume: the same)
         from ..model.loss_vocab import frequent_tokens
         ids = frequent_tokens(samples, drafter.cfg.draft_vocab_size, exactly=True)
         if cfg.model.init_from and not resume:  # trained rows per draft token follow their tokens

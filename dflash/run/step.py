@@ -40,10 +40,11 @@ MUON_SKIPS = ("codebook", "markov_w1", "markov_w2")
 def muon_split(named_params) -> tuple[list, list, list]:
     """(Muon's, AdamW's, the 2-D tables AdamW takes at Muon's rate) of (name, parameter) pairs:
     a matrix with both sides > 1 goes to Muon unless its name marks a table (`MUON_SKIPS`);
-    everything else (norms, biases, [1, N] rows) to AdamW."""
+    everything else (norms, biases, [1, N] rows) to AdamW, a 2-D bias too (the copy head's
+    [slot, match length] table, with its own `lr_scale`, is no linear map to orthogonalise)."""
     muon, adamw, tables = [], [], []
     for name, p in named_params:
-        if p.ndim != 2 or min(p.shape) == 1:
+        if p.ndim != 2 or min(p.shape) == 1 or name.rsplit(".", 1)[-1] == "bias" or hasattr(p, "lr_scale"):
             adamw.append(p)
         elif any(h in name for h in MUON_SKIPS):
             tables.append(p)

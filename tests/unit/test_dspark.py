@@ -325,12 +325,15 @@ def test_eval_gates_each_drafter_that_has_a_confidence_head():
 
     with_head = DrafterDir(Path("a"), "checkpoint", {"arch": "dspark", "confidence_head": True})
     without = DrafterDir(Path("b"), "checkpoint", {"arch": "dflash"})
-    assert confidence_gates([with_head, without], None, 0.5) == [0.5, 0.0]
-    assert confidence_gates([with_head, without], None, "junk") == [0.0, 0.0]
-    assert confidence_gates([with_head, without], 0.0, 0.5) == [0.0, 0.0]
-    assert confidence_gates([with_head], 0.3, 0.5) == [0.3]
+    other = DrafterDir(Path("c"), "checkpoint", {"arch": "dspark", "confidence_head": True})
+    assert confidence_gates([with_head, without], None, [0.5, 0.5]) == [0.5, 0.0]
+    assert confidence_gates([with_head, other], None, [0.9, 0.0]) == [0.9, 0.0]  # each its own run's
+    for junk in ("junk", "0.5", True, float("nan"), 2):
+        assert confidence_gates([with_head], None, [junk]) == [0.0], junk
+    assert confidence_gates([with_head, without], 0.0, [0.5, None]) == [0.0, 0.0]
+    assert confidence_gates([with_head], 0.3, [0.5]) == [0.3]
     with pytest.raises(ConfigError, match="--checkpoint 'b' has no confidence head"):
-        confidence_gates([with_head, without], 0.3, 0.0)
+        confidence_gates([with_head, without], 0.3, [0.0, 0.0])
 
 
 def test_the_feature_cache_hands_the_targets_top_k_and_the_loss_is_unchanged(tiny):

@@ -14,7 +14,8 @@ SMALL = dict(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_
 
 
 @pytest.mark.parametrize("arch, extra", [("dspark", {"markov_rank": 8, "confidence_head": True}),
-                                         ("dflash2", {"selector_rank": 8, "selector_top_k": 4})])
+                                         ("dflash2", {"selector_rank": 8, "selector_top_k": 4}),
+                                         ("dflash", {"copy_head": True})])
 def test_muon_takes_the_matrices_and_adamw_the_rest(arch, extra):
     d = make_drafter(DrafterConfig(**SMALL, arch=arch, **extra))
     named = list(d.named_parameters())
@@ -27,6 +28,8 @@ def test_muon_takes_the_matrices_and_adamw_the_rest(arch, extra):
     if arch == "dspark":
         assert tables == {"markov_head.markov_w1.weight", "markov_head.markov_w2.weight"}
         assert {"confidence_head.proj.weight", "confidence_head.proj.bias"} <= adamw  # a [1, N] row is no matrix
+    elif arch == "dflash":  # the copy head's 2-D bias keeps AdamW and its own rate (lr_scale)
+        assert "copy.bias" in adamw and not tables
     else:
         assert tables == {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}
         assert "candidate_selector.hidden_projection.weight" in muon and "layers.0.mlp_conv.base_kernel" in adamw
