@@ -571,6 +571,20 @@ def regenerates(cfg: Config) -> bool:
     return cfg.data.regenerate == "on"
 
 
+def check_regen_lengths(cfg: Config) -> None:
+    """A run that trains on regenerated replies (train, capture; not one that reads a capture's
+    features): a sample's loss tokens are its one reply (and the turn's end token or two), so
+    under 2 x block_size every sample would be dropped, after the target loaded and regenerated.
+    Checked by the commands once `--features` is known, not by validate (eval reads these
+    settings too, and regenerates nothing)."""
+    d, m = cfg.data, cfg.model
+    if regenerates(cfg) and not d.features and d.regen_max_new_tokens + 2 < 2 * m.block_size:
+        raise ConfigError(f"data.regen_max_new_tokens={d.regen_max_new_tokens} with model.block_size={m.block_size}: "
+                          f"every regenerated reply would be too short to train on (a sample needs "
+                          f"{2 * m.block_size} reply tokens); raise data.regen_max_new_tokens to at least "
+                          f"{2 * m.block_size} or lower model.block_size")
+
+
 def validate(cfg: Config) -> None:
     """Range checks and cheap existence checks. Nothing heavy is loaded and nothing here
     imports torch or transformers (they take seconds): bad input fails in milliseconds."""
@@ -624,13 +638,6 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.regen_engine={d.regen_engine!r}: expected hf or vllm")
     if d.regenerate not in ("auto", "on", "off"):
         raise ConfigError(f"data.regenerate={d.regenerate!r}: expected auto, on or off")
-    if regenerates(cfg) and not d.features and d.regen_max_new_tokens + 2 < 2 * m.block_size:
-        # a regenerated sample's loss tokens are its one reply (and the turn's end token or two):
-        # under 2 x block_size every sample would be dropped, after the target loaded and regenerated
-        raise ConfigError(f"data.regen_max_new_tokens={d.regen_max_new_tokens} with model.block_size={m.block_size}: "
-                          f"every regenerated reply would be too short to train on (a sample needs "
-                          f"{2 * m.block_size} reply tokens); raise data.regen_max_new_tokens to at least "
-                          f"{2 * m.block_size} or lower model.block_size")
     if d.long_samples not in ("cut", "split"):
         raise ConfigError(f"data.long_samples={d.long_samples!r}: expected cut or split")
     if d.features:

@@ -217,14 +217,20 @@ def interruptible(fn, *args, **kwargs):
     running, so a SIGTERM (torchrun's, a job runner's) or a Ctrl-C would not stop the rank: the
     phase it waits in would never be marked, its trace never written, and torchrun would SIGKILL
     it 30 s later. Waiting here, the signal's exception leaves at once; the helper is a daemon
-    and is left blocked as the process exits. Thread-local state ``fn`` sets (a CUDA device) is
-    the helper's: set it in both threads."""
+    and is left blocked as the process exits. The CUDA device current here is the helper's too
+    (NCCL's object collectives stage through it); other thread-local state ``fn`` sets is the
+    helper's alone."""
     if threading.current_thread() is not threading.main_thread():
         return fn(*args, **kwargs)
     box: dict = {}
+    torch = sys.modules.get("torch")  # never imported here: only a process that has it can have a device
+    cuda = torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.cuda.current_device() if cuda else None
 
     def run():
         try:
+            if device is not None:
+                torch.cuda.set_device(device)
             box["value"] = fn(*args, **kwargs)
         except BaseException as e:  # noqa: BLE001 -- re-raised in the caller's thread
             box["error"] = e

@@ -58,7 +58,7 @@ class Transport(Protocol):
 
     def status(self) -> dict: ...   # otel.health status: committed counts, notes, summary
 
-    def flush(self, timeout_s: float) -> bool: ...
+    def flush(self, timeout_s: float, network: bool = True) -> bool: ...  # network False: consumed, not exported
 
     def shutdown(self, network_timeout_s: float, end_epoch_s: float) -> None: ...
 
@@ -171,8 +171,9 @@ class InProcessTransport:
         out["summary"] = st.get("summary")
         return out
 
-    def flush(self, timeout_s: float) -> bool:
-        return self.consumer.flush(timeout_s)
+    def flush(self, timeout_s: float, network: bool = True) -> bool:
+        # in-process, send() consumed each batch before returning: without the network there is nothing to wait for
+        return self.consumer.flush(timeout_s) if network else True
 
     def shutdown(self, network_timeout_s: float, end_epoch_s: float | None = None) -> None:
         def run():
@@ -383,14 +384,16 @@ class ProcessTransport:
             st["summary"] = fb.status().get("summary")
         return st
 
-    def flush(self, timeout_s: float) -> bool:
+    def flush(self, timeout_s: float, network: bool = True) -> bool:
+        """Wait until the child has consumed what was sent (its status then counts it) and, with
+        ``network``, exported it (a collector that does not answer holds this up to the bound)."""
         if self.dead:
             fb = self._take_over()
-            return bool(fb) and fb.flush(timeout_s)
+            return bool(fb) and fb.flush(timeout_s, network)
         deadline = time.monotonic() + timeout_s
         self._seq += 1
         seq = self._seq
-        self._append({"flush": seq, "timeout_s": timeout_s * 0.8})
+        self._append({"flush": seq, "timeout_s": timeout_s * 0.8, "network": network})
         while self._out and not self.dead and time.monotonic() < deadline:
             self._pump()
             if self._out:

@@ -53,8 +53,7 @@ def main() -> None:
     cfg = load_config(None, ["model.target=tiny-qwen3", f"data.num_conversations={a.convs}",
                              f"data.regen_max_new_tokens={a.new}", "data.regen_max_prompt_len=48",
                              f"data.regen_batch_size={a.batch}", "data.regenerate=on",
-                             f"data.regen_workers={a.workers}",
-                             "model.block_size=4"])  # regeneration only: short replies are fine
+                             f"data.regen_workers={a.workers}"])
     target, tok = target_mod.load_target("tiny-qwen3", seed=cfg.model.target_seed)
     convs = prep_mod.split(cfg)[0]
     convs = convs[:a.take] if a.take else convs

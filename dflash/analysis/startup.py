@@ -70,7 +70,7 @@ def startup(spans: list[dict]) -> dict | None:
     out = {"trace_id": (root or next(iter(tops.values()), phases[0] if phases else {})).get("trace_id"),
            "command": root["name"] if root else None,
            "wall_s": _s(root["end_ns"] - root["start_ns"]) if root else None,
-           "root_missing": root is None,  # killed before it ended (SIGKILL, out of memory): phases only
+           "root_missing": root is None,  # still running, or killed before it ended (SIGKILL, out of memory)
            "ranks": ranks,
            "longest_phase": {"phase": longest["name"], "rank": _rank(longest),
                              "seconds": _s(longest["end_ns"] - longest["start_ns"]),
@@ -133,8 +133,9 @@ def format_startup(rep: dict | None) -> list[str]:
     lines = ["", f"start-up (the run's own trace {rep['trace_id']}"
                  + (f", {rep['command']} {rep['wall_s']:.1f}s end to end" if rep.get("wall_s") else "") + ")"]
     if rep.get("root_missing"):
-        lines.append("  the run's root span is not in the trace: the process ended without closing it (SIGKILL, "
-                     "the out-of-memory killer); what follows is read from the phases it finished")
+        lines.append("  the run's root span is not in the trace: the run is still going, or ended without closing "
+                     "it (SIGKILL, the out-of-memory killer), or a --jaeger query's --limit left it out; what "
+                     "follows is read from the phases on hand")
     for r in rep["ranks"]:
         first = f"first step after {r['first_step_s']:.2f}s" if r["first_step_s"] is not None else "no step"
         parts = ", ".join(f"{k} {v:.2f}s" for k, v in list(r["phases"].items())[:6])

@@ -21,8 +21,10 @@ def init_flags(path: str) -> dict:
              "model.block_size": int(f["block_size"]), "model.target_layer_ids": list(f["target_layer_ids"]),
              "model.layer_types": list(f.get("layer_types") or []),
              "model.sliding_window": int(f.get("sliding_window") or 0)}
-    if not f.get("draft_vocab_size"):  # a full-vocabulary DIR stays one: its head (and DSpark's Markov
-        flags["model.draft_vocab"] = 0  # rows) cover every token, a draft vocabulary would be new weights
+    # its draft vocabulary's size, or none: a full-vocabulary DIR stays one (its head, and DSpark's
+    # Markov rows, cover every token: a draft vocabulary would be new weights); one of K tokens keeps
+    # K, drawn from this run's data, a DSpark's rows following their tokens (model/dspark.py)
+    flags["model.draft_vocab"] = int(f.get("draft_vocab_size") or 0)
     fam = family.of(f)
     if fam.name != family.DEFAULT:  # DIR's family and its own parts' sizes (dflash/family/)
         flags["model.arch"] = fam.name

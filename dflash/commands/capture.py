@@ -9,7 +9,7 @@ import os
 import shlex
 from pathlib import Path
 
-from ..config import needs_target_distribution
+from ..config import check_regen_lengths, needs_target_distribution
 from ..errors import ConfigError
 from ..offline.feature_index import INDEX, PART_GLOB, SHARD_GLOB, TARGET_DIR
 from . import Once
@@ -97,6 +97,7 @@ def _checked_config(a):
                                           "pipeline.drafter_devices": a.target_devices})
     if cfg.data.features:
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
+    check_regen_lengths(cfg)
     if needs_target_distribution(cfg.train.loss, cfg.model.arch) and not cfg.train.kl_topk:
         raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "

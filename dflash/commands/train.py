@@ -6,7 +6,7 @@ import os
 import shlex
 import sys
 
-from ..config import needs_target_distribution
+from ..config import check_regen_lengths, needs_target_distribution
 from ..errors import ConfigError
 from . import CommaList, Once
 
@@ -38,10 +38,10 @@ def add_parser(sub) -> None:
     t.add_argument("--tracker", action=CommaList, metavar="NAMES",
                    help="experiment trackers, a comma list of wandb, tensorboard, mlflow (--wandb: wandb)")
 
-    t.add_argument("--features", metavar="FEATS",
+    t.add_argument("--features", action=Once, metavar="FEATS",
                    help="train from features dflash capture wrote: no target forward, only the target's "
                         "embedding and lm_head are loaded; target and layer ids come from the capture")
-    t.add_argument("--init-from", metavar="DIR",
+    t.add_argument("--init-from", action=Once, metavar="DIR",
                    help="start from a drafter in the served DFlash format (a published one, a SpecForge or "
                         "dflash export); its layers, block size and target layers replace the config's")
 
@@ -116,6 +116,8 @@ def _checked_config(a):
     features = a.features or cfg.data.features
     if features:  # the capture decides target, its seed and the layer ids
         cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))
+    else:
+        check_regen_lengths(cfg)
     if a.resume and a.overwrite:
         raise ConfigError("--resume with --overwrite: choose one (continue the earlier run, or replace it)")
     if cfg.pipeline.layout:

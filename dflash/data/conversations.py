@@ -71,6 +71,7 @@ def _iter_records(path: Path, chunk: int = 1 << 20, max_record: int = MAX_RECORD
         raise DatasetError(f"dataset '{path}': unreadable ({getattr(e, 'strerror', None) or e})") from None
 
 
+READ_RULES = 2  # bump when a change to reading or classifying records changes which records a file yields
 _SAID_SPLITS: set = set()  # saved DatasetDicts whose splits were named once
 
 
@@ -299,7 +300,9 @@ def _subset_cache_path(paths: list[Path], limit: int, seed: int) -> Path:
     def ident(p: Path) -> str:
         st = p.stat()
         return f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    key = "\n".join(ident(p) for p in paths)  # one file: the key it always had
+    # the reading rules are in the key (READ_RULES): a subset read by older rules (a saved
+    # DatasetDict's every split, a lone surrogate kept) is read again, not reused
+    key = "\n".join(ident(p) for p in paths) + f"|rules {READ_RULES}"
     name = paths[0].stem if len(paths) == 1 else f"{paths[0].stem}+{len(paths) - 1}"
     return cache_dir() / "conversations" / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:16]}-n{limit}-s{seed}.json"
 

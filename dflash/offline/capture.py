@@ -244,7 +244,7 @@ def _broadcast(obj, world: int):
         return obj
     import torch.distributed as dist
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    interruptible(dist.broadcast_object_list, box, src=0)  # a rank waiting for another still takes a signal
     return box[0]
 
 
@@ -262,5 +262,5 @@ def _gather(obj, world: int) -> list:
         return [obj]
     import torch.distributed as dist
     out: list = [None] * world
-    dist.all_gather_object(out, obj)
+    interruptible(dist.all_gather_object, out, obj)
     return out

@@ -323,10 +323,11 @@ def _check_duplicate_keys(root) -> None:
             first: dict = {}
             for k, _ in n.value:
                 if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
-                    if k.value in first:
+                    key = (k.tag, k.value)  # `1:` and `"1":` are two keys (an int and a string)
+                    if key in first:
                         raise YAMLDuplicateKey(f"key {k.value!r} given twice in one mapping (lines "
-                                               f"{first[k.value] + 1} and {k.start_mark.line + 1}); give it once")
-                    first[k.value] = k.start_mark.line
+                                               f"{first[key] + 1} and {k.start_mark.line + 1}); give it once")
+                    first[key] = k.start_mark.line
             stack.extend(x for kv in n.value for x in kv)
         elif isinstance(n, yaml.SequenceNode):
             stack.extend(n.value)

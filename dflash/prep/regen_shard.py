@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import interruptible
+
 
 @dataclass
 class Shard:
@@ -25,7 +27,7 @@ class Shard:
         import torch.distributed as dist
 
         boxes: list = [None] * self.count
-        dist.all_gather_object(boxes, sorted(have), group=self.group)
+        interruptible(dist.all_gather_object, boxes, sorted(have), group=self.group)  # a signal still stops us
         return [set(b) for b in boxes]
 
     def mine(self, pending: list) -> list:
@@ -41,10 +43,10 @@ class Shard:
 
         if self.dst is None:
             boxes: list = [None] * self.count
-            dist.all_gather_object(boxes, records, group=self.group)
-        else:
+            interruptible(dist.all_gather_object, boxes, records, group=self.group)
+        else:  # the slowest shard's rank is waited for here: a signal still stops the others
             boxes = [None] * self.count if dist.get_rank() == self.dst else None
-            dist.gather_object(records, boxes, dst=self.dst, group=self.group)
+            interruptible(dist.gather_object, records, boxes, dst=self.dst, group=self.group)
             if boxes is None:
                 return None
         merged: dict = {}

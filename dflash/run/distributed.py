@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import interruptible
 
 AGREE_TIMEOUT_S = 60.0  # reaching torchrun's own store: it is up before any rank starts
 
@@ -84,15 +85,15 @@ def broadcast(obj, src: int, groups):
     """An object from rank `src` to every rank (the set-up group of a layout: long timeout)."""
     if not (dist.is_available() and dist.is_initialized()):
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=groups.setup if groups is not None else None)
+    box = [obj]  # set-up only: a rank may wait here for rank 0's data and regeneration, a signal still stops it
+    interruptible(dist.broadcast_object_list, box, src=src, group=groups.setup if groups is not None else None)
     return box[0]
 
 
 def broadcast_in(obj, src: int, group):
     """An object from global rank `src` to every rank of `group` (each of them calls this)."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
+    interruptible(dist.broadcast_object_list, box, src=src, group=group)  # set-up only, as broadcast()
     return box[0]
 
 

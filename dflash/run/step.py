@@ -134,15 +134,22 @@ class TrainStep:
         return st
 
     def load_state(self, st: dict):
+        from ..errors import ConfigError
         if ("muon" in st) != (self.muon is not None):
-            from ..errors import ConfigError
             saved = "muon" if "muon" in st else "adamw"
             raise ConfigError(f"train.optimizer={self.train.optimizer}: the checkpoint was trained with {saved}; "
                               f"resume with --set train.optimizer={saved}")
-        self.opt.load_state_dict(st["optimizer"])
+        try:
+            self.opt.load_state_dict(st["optimizer"])
+            if self.muon is not None:
+                self.muon.load_state_dict(st["muon"])
+        except ValueError as e:  # torch: the groups or their sizes differ (a checkpoint of an earlier split)
+            raise ConfigError(f"--resume: the checkpoint's optimizer state does not fit this run's parameter "
+                              f"groups ({str(e).splitlines()[0][:120]}): it was saved by a version that grouped "
+                              f"them otherwise (Muon with a copy head); train into a new --out, or --init-from "
+                              f"its export") from None
         self.sched.load_state_dict(st["scheduler"])
         if self.muon is not None:
-            self.muon.load_state_dict(st["muon"])
             self.muon_sched.load_state_dict(st["muon_scheduler"])
         self.step = st["step"]
         torch.set_rng_state(st["torch_rng"])

@@ -94,7 +94,8 @@ def main() -> int:
     told = False  # the parent said it is done (shutdown); EOF without it: the parent is gone
     for msg in frames:
         if "flush" in msg:
-            ok = consumer.flush(msg.get("timeout_s", 2.0))
+            # in order: every batch before it is consumed; "network": False asks no more than that
+            ok = consumer.flush(msg.get("timeout_s", 2.0)) if msg.get("network", True) else True
             with lock:
                 say({"status": consumer.status()})
             say({"flushed": msg["flush"], "ok": ok})

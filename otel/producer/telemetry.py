@@ -318,14 +318,16 @@ class Telemetry:
     def end_profile(self, timeout_s=2.0) -> None:
         """The measured work is over and other work follows (an eval, an engine's verdict):
         fold what is buffered into the profile, stop its wall clock here and print its table
-        now (console), so its shares are of this work's wall time. It does not wait for the
-        export (a slow or dead collector would hold the run up to the bound, in time that no
-        phase covers): the records are handed to the exporter as every cycle's are, and
-        shutdown() exports the rest without printing the table a second time. Once; the wait
-        for a cycle in progress is bounded by ``timeout_s``."""
+        now (console), so its shares are of this work's wall time. It waits for the exporter to
+        have consumed the records (the table counts them) but not for their export (a slow or
+        dead collector would hold the run up to the bound, in time that no phase covers);
+        shutdown() exports the rest without printing the table a second time. Once; bounded
+        by ``timeout_s``."""
         if self._closed or self._t_end is not None:
             return
-        self._bg.cycle(final=True, lock_timeout_s=timeout_s / 2)
+        deadline = time.monotonic() + timeout_s
+        if self._bg.cycle(final=True, lock_timeout_s=timeout_s / 2):
+            self._transport.flush(max(deadline - time.monotonic(), 0.01), network=False)
         self._t_end = time.monotonic()
         if self.console:
             print(self.profile_table(), file=sys.stderr, flush=True)

@@ -93,11 +93,13 @@ def test_end_profile_prints_the_table_once_with_the_measured_works_wall(make_tel
 def test_end_profile_never_waits_for_the_export(make_tel, tmp_path):
     """A slow or dead collector must not hold the run between training and what follows (time no
     phase covers): end_profile folds the records into the profile and leaves the export to run."""
-    tel = make_tel(mode="thread", file_dir=str(tmp_path), console=False)
-    waited = []
-    tel._transport.flush = lambda *a, **k: waited.append(1) or True
-    with tel.stage("backward"):
-        pass
-    tel.end_profile()
-    assert not waited and tel.summary()["stages"]["backward"]["count"] == 1
-    tel.shutdown()
+    for mode in ("thread", "process"):
+        tel = make_tel(mode=mode, file_dir=str(tmp_path / mode), console=False)
+        real, asked = tel._transport.flush, []
+        tel._transport.flush = lambda timeout_s, network=True: asked.append(network) or real(timeout_s, network)
+        with tel.stage("backward"):
+            pass
+        tel.end_profile()
+        assert asked == [False], mode  # consumed (the table counts it), not exported
+        assert tel.summary()["stages"]["backward"]["count"] == 1, mode
+        tel.shutdown()

@@ -141,8 +141,11 @@ def test_yaml_11_on_off_reads_as_the_word_and_merge_keys_still_override(tmp_path
 
 
 def test_replies_too_short_to_train_on_are_refused_before_the_target_loads():
+    from dflash.config import check_regen_lengths
+
+    short = ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20"]
     with pytest.raises(ConfigError, match="data.regen_max_new_tokens=20 with model.block_size=16"):
-        load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=16"])
-    load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=8"])
-    load_config(None, ["model.target=tiny-qwen3", "data.regen_max_new_tokens=20", "model.block_size=16",
-                       "data.regenerate=off"])  # others' text: its replies are as long as they are
+        check_regen_lengths(load_config(None, short + ["model.block_size=16"]))  # eval loads such settings fine
+    check_regen_lengths(load_config(None, short + ["model.block_size=8"]))
+    check_regen_lengths(load_config(None, short + ["model.block_size=16", "data.regenerate=off"]))  # others' text
+    check_regen_lengths(load_config(None, short + ["model.block_size=16", "data.features=/some/capture"]))

@@ -97,7 +97,7 @@ def test_validation_runs_after_all_sources_are_merged(tmp_path):
     path = _yaml(tmp_path, "model:\n  block_size: 200\n")
     with pytest.raises(ConfigError, match="data.max_len"):
         load_config(path)
-    assert load_config(path, ["data.max_len=512", "data.regen_max_new_tokens=400"]).model.block_size == 200
+    assert load_config(path, ["data.max_len=512"]).model.block_size == 200
 
 
 def test_feature_cache_is_off_by_default_and_refused_with_a_layout():
