@@ -159,7 +159,7 @@ def read_text_file(path: str, where: str, expected: str, error: type[Exception],
     if p.is_dir():
         raise error(f"{where}: is a directory (expected {expected})")
     if not p.is_file():
-        raise error(f"{where}: no such file (expected {expected})")
+        raise error(f"{where}: {why_not_a_file(p)} (expected {expected})")
     try:
         _check_size(p, max_bytes)
         return p.read_bytes().decode("utf-8")
@@ -169,6 +169,15 @@ def read_text_file(path: str, where: str, expected: str, error: type[Exception],
         raise error(f"{where}: not UTF-8 text (byte {e.start}; expected {expected})") from None
     except OSError as e:
         raise error(f"{where}: unreadable ({e.strerror or e})") from None
+
+
+def why_not_a_file(p: Path) -> str:
+    """Why a path that is no regular file cannot be read, as the user would check it."""
+    if p.exists():  # a FIFO would block the reader, a device may never end: never opened
+        return "not a regular file (a pipe, a device or a socket)"
+    if p.is_symlink():
+        return "a symbolic link that leads nowhere (a missing target, or a loop)"
+    return "no such file"
 
 
 def short_repr(value, n: int = 80) -> str:
@@ -464,7 +473,7 @@ def data_files(spec: str) -> list[Path]:
     out: list[Path] = []
     for part in [s.strip() for s in str(spec).split(",") if s.strip()]:
         p = Path(part).expanduser()
-        if any(c in part for c in "*?["):
+        if any(c in part for c in "*?[") and not p.exists():  # a file whose name has them is that file
             found = sorted(Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file())
             if not found:
                 raise DatasetError(f"dataset '{part}': the pattern matches no file")
@@ -499,8 +508,10 @@ def _check_data_file(p: Path) -> None:
         _check_parquet(p) if p.is_file() else _check_saved_dataset(p)
         return
     if not p.is_file():  # a FIFO or a device is never opened: it may block, or never end
-        why = "not a regular file (a pipe, a device or a socket)" if p.exists() else "no such file"
-        raise DatasetError(f"dataset '{path}': {why}")
+        raise DatasetError(f"dataset '{path}': {why_not_a_file(p)}")
+    if p.name.endswith((".zst", ".zstd", ".bz2", ".xz", ".lz4", ".zip", ".7z")):
+        raise DatasetError(f"dataset '{path}': compressed as {p.suffix}, which is not read here; expected "
+                           f"{expected} (gzip's .gz is read as it streams)")
     try:
         with open_text(p) as f:
             head = f.read(4096).lstrip()

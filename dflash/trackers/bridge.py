@@ -33,6 +33,7 @@ from otel.confined import open_for_write
 
 from .redaction import redact, sanitize
 from .report import final_summary, telemetry_metrics
+from .sink import failure
 
 
 def interval_from_env() -> float:
@@ -228,7 +229,7 @@ class _Runner:
                     self._recovered()
                 return
             except Exception as e:
-                self.fail(f"{self.sink.verb_log} failed ({type(e).__name__}: {e})")
+                self.fail(f"{self.sink.verb_log} failed ({failure(e)})")
         rec = {"type": "log", "time": time.time(), "data": metrics}
         if self.sink.per_step:  # the steps the tracker did not get (sent to it too if it comes back)
             rows = hist[max(self._rows, self._fb_rows):n_rows]
@@ -252,7 +253,7 @@ class _Runner:
                     self.summary_done = True
                 return
             except Exception as e:
-                self.fail(f"writing the {self.sink.label} summary failed ({type(e).__name__}: {e})")
+                self.fail(f"writing the {self.sink.label} summary failed ({failure(e)})")
         with self.lock:
             if not self.summary_done:
                 self._write_line({"type": "summary", "time": time.time(), "summary": final,

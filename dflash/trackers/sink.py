@@ -11,6 +11,14 @@
 from __future__ import annotations
 
 
+def failure(e: BaseException) -> str:
+    """`Type: message` on one line: a library's own multi-line text (pydantic's validation report,
+    SQLAlchemy's) cut to its first line, so the console's warning stays one line."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    more = " ..." if len(lines) > 1 else ""
+    return f"{type(e).__name__}: {lines[0].strip() if lines else ''}{more}".rstrip(": ")
+
+
 class Sink:
     name = "sink"              # as in --tracker
     label = "tracker"          # in messages: "dflash: <label> bridge: ..."
@@ -24,8 +32,8 @@ class Sink:
 
     def why_open_failed(self, e: BaseException) -> str:
         if isinstance(e, ImportError):
-            return f"{self.name} is not available ({type(e).__name__}: {e})"
-        return f"{self.name} could not start ({type(e).__name__}: {e})"
+            return f"{self.name} is not available ({failure(e)})"
+        return f"{self.name} could not start ({failure(e)})"
 
     def open(self, runner) -> None:
         raise NotImplementedError

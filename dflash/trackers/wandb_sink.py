@@ -17,7 +17,7 @@ from pathlib import Path
 
 from otel.confined import write_text
 
-from .sink import Sink, inside_run_dir
+from .sink import Sink, failure, inside_run_dir
 
 FALLBACK = "wandb_fallback.jsonl"
 RUN_FILE = "wandb_run.json"        # id/project of the W&B run, for `dflash eval --wandb`
@@ -34,8 +34,8 @@ class WandbSink(Sink):
 
     def why_open_failed(self, e):
         if self._imported:
-            return f"wandb.init failed ({type(e).__name__}: {e})"
-        return f"wandb is not available ({type(e).__name__}: {e})"  # missing or broken install
+            return f"wandb.init failed ({failure(e)})"
+        return f"wandb is not available ({failure(e)})"  # missing or broken install
 
     def open(self, runner):
         import wandb

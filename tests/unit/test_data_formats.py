@@ -119,3 +119,19 @@ def test_a_lone_surrogate_escape_a_bom_and_a_cut_array_are_counted_not_crashes(t
     cut = tmp_path / "c.json"
     cut.write_text(json.dumps(CHAT)[:-20])
     assert [C.classify(r)[1] for r in C._iter_records(cut)] == [None, None, "not_json"]
+
+
+def test_the_path_is_named_for_what_it_is(tmp_path):
+    """A file whose name holds glob characters is that file; a dangling link and a zstd file are
+    said as such, not as a missing file or a decoding error."""
+    import os
+
+    odd = _write(tmp_path / "br[1].jsonl", CHAT, jsonl=True, gz=False)
+    check_dataset_path(str(odd))
+    assert len(list(C._iter_records(odd))) == len(CHAT)
+    os.symlink(tmp_path / "gone.jsonl", tmp_path / "dangling.jsonl")
+    with pytest.raises(DatasetError, match="a symbolic link that leads nowhere"):
+        check_dataset_path(str(tmp_path / "dangling.jsonl"))
+    (tmp_path / "d.jsonl.zst").write_bytes(b"\x28\xb5\x2f\xfd")
+    with pytest.raises(DatasetError, match="compressed as .zst, which is not read here"):
+        check_dataset_path(str(tmp_path / "d.jsonl.zst"))
