@@ -49,7 +49,8 @@ def startup(spans: list[dict]) -> dict | None:
     first_step: dict[int, int] = {}
     for s in spans:
         a = s.get("attributes") or {}
-        if a.get("worker") is not None and not a.get(KIND):
+        # a step's stage; a checkpoint's spans (the final save of a run of 0 steps too) are no step
+        if a.get("worker") is not None and not a.get(KIND) and not s["name"].startswith("checkpoint"):
             r = _rank(s)
             first_step[r] = min(first_step.get(r, s["start_ns"]), s["start_ns"])
     # a rank's top-level phases: under its root or process span, or under one that was never

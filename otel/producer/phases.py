@@ -35,7 +35,8 @@ import traceback
 from otel.api import name_exception
 from otel.trace_ids import root_span_id_for, trace_id_for
 
-_TRACEPARENT = re.compile(r"^00-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})$")
+# version-trace id-parent id-flags; a later version may append "-..." fields (W3C: parse the four)
+_TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 _rng = random.Random()  # span ids: unique within a trace is all that matters (as span_builder's)
 
 # phase record fields
@@ -49,9 +50,9 @@ def parse_traceparent(value: str | None) -> tuple[int, int] | None:
     """(trace id, parent span id) of a W3C traceparent, or None when absent or malformed
     (ids of all zeros are invalid, as the spec says)."""
     m = _TRACEPARENT.match((value or "").strip().lower())
-    if not m:
+    if not m or m.group(1) == "ff" or (m.group(1) == "00" and m.group(5)):  # ff: invalid; 00 has exactly four
         return None
-    trace_id, span_id = int(m.group(1), 16), int(m.group(2), 16)
+    trace_id, span_id = int(m.group(2), 16), int(m.group(3), 16)
     return (trace_id, span_id) if trace_id and span_id else None
 
 

@@ -146,6 +146,11 @@ def test_a_pipeline_that_never_uses_phases_gets_no_run_span(tmp_path, make_tel):
 
 def test_traceparent_parsing():
     assert parse_traceparent("00-" + "a" * 32 + "-" + "b" * 16 + "-01") == (int("a" * 32, 16), int("b" * 16, 16))
+    # a later version: its first four fields (W3C), whatever follows
+    assert parse_traceparent("01-" + "a" * 32 + "-" + "b" * 16 + "-01-what-comes") == (int("a" * 32, 16),
+                                                                                       int("b" * 16, 16))
+    assert parse_traceparent("ff-" + "a" * 32 + "-" + "b" * 16 + "-01") is None
+    assert parse_traceparent("00-" + "a" * 32 + "-" + "b" * 16 + "-01-extra") is None
     for bad in (None, "", "00-" + "0" * 32 + "-" + "b" * 16 + "-01", "zz-1-2-3", "00-abc-def-01"):
         assert parse_traceparent(bad) is None
 

@@ -101,3 +101,9 @@ def test_a_killed_run_without_its_root_and_process_spans_still_has_its_start_up(
     assert rep["root_missing"] and list(rep["ranks"][0]["phases"]) == ["load_target", "join_ranks", "read_data"]
     text = "\n".join(format_startup(rep))
     assert "the run's root span is not in the trace" in text and "load_target 5.00s" in text
+
+
+def test_a_checkpoint_is_no_first_step():
+    """`--steps 0` saves a checkpoint and trains nothing: its save's spans are no step."""
+    spans = two_ranks(stage=False) + [span("checkpoint", None, "c0", "b", 9.5, 9.6, 0, worker="drafter0", step=0)]
+    assert startup(spans)["ranks"][0]["first_step_s"] is None
