@@ -219,9 +219,10 @@ def test_a_sliding_window_of_10_to_the_12_is_one_line(tmp_path, served):
 @pytest.mark.slow  # loads the target (and the data set) first: ~20-30 s on two busy cores
 def test_a_drafter_too_large_for_the_machine_is_one_line_before_it_is_allocated(tmp_path):
     """On main: model.selector_rank=65536 (in range) was OOM-killed (rc 137, 16 GB RSS, no word).
-    With 128 layers of ungrouped 1024-tap convolutions besides, ~650 GB: no test machine has it."""
+    With 128 layers of ungrouped 1024-tap convolutions besides, ~650 GB: no test machine has it.
+    A tap reads a slot of its own block, so 1024 taps take a block of 1024 (and data.max_len above two blocks)."""
     sets = ["model.arch=dflash2", "model.selector_rank=65536", "model.num_layers=128", "model.conv_group_size=1",
-            "model.conv_kernel_size=1024"]
+            "model.conv_kernel_size=1024", "model.block_size=1024", "data.max_len=2100"]
     p = run_dflash("train", "--out", tmp_path / "run", "--target", "tiny-qwen3", *TINY, "--set", "data.regenerate=off",
                    "--no-telemetry", *[x for s in sets for x in ("--set", s)], check=False, timeout=300)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
