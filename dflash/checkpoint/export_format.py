@@ -219,7 +219,7 @@ def sliding_layout(raw: dict, where: str) -> tuple[list[str], int]:
     window = dc.get("swa_window_size", raw.get("sliding_window") if raw.get("use_sliding_window") else None)
     if types is None:  # transformers derives them: sliding from layer max_window_layers on
         on = raw.get("use_sliding_window") and raw.get("sliding_window") is not None
-        types = [SLIDING if on and i >= int(raw.get("max_window_layers", 28)) else FULL for i in range(n)]
+        types = [SLIDING if on and i >= family.integer(raw.get("max_window_layers", 28), "max_window_layers", where, FormatError) else FULL for i in range(n)]
     types = [str(t) for t in types]
     if len(types) != n or any(t not in (SLIDING, FULL) for t in types):
         raise FormatError(f"{where}: layer_types={str(types)[:120]}: expected {n} of {SLIDING!r} / {FULL!r}")
@@ -281,41 +281,52 @@ def drafter_config_fields(raw: dict, where: str) -> dict:
     mask = _value(raw, "mask_token_id")
     if mask is None:
         raise FormatError(f"{where}: no mask_token_id (in dflash_config or at the top level)")
+    def whole(key: str, v):
+        return family.integer(v, key, where, FormatError)
+
     try:
-        heads = int(raw["num_attention_heads"])
-        hidden = int(raw["hidden_size"])
-        layers = int(raw["num_hidden_layers"])
+        heads = whole("num_attention_heads", raw["num_attention_heads"])
+        hidden = whole("hidden_size", raw["hidden_size"])
+        layers = whole("num_hidden_layers", raw["num_hidden_layers"])
         ids = _value(raw, "target_layer_ids")
         if ids is None:
-            ids = spread_layer_ids(int(_value(raw, "num_target_layers")), layers)
+            ids = spread_layer_ids(whole("num_target_layers", _value(raw, "num_target_layers")), layers)
+        if not isinstance(ids, list):
+            raise FormatError(f"{where}: target_layer_ids={str(ids)[:80]}: expected a list of layer ids")
         rope = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        theta = rope.get("rope_theta") or raw.get("rope_theta") or 10000.0
         layer_types, window = sliding_layout(raw, where)
         return {
             "hidden_size": hidden,
             "num_attention_heads": heads,
-            "num_key_value_heads": int(raw.get("num_key_value_heads") or heads),
-            "head_dim": int(raw.get("head_dim") or hidden // heads),
-            "intermediate_size": int(raw["intermediate_size"]),
-            "vocab_size": int(raw["vocab_size"]),
-            "target_layer_ids": [int(i) for i in ids],
-            "mask_token_id": int(mask),
+            "num_key_value_heads": whole("num_key_value_heads", raw.get("num_key_value_heads") or heads),
+            "head_dim": whole("head_dim", raw.get("head_dim") or (hidden // heads if heads else 0)),
+            "intermediate_size": whole("intermediate_size", raw["intermediate_size"]),
+            "vocab_size": whole("vocab_size", raw["vocab_size"]),
+            "target_layer_ids": [whole("target_layer_ids[]", i) for i in ids],
+            "mask_token_id": whole("mask_token_id", mask),
             "num_hidden_layers": layers,
-            "block_size": int(_value(raw, "block_size", family.BLOCK_SIZE)),
-            "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
-            "rope_theta": float(rope.get("rope_theta") or raw.get("rope_theta") or 10000.0),
-            "draft_vocab_size": draft_vocab_size(raw),
+            "block_size": whole("block_size", _value(raw, "block_size", family.BLOCK_SIZE)),
+            "rms_norm_eps": family.number(raw.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, FormatError),
+            "rope_theta": family.number(theta, "rope_theta", where, FormatError),
+            "draft_vocab_size": draft_vocab_size(raw, where),
             "layer_types": layer_types,
             "sliding_window": window,
             **extra,
         }
+    except FormatError:
+        raise
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{where}: config.json lacks or garbles {e} (expected a DFlash drafter config)") from None
 
 
-def draft_vocab_size(raw: dict) -> int:
+def draft_vocab_size(raw: dict, where: str = "config.json") -> int:
     """A served config's draft vocabulary (0: drafts over the target's whole vocabulary)."""
     n = raw.get("draft_vocab_size")
-    return 0 if n is None or int(n) == int(raw.get("vocab_size", -1)) else int(n)
+    if n is None:
+        return 0
+    n = family.integer(n, "draft_vocab_size", where, FormatError)
+    return 0 if n == raw.get("vocab_size") else n
 
 
 def fit_error(fields: dict, *, hidden_size: int, num_layers: int, embed_rows: int, where: str,

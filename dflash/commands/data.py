@@ -57,6 +57,11 @@ def run(a) -> int:
     print(format_report(report))
     if a.json:
         print(json.dumps(report))
+    if not report["used"]:  # what train would refuse: the report says why, the exit status says so to a script
+        from ..preflight.inputs import DatasetError
+        why = ", ".join(f"{k} {v}" for k, v in report["dropped"].items() if v and k != "over_length") or "none read"
+        raise DatasetError(f"dataset '{a.path}': no usable conversation in {report['records_read']} records "
+                           f"({why}); train would refuse it")
     return 0
 
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from . import dflash, dflash2, dspark
-from .base import BLOCK_SIZE, BLOCK_SIZES, DRAFTER_LAYERS, Bound, Family
+from .base import BLOCK_SIZE, BLOCK_SIZES, DRAFTER_LAYERS, Bound, Family, integer, number
 
-__all__ = ["BLOCK_SIZE", "BLOCK_SIZES", "DRAFTER_LAYERS", "Bound", "Family", "FAMILIES", "NAMES", "DEFAULT", "get",
+__all__ = ["BLOCK_SIZE", "BLOCK_SIZES", "DRAFTER_LAYERS", "Bound", "Family", "integer", "number", "FAMILIES", "NAMES", "DEFAULT", "get",
            "of", "served", "unused_settings", "MODEL_FIELDS", "TRAIN_FIELDS", "EVAL_FIELDS", "config_bounds"]
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (dflash.FAMILY, dflash2.FAMILY, dspark.FAMILY)}

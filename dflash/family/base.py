@@ -54,6 +54,21 @@ class Bound:
         return f"{key}={v!r}: expected {'an integer' if integer else 'a finite number'} in {lo}{self.hi:g}]"
 
 
+def integer(v, key: str, where: str, error):
+    """``v`` when it is a JSON integer, else ``error`` naming it: a hand-edited "16", 16.5 or
+    true is refused, never read as 16, 16 or 1 (what int() would make of them)."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise error(f"{where}: {key}={v!r}: expected an integer")
+    return v
+
+
+def number(v, key: str, where: str, error) -> float:
+    """``v`` as a float when it is a JSON number, else ``error`` naming it ("1e-6" is refused)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise error(f"{where}: {key}={v!r}: expected a number")
+    return float(v)
+
+
 def _names(cls) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(cls)) if cls is not None else ()
 

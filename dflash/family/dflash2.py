@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from .base import Bound, Family
+from .base import Bound, Family, integer, number
 
 ARCHITECTURE = "DFlash2DraftModel"
 REQUIRED = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
@@ -97,11 +97,9 @@ class DFlash2(Family):
             raise error(f"{where}: {ARCHITECTURE} without dflash_config.{missing[0]} (vLLM requires it)")
         if dc.get("causal") or raw.get("is_causal") or dc.get("is_causal"):
             raise error(f"{where}: a causal DFlash2 drafter: this trainer's blocks are bidirectional")
-        try:
-            out = {"arch": self.name, **{k: int(dc[k]) for k in REQUIRED}}
-            out.update({k: float(dc.get(k) if dc.get(k) is not None else v) for k, v in OPTIONAL.items()})
-        except (TypeError, ValueError) as e:
-            raise error(f"{where}: dflash_config: {e}") from None
+        out = {"arch": self.name, **{k: integer(dc[k], f"dflash_config.{k}", where, error) for k in REQUIRED}}
+        out.update({k: number(dc[k], f"dflash_config.{k}", where, error) if dc.get(k) is not None else float(v)
+                    for k, v in OPTIONAL.items()})
         return out
 
 

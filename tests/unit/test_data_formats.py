@@ -105,6 +105,17 @@ def test_data_inspect_reports_counts_lengths_loss_share_and_marked_examples(tmp_
     assert bad.returncode == 2 and "nope.jsonl" in bad.stderr
 
 
+def test_data_inspect_of_nothing_usable_reports_why_and_exits_2(tmp_path):
+    """A script's `dflash data inspect X && dflash train ...` stops where train would refuse."""
+    from helpers import last_json, run_dflash
+
+    path = _write(tmp_path / "d.jsonl", BAD, jsonl=True, gz=False, garbage_line=True)
+    p = run_dflash("data", "inspect", path, "--json", check=False, timeout=300)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert last_json(p.stdout)["used"] == 0  # the report first: the reasons are its point
+    assert "no usable conversation in" in p.stderr and "not_json 1" in p.stderr and "train would refuse it" in p.stderr
+
+
 def test_a_lone_surrogate_escape_a_bom_and_a_cut_array_are_counted_not_crashes(tmp_path):
     """Valid JSON whose text no tokenizer takes (a lone "\\ud83d"), a UTF-8 byte-order mark, and
     a JSON array cut mid-record: dropped and counted as not_json, read, and counted."""

@@ -1,6 +1,7 @@
 """DFlash2 (model/dflash2.py): vLLM 0.32's semantics on tiny dims, one-pass training equals
 per-block inference, the selector walk, the loss, and the served format both ways."""
 import json
+import re
 
 import pytest
 import torch
@@ -213,6 +214,19 @@ def test_bad_dflash2_configs_are_one_line():
     raw = json.loads(json.dumps(SERVED))
     del raw["dflash_config"]["selector_rank"]
     with pytest.raises(fmt.FormatError, match="selector_rank"):
+        fmt.drafter_config_fields(raw, "x")
+
+
+@pytest.mark.parametrize("where, key, value", [
+    ("dflash_config", "block_size", "16"), ("dflash_config", "block_size", 8.5), ("top", "num_attention_heads", True),
+    ("dflash_config", "target_layer_ids", ["1"]), ("top", "rms_norm_eps", "1e-6"),
+    ("dflash_config", "selector_rank", "64"), ("dflash_config", "conv_kernel_size", 2.0)])
+def test_a_hand_edited_field_of_the_wrong_json_type_is_named_not_converted(where, key, value):
+    """int("16") is 16 and int(8.5) is 8: a served config is read as vLLM would get it, never coerced."""
+    raw = json.loads(json.dumps(SERVED))
+    (raw["dflash_config"] if where == "dflash_config" else raw)[key] = value
+    named = value[0] if isinstance(value, list) else value  # a list's element is named
+    with pytest.raises(fmt.FormatError, match=re.escape(f"{named!r}: expected a")):
         fmt.drafter_config_fields(raw, "x")
 
 
