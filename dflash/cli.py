@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     from .errors import ignore_stop_signals, on_hard_stop, raise_on_sigterm, said_how_it_ended
 
     program = argv is None
+    if program:
+        _standard_streams()
     argv = list(sys.argv[1:] if argv is None else argv)
     phases.reset()
     with phases.phase("parse_args"):  # builds every command's parser: imports the command modules
@@ -59,6 +61,15 @@ def main(argv=None) -> int:
         failure = e
         _say(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}")
         rc = 130
+    except BrokenPipeError as e:
+        failure = e
+        if _stdout_reader_gone():
+            # the reader of our output left (`dflash stalls RUN | head -1`): what a C tool
+            # does, killed by SIGPIPE, without a word: exit 141 (128 + SIGPIPE), no traceback
+            _quiet_stdout()
+            rc = 141
+        else:  # another pipe (a child's, a socket's): a failure like any other
+            rc = _report_failure(a, e)
     except Exception as e:
         failure = e
         rc = _report_failure(a, e)
@@ -91,9 +102,52 @@ def _exit_now(rc: int) -> None:
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
-        except (OSError, ValueError):  # a closed terminal (SIGHUP's) takes no more output
+        except (OSError, ValueError):  # a closed terminal (SIGHUP's), a reader gone: no more output
             pass
     os._exit(rc)
+
+
+def _standard_streams() -> None:
+    """Started with stdout or stderr closed (`dflash train ... >&-`, a daemon's spawn), Python
+    leaves sys.stdout None and the first file this process opens takes fd 1 or 2, where any
+    child's output would then land. /dev/null is put there instead: the output is dropped,
+    as the caller asked, and the run goes on as with a terminal."""
+    import os
+
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_RDONLY if fd == 0 else os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+            if getattr(sys, name) is None:
+                setattr(sys, name, open(fd, "r" if fd == 0 else "w", closefd=False))
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (Linux polls it as POLLERR)."""
+    import select
+
+    try:
+        p = select.poll()
+        p.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(ev & select.POLLERR for _, ev in p.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _quiet_stdout() -> None:
+    """After a broken pipe: stdout onto /dev/null, so the flush at exit raises nothing more."""
+    import os
+
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def _say(line: str) -> None:

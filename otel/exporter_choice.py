@@ -37,10 +37,51 @@ def spans_drained_whole(file_dir) -> bool:
     return bool(set(selected_exporters("traces", file_dir)) & LOCAL_EXPORTERS)
 
 
+def shown_endpoint(value: str) -> str:
+    """An endpoint as a message may print it: a password in it and its query (where tokens
+    go) replaced by ***, cut to 200 characters."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    try:
+        u = urlsplit(value)
+        netloc = u.netloc
+        if u.password is not None:
+            netloc = netloc.replace(":" + u.password + "@", ":***@", 1)
+        value = urlunsplit((u.scheme, netloc, u.path, "***" if u.query else "", u.fragment))
+    except ValueError:
+        pass
+    return repr(value[:200])
+
+
+def endpoint_env(signal: str) -> tuple[str, str] | None:
+    """(variable, value) of the OTLP endpoint the SDK uses for ``signal``: the signal's own
+    variable first, else OTEL_EXPORTER_OTLP_ENDPOINT; None when neither is set."""
+    for name in (f"OTEL_EXPORTER_OTLP_{signal.upper()}_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT"):
+        v = os.environ.get(name, "").strip()
+        if v:
+            return name, v
+    return None
+
+
+def endpoint_env_error(signal: str, protocol: str) -> str | None:
+    """One line naming the OTLP endpoint variable the SDK would use for ``signal`` and what is
+    wrong with it, or None. The base variable takes no query: the SDK appends /v1/traces to it,
+    after the query (a token belongs in OTEL_EXPORTER_OTLP_HEADERS)."""
+    found = endpoint_env(signal)
+    if found is None:
+        return None
+    name, value = found
+    err = endpoint_error(value, protocol)
+    if err is None and name == "OTEL_EXPORTER_OTLP_ENDPOINT" and protocol != "grpc" and "?" in value:
+        err = (f"a query in the base endpoint: the SDK appends /v1/{signal} after it (a token goes in "
+               "OTEL_EXPORTER_OTLP_HEADERS)")
+    return f"{name}={shown_endpoint(value)}: {err}" if err else None
+
+
 def endpoint_error(value: str, protocol: str = "grpc") -> str | None:
     """Why ``value`` cannot be an OTLP traces endpoint, or None. http/protobuf takes a URL
-    (http or https, a host, a port if any in 1..65535); gRPC takes that or a bare
-    ``host:port`` (what its channel dials). Checked by whoever hands an endpoint to a child
+    (http or https, a host, a port if any in 1..65535); gRPC takes that, a bare ``host:port``
+    or a unix:// socket (what its channel dials). Checked by whoever hands an endpoint to a child
     (`dflash serve` to vLLM), so a typo is one line before the child starts rather than the
     child's own failure after it loaded a model."""
     from urllib.parse import urlsplit
@@ -57,8 +98,10 @@ def endpoint_error(value: str, protocol: str = "grpc") -> str | None:
         return f"not a URL ({e})"
     if bare and protocol != "grpc":
         return f"expected an http:// or https:// URL (OTLP over {protocol})"
+    if not bare and protocol == "grpc" and u.scheme == "unix":  # a socket path, as gRPC dials it
+        return None if (u.path or u.netloc) else "unix:// without a socket path"
     if not bare and u.scheme not in ("http", "https"):
-        return f"scheme {u.scheme!r}: expected http or https"
+        return f"scheme {u.scheme!r}: expected http or https" + (" (or unix, over gRPC)" if protocol == "grpc" else "")
     if not u.hostname:
         return "no host in it"
     if bare and (port is None or u.path or u.query or u.fragment):

@@ -4,7 +4,8 @@ Collector file exporter's OTLP/JSON lines). Plain JSON, no SDK import: offline t
 
 A line that does not parse, or a torn last line left by a killed process, is skipped and
 counted (`read_lines(..., skipped=)`), and so is one that parses but is not what the format
-says (a span without its ids or times, a field of the wrong type), one nested deeper than the
+says (a span without its ids or times, a time outside 0..2^63 ns or an end before its start,
+a field of the wrong type), one nested deeper than the
 parser goes, and one over MAX_LINE_BYTES (read through in bounded memory, never held whole):
 telemetry files get copied and edited, and a reader never fails on one.
 """
@@ -31,8 +32,9 @@ def _any_value(v: dict):
         return [_any_value(x) for x in v["arrayValue"].get("values", [])]
     if "kvlistValue" in v:
         return attributes(v["kvlistValue"].get("values", []))
-    if "bytesValue" in v:
-        return base64.b64decode(v["bytesValue"])
+    if "bytesValue" in v:  # kept as its base64 text: JSON-safe wherever a reader's dicts are written
+        base64.b64decode(_str(v["bytesValue"]), validate=True)
+        return v["bytesValue"]
     return None
 
 
@@ -78,7 +80,10 @@ def _numbered_lines(path: str, skipped: list | None, max_line: int = MAX_LINE_BY
 
 
 # what a line that parses but is not the format's raises while it is read: skipped, counted
-_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, RecursionError)
+# (OverflowError: a time or an integer given as Infinity or 1e400)
+_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, RecursionError, OverflowError)
+
+_MAX_TIME_NS = 2**63  # OTLP's times are fixed64 nanoseconds; past 2262 they name no real moment
 
 
 def _each(path: str, skipped: list | None, convert) -> list:
@@ -98,6 +103,25 @@ def _str(v) -> str:
     return v
 
 
+def _time_ns(v) -> int:
+    """An OTLP time: an integer (or its decimal string) of nanoseconds since the epoch."""
+    if isinstance(v, bool) or isinstance(v, float) and not v.is_integer():
+        raise ValueError(f"not a time: {v!r}")
+    t = int(v)
+    if not 0 <= t < _MAX_TIME_NS:
+        raise ValueError(f"not a time: {v!r}")
+    return t
+
+
+def _span_times(sp: dict) -> tuple[int, int]:
+    """(start, end) of a span; one that ends before it starts is not the format (a span that
+    lasts minus three seconds would shift every busy share computed from it)."""
+    start, end = _time_ns(sp["startTimeUnixNano"]), _time_ns(sp["endTimeUnixNano"])
+    if end < start:
+        raise ValueError("a span that ends before it starts")
+    return start, end
+
+
 def _spans_of(req: dict) -> list[dict]:
     """One exported request's spans (all or nothing: a line with one malformed span is skipped)."""
     out = []
@@ -105,15 +129,16 @@ def _spans_of(req: dict) -> list[dict]:
         resource = attributes(rs.get("resource", {}).get("attributes"))
         for ss in rs.get("scopeSpans", []):
             for sp in ss.get("spans", []):
+                start, end = _span_times(sp)
                 out.append({
                     "name": _str(sp["name"]),
                     "trace_id": _str(sp["traceId"]),
                     "span_id": _str(sp["spanId"]),
                     "parent_span_id": _str(sp.get("parentSpanId", "")),
-                    "start_ns": int(sp["startTimeUnixNano"]),
-                    "end_ns": int(sp["endTimeUnixNano"]),
+                    "start_ns": start,
+                    "end_ns": end,
                     "attributes": attributes(sp.get("attributes")),
-                    "events": [{"name": _str(e["name"]), "time_ns": int(e["timeUnixNano"]),
+                    "events": [{"name": _str(e["name"]), "time_ns": _time_ns(e["timeUnixNano"]),
                                 "attributes": attributes(e.get("attributes"))}
                                for e in sp.get("events", [])],
                     "links": [{"trace_id": _str(l["traceId"]), "span_id": _str(l["spanId"]),
@@ -154,7 +179,7 @@ def _points_of(req: dict) -> list[dict]:
                         continue
                     for p in m[kind].get("dataPoints", []):
                         point = {"name": _str(m["name"]), "unit": m.get("unit", ""), "type": kind,
-                                 "time_ns": int(p.get("timeUnixNano", 0)),
+                                 "time_ns": _time_ns(p.get("timeUnixNano", 0)),
                                  "attributes": attributes(p.get("attributes")),
                                  "resource": resource}
                         if kind == "histogram":

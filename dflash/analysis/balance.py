@@ -20,6 +20,7 @@ from collections import defaultdict
 TARGET_STAGES = ("data_load", "model_forward", "pack_hidden", "cpu_copy_enqueue")
 DRAFTER_STAGES = ("drafter_forward", "backward", "optimizer_step")
 _CARVE = {"cpu_copy_enqueue": "blocked_s", "backward": "sync_s"}
+CARVED = frozenset(_CARVE.values())  # attributes stalls.load checks are finite numbers
 
 
 def _role(worker: str) -> str | None:

@@ -59,8 +59,8 @@ def load_run(run_dir) -> list[dict]:
             print(f"dflash: {f}: skipped {len(skipped)} unreadable line(s) (first: line {skipped[0]})",
                   file=sys.stderr)
         if len(usable) < len(got):
-            print(f"dflash: {f}: skipped {len(got) - len(usable)} span(s) with unusable worker, rank or run id "
-                  "attributes", file=sys.stderr)
+            print(f"dflash: {f}: skipped {len(got) - len(usable)} span(s) with unusable attributes (worker, rank, "
+                  "run id, batch id, blocked_s or sync_s)", file=sys.stderr)
     if not spans:
         raise ConfigError(f"{run_dir}: telemetry holds no spans")
     # the exporter's fallback re-sends what a dead exporter process had not acknowledged (at least
@@ -69,14 +69,29 @@ def load_run(run_dir) -> list[dict]:
 
 
 def _usable(span) -> bool:
-    """A span whose attributes the analysis can use: a rank that is an integer, a run id and
-    role that can key a table. A hand-edited or foreign file may hold anything there."""
+    """A span whose attributes the analysis can use: a rank that is an integer (a stage's or a
+    phase's), a run id and role that can key a table, a batch id that is a number or a name,
+    and the seconds the analysis carves out of a stage (balance.py) as finite numbers. A
+    hand-edited or foreign file may hold anything there."""
+    from .balance import CARVED
+
     try:
         worker_of(span)
-        res = span.get("resource") or {}
+        a, res = span.get("attributes") or {}, span.get("resource") or {}
+        rank = a.get("rank", res.get("rank", 0))
+        if isinstance(rank, float) and not rank.is_integer() or isinstance(rank, (list, dict)):
+            return False
+        int(rank)
         hash(res.get("run.id"))
         hash(res.get("role"))
-        return span["end_ns"] >= 0 and span["start_ns"] >= 0
+        batch = a.get("batch_id")
+        if batch is not None and (isinstance(batch, bool) or not isinstance(batch, (int, str))):
+            return False
+        for key in CARVED:
+            v = a.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+                return False
+        return 0 <= span["start_ns"] <= span["end_ns"]
     except (TypeError, ValueError, OverflowError, AttributeError):
         return False
 
@@ -102,34 +117,54 @@ def _tags(tags) -> dict:
     return {t["key"]: _jaeger_value(t) for t in tags or [] if t["key"] not in _JAEGER_INTERNAL}
 
 
-def jaeger_to_spans(doc: dict) -> list[dict]:
-    """Jaeger query API JSON ({"data": [trace, ...]}) -> read_spans-style span dicts."""
+def jaeger_to_spans(doc: dict, skipped: list | None = None) -> list[dict]:
+    """Jaeger query API JSON ({"data": [trace, ...]}) -> read_spans-style span dicts. A span
+    that is not Jaeger's format (a tag "12.5" typed int64, a start of Infinity) is left out
+    and, with ``skipped``, counted there; the rest are read, as the file reader does."""
     out = []
     for trace in doc.get("data") or []:
-        procs = {pid: {**_tags(p.get("tags")), "service.name": p.get("serviceName")}
-                 for pid, p in (trace.get("processes") or {}).items()}
+        procs = {}
+        for pid, p in (trace.get("processes") or {}).items():
+            try:
+                procs[pid] = {**_tags(p.get("tags")), "service.name": p.get("serviceName")}
+            except _JAEGER_MALFORMED:
+                procs[pid] = {"service.name": p.get("serviceName") if isinstance(p, dict) else None}
         for sp in trace.get("spans") or []:
-            refs = sp.get("references") or []
-            parent = next((r["spanID"] for r in refs if r.get("refType") == "CHILD_OF"), "")
-            start = int(sp["startTime"]) * 1000
-            tags = {t["key"]: t for t in sp.get("tags") or []}
-            status = {"code": 2} if _jaeger_value(tags.get("error", {"value": False, "type": "bool"})) else {}
-            events = []
-            for log in sp.get("logs") or []:
-                fields = _tags(log.get("fields"))
-                events.append({"name": fields.pop("event", "log"), "time_ns": int(log["timestamp"]) * 1000,
-                               "attributes": fields})
-            out.append({
-                "name": sp["operationName"],
-                "trace_id": sp["traceID"].zfill(32), "span_id": sp["spanID"].zfill(16),
-                "parent_span_id": parent.zfill(16) if parent else "",
-                "start_ns": start, "end_ns": start + int(sp["duration"]) * 1000,
-                "attributes": _tags(sp.get("tags")), "events": events,
-                "links": [{"trace_id": r["traceID"].zfill(32), "span_id": r["spanID"].zfill(16), "attributes": {}}
-                          for r in refs if r.get("refType") == "FOLLOWS_FROM"],
-                "status": status, "resource": dict(procs.get(sp.get("processID"), {})),
-            })
+            try:
+                out.append(_jaeger_span(sp, procs))
+            except _JAEGER_MALFORMED:
+                if skipped is not None:
+                    skipped.append(sp.get("spanID") if isinstance(sp, dict) else None)
     return out
+
+
+_JAEGER_MALFORMED = (KeyError, TypeError, ValueError, AttributeError, OverflowError)
+
+
+def _jaeger_span(sp: dict, procs: dict) -> dict:
+    """One Jaeger span as a read_spans-style dict; raises on what is not Jaeger's format."""
+    refs = sp.get("references") or []
+    parent = next((r["spanID"] for r in refs if r.get("refType") == "CHILD_OF"), "")
+    start = int(sp["startTime"]) * 1000
+    tags = {t["key"]: t for t in sp.get("tags") or []}
+    status = {"code": 2} if _jaeger_value(tags.get("error", {"value": False, "type": "bool"})) else {}
+    events = []
+    for log in sp.get("logs") or []:
+        fields = _tags(log.get("fields"))
+        events.append({"name": fields.pop("event", "log"), "time_ns": int(log["timestamp"]) * 1000,
+                       "attributes": fields})
+    if start < 0 or int(sp["duration"]) < 0:
+        raise ValueError("a span before 1970 or of negative duration")
+    return {
+        "name": sp["operationName"],
+        "trace_id": sp["traceID"].zfill(32), "span_id": sp["spanID"].zfill(16),
+        "parent_span_id": parent.zfill(16) if parent else "",
+        "start_ns": start, "end_ns": start + int(sp["duration"]) * 1000,
+        "attributes": _tags(sp.get("tags")), "events": events,
+        "links": [{"trace_id": r["traceID"].zfill(32), "span_id": r["spanID"].zfill(16), "attributes": {}}
+                  for r in refs if r.get("refType") == "FOLLOWS_FROM"],
+        "status": status, "resource": dict(procs.get(sp.get("processID"), {})),
+    }
 
 
 def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h: float = 48.0,
@@ -142,21 +177,41 @@ def load_jaeger(url: str, service: str = "dflash", limit: int = 1000, lookback_h
     q = urllib.parse.urlencode({"service": service, "limit": limit,
                                 "start": end_us - int(lookback_h * 3600e6), "end": end_us})
     try:
-        with urllib.request.urlopen(f"{base}?{q}", timeout=timeout_s) as r:
-            body = r.read(JAEGER_MAX_BYTES + 1)
-        if len(body) > JAEGER_MAX_BYTES:
-            raise ValueError(f"the answer is over {JAEGER_MAX_BYTES >> 20} MiB; ask for fewer traces (--limit)")
+        body = _read_bounded(f"{base}?{q}", timeout_s)
         doc = json_loads(body)  # nested too deeply: a ValueError too
     except (OSError, ValueError) as e:
         raise ConfigError(f"--jaeger {url}: cannot read traces: {str(e)[:300]}") from None
+    skipped: list = []
     try:
-        spans = [s for s in jaeger_to_spans(doc) if _usable(s)]
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        got = jaeger_to_spans(doc, skipped)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:  # not {"data": [...]} at all
         raise ConfigError(f"--jaeger {url}: the answer is not Jaeger's trace JSON ({type(e).__name__}: "
                           f"{str(e)[:100]})") from None
+    spans = [s for s in got if _usable(s)]
+    if skipped or len(spans) < len(got):  # said, never silent: the answer below lacks these spans
+        print(f"dflash: --jaeger {url}: skipped {len(skipped) + len(got) - len(spans)} span(s) that are not "
+              f"Jaeger's format or have unusable attributes", file=sys.stderr)
     if not spans:
         raise ConfigError(f"--jaeger {url}: no traces for service {service!r}")
     return spans
+
+
+def _read_bounded(url: str, timeout_s: float) -> bytes:
+    """The answer's body, at most JAEGER_MAX_BYTES, within ``timeout_s`` in all: the socket's
+    timeout bounds each read, so a server that sends a byte a second would hold it for ever."""
+    deadline = time.monotonic() + timeout_s
+    chunks, size = [], 0
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no whole answer within {timeout_s:g} s ({size:,} bytes read)")
+            chunk = r.read1(1 << 20)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > JAEGER_MAX_BYTES:
+                raise ValueError(f"the answer is over {JAEGER_MAX_BYTES >> 20} MiB; ask for fewer traces (--limit)")
 
 
 def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None, list[dict]]:

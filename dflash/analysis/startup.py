@@ -21,7 +21,7 @@ def _rank(span) -> int:
     a, res = span.get("attributes") or {}, span.get("resource") or {}
     try:
         return int(a.get("rank", res.get("rank", 0)))
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):
         return 0
 
 

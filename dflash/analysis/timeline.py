@@ -4,6 +4,7 @@ trace-event JSON (one track per worker, stalls as their own events) for ui.perfe
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 
 from otel import BUSY
@@ -176,12 +177,12 @@ def perfetto_events(spans, window=None, run_id=None) -> list[dict]:
             a, b = max(a, win[0]), min(b, win[1])
             if b <= a:
                 continue
-        args = {**s["attributes"], "trace_id": s["trace_id"], "span_id": s["span_id"]}
+        args = {**_strict_json(s["attributes"]), "trace_id": s["trace_id"], "span_id": s["span_id"]}
         ev.append({"ph": "X", "cat": "stage", "name": s["name"], "pid": k[0], "tid": tid[k],
                    "ts": us(a), "dur": (b - a) / 1e3, "args": args})
         for e in s["events"]:
             ev.append({"ph": "i", "s": "t", "cat": "event", "name": e["name"], "pid": k[0], "tid": tid[k],
-                       "ts": us(e["time_ns"]), "args": e["attributes"]})
+                       "ts": us(e["time_ns"]), "args": _strict_json(e["attributes"])})
     for k in rows:
         for a, b, cause, stage, span in segments[k]:
             if cause != BUSY:
@@ -191,13 +192,25 @@ def perfetto_events(spans, window=None, run_id=None) -> list[dict]:
     return ev
 
 
+def _strict_json(v):
+    """Attributes as strict JSON holds them: a NaN or infinite number (valid in OTLP) as its
+    text, since Perfetto's and other strict parsers refuse a bare NaN."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _strict_json(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_strict_json(x) for x in v]
+    return v
+
+
 def write_perfetto(spans, path, window=None, run_id=None) -> int:
     ev = perfetto_events(spans, window, run_id)
     doc = {"generator": GENERATOR, "traceEvents": ev, "displayTimeUnit": "ms",
            "otherData": {"run_id": run_id, "time_origin_unix_ns": run_start_ns(spans)}}
 
     def write(tmp):
-        with open(tmp, "w") as f:  # an OTLP bytesValue attribute as hex: JSON has no bytes
-            json.dump(doc, f, default=lambda v: v.hex() if isinstance(v, (bytes, bytearray)) else str(v))
+        with open(tmp, "w") as f:  # anything JSON has no type for as its text
+            json.dump(doc, f, default=str, allow_nan=False)
     _replace_atomically(path, write)
     return len(ev)

@@ -70,7 +70,7 @@ def otlp_endpoint(flag: str | None) -> str | None:
 def check_otlp(flag: str | None) -> None:
     """The endpoint vLLM would be given (--otlp, else the OTEL_* variables), parsed now: a
     malformed one is one line before vLLM starts, not vLLM's failure after its model loaded."""
-    from otel.exporter_choice import endpoint_error
+    from otel.exporter_choice import endpoint_error, shown_endpoint
 
     value = otlp_endpoint(flag)
     if value is None:
@@ -83,7 +83,7 @@ def check_otlp(flag: str | None) -> None:
                           "(what vLLM's tracing takes)")
     err = endpoint_error(value, protocol)
     if err:
-        raise ConfigError(f"{where}={value[:200]!r}: {err}")
+        raise ConfigError(f"{where}={shown_endpoint(value)}: {err}")
 
 
 def check_log(log: str | None) -> None:

@@ -47,7 +47,7 @@ from otel.config import ExportConfig
 from otel.exporter import env_headers, filesink
 from otel.exporter.nvml import GpuSampler
 from otel.env_values import number_from_env
-from otel.exporter_choice import LOCAL_EXPORTERS, env, selected_exporters
+from otel.exporter_choice import LOCAL_EXPORTERS, endpoint_env_error, env, selected_exporters
 
 # 0.1 ms .. 10 s, 1-2.5-5 steps: resolves both a kernel launch and a slow batch.
 STAGE_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
@@ -143,7 +143,7 @@ def _build_each(kind, names, make, notes):
             built = make(name)
         except Exception as e:
             built = None
-            notes.append(f"{kind} exporter {name!r} unavailable: {e!r}")
+            notes.append(f"{kind} exporter {name!r} unavailable: {e if isinstance(e, ValueError) else repr(e)}")
             print(f"otel: {notes[-1]}", file=sys.stderr)
         if built is not None:
             out.append(built)
@@ -176,8 +176,17 @@ class _Lane:
         self.thread = None
 
 
+def _checked_endpoint(signal: str) -> None:
+    """A malformed OTLP endpoint is named now, once, and its exporter skipped (_build_each),
+    rather than failing every export after with the SDK's own words, the URL in them."""
+    err = endpoint_env_error(signal, _protocol(signal))
+    if err:
+        raise ValueError(err)
+
+
 def _make_span_exporter(name, file_dir, export_timeout_s):
     if name == "otlp":
+        _checked_endpoint("traces")
         if _protocol("traces") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         else:
@@ -204,6 +213,7 @@ def _make_metric_reader(name, file_dir, interval_s, export_timeout_s):
         start_http_server(port=port, addr=host)
         return PrometheusMetricReader()
     if name == "otlp":
+        _checked_endpoint("metrics")
         if _protocol("metrics") == "grpc":
             from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
         else:

@@ -579,6 +579,16 @@ def test_malformed_telemetry_lines_are_skipped_and_counted(tmp_path):
     bad_run = json.loads(json.dumps(span))
     bad_run["resourceSpans"][0]["resource"]["attributes"] = [
         {"key": "run.id", "value": {"arrayValue": {"values": [{"stringValue": "a"}]}}}]
+
+    def with_attribute(key, value):  # found by a fuzzer: each crashed stalls with a traceback
+        doc = json.loads(json.dumps(span))
+        sp = doc["resourceSpans"][0]["scopeSpans"][0]["spans"][0]
+        sp["attributes"] = [a for a in sp["attributes"] if a["key"] != key] + [{"key": key, "value": value}]
+        return json.dumps(doc)
+    unusable = [with_attribute("rank", {"doubleValue": "Infinity"}), with_attribute("blocked_s", {"stringValue": "0.1s"}),
+                with_attribute("batch_id", {"kvlistValue": {"values": []}})]
+    readable = [with_attribute("batch_id", {"bytesValue": "AAAA"}),  # its base64 text: a name, JSON-safe
+                with_attribute("note", {"doubleValue": "NaN"})]  # valid OTLP; strict JSON's text "nan"
     hostile = [
         "{not json",
         json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [{"name": "model_forward"}]}]}]}),  # no ids, times
@@ -587,18 +597,73 @@ def test_malformed_telemetry_lines_are_skipped_and_counted(tmp_path):
         json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, attributes=[{"key": 5}])]}]}]}),
         json.dumps([1, 2, 3]),
         '{"resourceSpans": ' + "[" * 100_000 + "]" * 100_000 + "}",
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, startTimeUnixNano=1e400)]}]}]}).replace(
+            "Infinity", "1e400"),  # a time that overflows
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, endTimeUnixNano="1")]}]}]}),  # ends first
+        json.dumps({"resourceSpans": [{"scopeSpans": [{"spans": [dict(first, endTimeUnixNano=str(10**25))]}]}]}),
     ]
-    traces.write_text("\n".join(good + hostile + [json.dumps(bad_rank), json.dumps(bad_run)]) + "\n")
+    traces.write_text("\n".join(good + hostile + [json.dumps(bad_rank), json.dumps(bad_run)] + unusable + readable) + "\n")
     from helpers import run_dflash
 
     p = run_dflash("stalls", tmp_path / "run", "--json", check=False)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"skipped {len(hostile)} unreadable line(s)" in p.stderr, p.stderr
-    assert "skipped 2 span(s) with unusable worker, rank or run id" in p.stderr, p.stderr
+    assert f"skipped {2 + len(unusable)} span(s) with unusable attributes" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr
     t = run_dflash("timeline", tmp_path / "run", "--perfetto", tmp_path / "t.json", check=False)
     assert t.returncode == 0 and (tmp_path / "t.json").is_file(), t.stderr[-2000:]
     assert f"skipped {len(hostile)} unreadable line(s)" in t.stderr, t.stderr
+    json.loads((tmp_path / "t.json").read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in Perfetto JSON"))
+
+
+def test_closed_output_streams_and_a_reader_that_left_are_no_tracebacks(tmp_path):
+    """`dflash ... >&-` ended a finished run with exit 1 and a traceback (a flush of None);
+    `dflash stalls RUN | head -1` with a BrokenPipeError traceback."""
+    import shlex
+
+    _telemetry_run(tmp_path / "run")
+    cmd = f"{shlex.quote(sys.executable)} -m dflash stalls {shlex.quote(str(tmp_path / 'run'))}"
+    for redirect, rc in ((">&-", 0), ("2>&-", 0), (">&- 2>&-", 0)):
+        p = subprocess.run(["bash", "-c", f"{cmd} {redirect}; echo rc=$?"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert f"rc={rc}" in p.stdout and "Traceback" not in p.stdout + p.stderr, (redirect, p.stdout, p.stderr)
+    p = subprocess.run(["bash", "-c", f"{cmd} | (exec 0<&-; sleep 2); echo rc=${{PIPESTATUS[0]}}"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=120)
+    assert "rc=141" in p.stdout and "Traceback" not in p.stderr and "Error" not in p.stderr, (p.stdout, p.stderr)
+
+
+def test_a_jaeger_that_drips_its_answer_is_given_up_on_at_the_deadline():
+    """The socket timeout bounds each read: a server sending a byte a second held `dflash
+    stalls --jaeger` for ever. Now the whole answer has the deadline."""
+    import http.server
+    import threading
+    import time
+
+    from dflash.analysis.stalls import load_jaeger
+    from dflash.errors import ConfigError
+
+    class Drip(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            for _ in range(40):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.25)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Drip)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError, match="no whole answer within 1 s"):
+            load_jaeger(f"http://127.0.0.1:{srv.server_port}", timeout_s=1.0)
+        assert time.monotonic() - t0 < 8  # not the 10 s the drip lasts
+    finally:
+        srv.shutdown()
 
 
 def test_a_telemetry_line_over_the_cap_is_read_through_and_skipped(tmp_path):

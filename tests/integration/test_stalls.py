@@ -274,6 +274,11 @@ def test_jaeger_conversion_round_trip(slow_target):
         assert [(e["name"], e["attributes"]) for e in b["events"]] == [(e["name"], e["attributes"]) for e in s["events"]]
         assert [l["span_id"] for l in b["links"]] == [l["span_id"] for l in s["links"]]
 
+    bad = json.loads(json.dumps(doc))  # one span Jaeger's format never holds: the rest is read, it is counted
+    bad["data"][0]["spans"][0]["tags"].append({"key": "batch_id", "type": "int64", "value": "12.5"})
+    skipped: list = []
+    assert len(jaeger_to_spans(bad, skipped)) == len(spans) - 1 and skipped == [bad["data"][0]["spans"][0]["spanID"]]
+
     body = json.dumps(doc).encode()
     seen = []
 

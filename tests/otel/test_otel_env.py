@@ -54,11 +54,40 @@ def test_resource_attributes_read_back_as_given_by_the_sdk(monkeypatch, value):
     ("http://", "grpc", False), ("http://[::1", "grpc", False), ("http://h:99999", "grpc", False),
     ("ftp://h:1", "grpc", False), ("grpc://h:4317", "grpc", False), ("h:4317/x", "grpc", False),
     ("http://h:0", "grpc", False), ("http://a b:1", "grpc", False), ("", "grpc", False),
+    ("unix:///run/otel.sock", "grpc", True), ("unix:///run/otel.sock", "http/protobuf", False), ("unix://", "grpc", False),
 ])
 def test_otlp_endpoints_are_parsed(value, protocol, ok):
     from otel.exporter_choice import endpoint_error
 
     assert (endpoint_error(value, protocol) is None) == ok, endpoint_error(value, protocol)
+
+
+def test_a_malformed_endpoint_is_named_once_without_its_secrets_and_the_file_keeps_every_span(
+        monkeypatch, make_tel, tmp_path, capfd):
+    """train built the SDK exporter from any value and failed every export after, the URL (its
+    password and token) in the SDK's words; a query in the base endpoint mangled the path."""
+    from otel import read_spans
+    from otel.exporter_choice import endpoint_env_error
+
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://u:PW@127.0.0.1:1/?token=SECRETTOK")
+    err = endpoint_env_error("traces", "http/protobuf")
+    assert "u:***@127.0.0.1:1/?***" in err and "/v1/traces after it" in err and "PW" not in err
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1/v1/traces?token=x")
+    assert endpoint_env_error("traces", "http/protobuf") is None  # the SDK sends to a signal's URL as it is
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "::not a url::")
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+    tel = make_tel(mode="thread", file_dir=str(tmp_path))
+    for _ in range(5):
+        with tel.stage("step"):
+            pass
+    tel.shutdown(timeout_s=5.0)
+    out = capfd.readouterr().err
+    assert out.count("traces exporter 'otlp' unavailable: OTEL_EXPORTER_OTLP_ENDPOINT='::not a url::'") == 1, out
+    assert any("OTEL_EXPORTER_OTLP_ENDPOINT" in n for n in tel.summary()["notes"])
+    assert len([s for s in read_spans(str(tmp_path)) if s["name"] == "step"]) == 5
+    assert tel.summary()["health"]["export_failures"] == 0
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
