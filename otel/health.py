@@ -30,7 +30,7 @@ DROP_REASONS = ("buffer_full", "collector_down", "write_failed", "exporter_gone"
 
 def empty_status() -> dict:
     """What a transport reports before its exporter said anything."""
-    return {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0, "export_failures": 0,
+    return {"done_seq": 0, "spans_done": 0, "roots": 0, "roots_queued": 0, "spans_exported": 0, "export_failures": 0,
             "dropped": {r: 0 for r in DROP_REASONS}, "notes": []}
 
 
@@ -38,7 +38,7 @@ def add_statuses(a: dict, b: dict) -> dict:
     """Two exporters' committed counts together (an exporter process and the fallback
     that took over from it)."""
     out = dict(a)
-    for k in ("spans_done", "roots", "spans_exported", "export_failures"):
+    for k in ("spans_done", "roots", "roots_queued", "spans_exported", "export_failures"):
         out[k] = a.get(k, 0) + b.get(k, 0)
     out["dropped"] = {r: a.get("dropped", {}).get(r, 0) + b.get("dropped", {}).get(r, 0) for r in DROP_REASONS}
     out["notes"] = list(a.get("notes", [])) + [n for n in b.get("notes", []) if n not in a.get("notes", [])]
@@ -70,8 +70,11 @@ def health(buffer_full: int, pending: int, shipped: int, status: dict) -> dict:
     dropped = {r: status.get("dropped", {}).get(r, 0) for r in DROP_REASONS}
     in_transport = dropped["buffer_full"] + dropped["exporter_gone"]  # never reached an exporter
     dropped["buffer_full"] += buffer_full
-    recorded = buffer_full + pending + shipped + status.get("roots", 0)
-    queued = pending + shipped - status.get("spans_done", 0) - in_transport
+    # a batch's roots count once it is enqueued, as its stage records do once shipped: a file lane
+    # that wrote them while a dead collector's lane holds the batch open is never "more than recorded"
+    roots_queued = status.get("roots_queued", 0)
+    recorded = buffer_full + pending + shipped + status.get("roots", 0) + roots_queued
+    queued = pending + shipped - status.get("spans_done", 0) - in_transport + roots_queued
     return {"spans_recorded": recorded, "spans_exported": status.get("spans_exported", 0),
             "spans_dropped": sum(dropped.values()), "spans_queued": queued,
             "dropped": dropped, "export_failures": status.get("export_failures", 0)}

@@ -31,6 +31,9 @@ def format_table(summary: dict, title: str = "telemetry profile", wait_attribute
     stages = summary.get("stages", {})
     width = max([len("stage")] + [len(n) for n in stages])
     waits = any("wait_total_s" in st for st in stages.values())
+    # the title holds OTEL_SERVICE_NAME, which may be anything: a control character (a newline, an
+    # escape sequence) is shown escaped, never sent to the terminal
+    title = "".join(c if c.isprintable() else repr(c)[1:-1] for c in title)
     lines = [f"== {title}: wall {summary.get('wall_s', 0.0):.2f} s =="]
     head = f"{'stage':<{width}} {'count':>8} {'p50':>10} {'p95':>10} {'max':>10} {'share':>7}"
     lines.append(head + (f" {'wait p50':>10} {'wait':>7}" if waits else ""))

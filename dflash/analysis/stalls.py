@@ -37,10 +37,14 @@ MAX_S = 1e8  # seconds: a window or a lookback beyond three years names no run
 def load_run(run_dir) -> list[dict]:
     """All ranks' spans of a run directory; ConfigError (one line, exit 2) if there are none."""
     run = Path(run_dir)
-    if not run.is_dir():
-        raise ConfigError(f"{run_dir}: no such run directory")
-    found = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
-    if not found and not (run / "telemetry").exists():  # a --telemetry-dir itself (eval, serve, export)
+    if run.is_file() and run.name == "traces.jsonl":  # a span file itself: read as given
+        found = [run]
+    elif not run.is_dir():
+        raise ConfigError(f"{run_dir}: no such run directory" if not run.exists() else
+                          f"{run_dir}: not a directory (expected a run directory, a --telemetry-dir or a traces.jsonl)")
+    else:
+        found = sorted((run / "telemetry").rglob("traces.jsonl")) if (run / "telemetry").is_dir() else []
+    if not found and run.is_dir() and not (run / "telemetry").exists():  # a --telemetry-dir itself (eval, serve, export)
         found = sorted(f for f in (run / "traces.jsonl", *run.glob("rank*/traces.jsonl")) if f.exists())
     files = [f for f in found if f.is_file()]  # a FIFO would hang the read, a dir is no file
     for f in found:
@@ -48,7 +52,8 @@ def load_run(run_dir) -> list[dict]:
             print(f"dflash: {f}: not a regular file, skipped", file=sys.stderr)
     if not files:
         raise ConfigError(f"{run_dir}: no telemetry (expected {run}/telemetry/traces.jsonl or "
-                          f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry?)")
+                          f"telemetry/rank*/traces.jsonl; was the run made with --no-telemetry, or did its spans go to a "
+                          f"collector alone (OTEL_TRACES_EXPORTER=otlp)? `dflash stalls --jaeger URL` reads them there)")
     spans = []
     for f in files:
         skipped: list = []
@@ -214,10 +219,11 @@ def _read_bounded(url: str, timeout_s: float) -> bytes:
                 raise ValueError(f"the answer is over {JAEGER_MAX_BYTES >> 20} MiB; ask for fewer traces (--limit)")
 
 
-def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None, list[dict]]:
+def select_run(spans: list[dict], run_id: str | None = None, steps: bool = False) -> tuple[str | None, list[dict]]:
     """Spans of one run: `run_id`, else the most recent one (a resumed run directory or a
     Jaeger backend can hold several; an `export --telemetry-dir RUN/telemetry` adds its own),
-    said on stderr with the others, so a report is never of another run than the reader thinks."""
+    said on stderr with the others, so a report is never of another run than the reader thinks.
+    ``steps``: the most recent one with training steps, when one has them (what a timeline draws)."""
     by_run = defaultdict(list)
     for s in spans:
         by_run[s.get("resource", {}).get("run.id")].append(s)
@@ -225,11 +231,13 @@ def select_run(spans: list[dict], run_id: str | None = None) -> tuple[str | None
         if run_id not in by_run:
             raise ConfigError(f"--run-id {run_id}: not found (runs: {', '.join(map(str, by_run))})")
         return run_id, by_run[run_id]
-    rid = max(by_run, key=lambda r: max(s["end_ns"] for s in by_run[r]))
+    stepped = [r for r in by_run if any(worker_of(s) is not None for s in by_run[r])] if steps else []
+    rid = max(stepped or by_run, key=lambda r: max(s["end_ns"] for s in by_run[r]))
     if len(by_run) > 1:
         others = sorted((r for r in by_run if r != rid), key=lambda r: -max(s["end_ns"] for s in by_run[r]))
         shown = ", ".join(f"{r} ({_command(by_run[r])})" for r in others[:5]) + (", ..." if len(others) > 5 else "")
-        print(f"dflash: {len(by_run)} runs in this source: reporting the latest, {rid} ({_command(by_run[rid])}); "
+        which = "the latest with training steps" if stepped else "the latest"
+        print(f"dflash: {len(by_run)} runs in this source: reporting {which}, {rid} ({_command(by_run[rid])}); "
               f"the others: {shown} (choose with --run-id)", file=sys.stderr)
     return rid, by_run[rid]
 
@@ -482,13 +490,13 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
-def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None, lookback_h=48.0):
-    """(run_id, spans, source) from a run directory or a Jaeger query API."""
+def load(run_dir=None, jaeger=None, service="dflash", limit=1000, run_id=None, lookback_h=48.0, steps=False):
+    """(run_id, spans, source) from a run directory or a Jaeger query API (``steps``: see select_run)."""
     if jaeger:
         spans, source = load_jaeger(jaeger, service, limit, lookback_h), f"jaeger {jaeger}"
     else:
         spans, source = load_run(run_dir), f"{run_dir}"
-    rid, spans = select_run(spans, run_id)
+    rid, spans = select_run(spans, run_id, steps)
     if not any(worker_of(s) is not None or (s.get("attributes") or {}).get("otel.kind") for s in spans):
         raise ConfigError(f"{source}: no stage spans (spans without a worker attribute only)")
     return rid, spans, source

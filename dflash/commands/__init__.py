@@ -34,5 +34,7 @@ class CommaList(argparse.Action):
     the lists add up, as the repeated form reads."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if not any(v.strip() for v in values.split(",")):  # "" or ",": a variable that expanded to nothing
+            parser.error(f"{option_string} {values!r}: expected one or more names, comma-separated")
         before = getattr(namespace, self.dest, None)
         setattr(namespace, self.dest, f"{before},{values}" if before else values)

@@ -7,7 +7,7 @@ import json
 
 def add_source_args(p, run_required=True):
     p.add_argument("run_dir", metavar="RUN_DIR", nargs=None if run_required else "?",
-                   help="run directory (reads RUN_DIR/telemetry/**/traces.jsonl)")
+                   help="run directory (reads RUN_DIR/telemetry/**/traces.jsonl), a --telemetry-dir or one traces.jsonl")
     p.add_argument("--run-id", help="which run, when the source holds several (default: the latest)")
     p.add_argument("--window", metavar="START:END", help="seconds from run start, e.g. 2:5 or 3:")
 
@@ -30,6 +30,9 @@ def run(a) -> int:
 
     if not a.run_dir and not a.jaeger:
         raise ConfigError("RUN_DIR or --jaeger URL is required")
+    if a.run_dir and a.jaeger:  # one source: the other would be read silently never
+        raise ConfigError(f"RUN_DIR {a.run_dir} and --jaeger {a.jaeger}: expected one of them (the run's files, or "
+                          f"Jaeger with --run-id to pick the run)")
     if a.top < 0 or a.limit < 1 or not 0 < a.lookback <= MAX_S / 3600:  # NaN fails it too
         raise ConfigError(f"--top {a.top}, --limit {a.limit}, --lookback {a.lookback:g}: expected --top >= 0, "
                           f"--limit >= 1 and 0 < --lookback <= {MAX_S / 3600:g} hours")

@@ -28,7 +28,7 @@ def run(a) -> int:
     if a.png and a.perfetto and os.path.abspath(a.png) == os.path.abspath(a.perfetto):
         raise ConfigError(f"--png and --perfetto name the same file {a.png!r}")
     window = parse_window(a.window)
-    rid, spans, source = load(a.run_dir, run_id=a.run_id)
+    rid, spans, source = load(a.run_dir, run_id=a.run_id, steps=True)  # not an export's run beside it
     if not any(worker_of(s) is not None for s in spans):
         raise ConfigError(f"{source}: no training step in run {rid} (its phases only): nothing to draw; "
                           f"`dflash stalls {a.run_dir}` prints its start-up")

@@ -257,7 +257,9 @@ class ExportPipeline:
         self.span_exporters: list = []
 
         # committed batch by batch (see the module docstring); guarded by _cv
-        self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "spans_exported": 0,
+        # roots_queued: the run's own spans and the per-key roots of batches not yet committed (a
+        # lane may have exported them already: the health line counts them as recorded and queued)
+        self.counts = {"done_seq": 0, "spans_done": 0, "roots": 0, "roots_queued": 0, "spans_exported": 0,
                        "export_failures": 0, "buffer_full": 0,
                        "dropped": {"collector_down": 0, "write_failed": 0, "shutdown_timeout": 0,
                                    "no_exporter": 0}}
@@ -389,6 +391,7 @@ class ExportPipeline:
         roots). buffer_full: the training process's running total of records it dropped."""
         built = self.build_spans(spans)
         with self._cv:
+            self.counts["roots_queued"] += n_roots
             self.counts["buffer_full"] = max(self.counts["buffer_full"], buffer_full)
             # the bound holds what the local sinks have still to write (a network lane beside them
             # keeps its own half and sheds beyond it); without a local sink, everything queued
@@ -465,6 +468,7 @@ class ExportPipeline:
         c["done_seq"] = max(c["done_seq"], first_open - 1)
         c["spans_done"] += n_parent
         c["roots"] += n_roots
+        c["roots_queued"] -= n_roots
         c["spans_exported"] += exported
         c["dropped"]["collector_down"] += dropped_at_enqueue
         for reason, n in failed.items():

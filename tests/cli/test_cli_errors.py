@@ -66,6 +66,21 @@ def test_bad_input_fails_without_importing_torch(tmp_path, args, needle):
     assert needle in "\n".join(lines)
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["train", "--out", "{tmp}/run", "--tracker", ""], "--tracker '': expected one or more names"),
+    (["eval", "--checkpoint", "{tmp}", "--tracker", ","], "--tracker ',': expected one or more names"),
+    (["stalls", "{tmp}", "--jaeger", "http://127.0.0.1:1"], "and --jaeger http://127.0.0.1:1: expected one of them"),
+    (["stalls", "/etc/hostname"], "/etc/hostname: not a directory (expected a run directory"),
+])
+def test_a_source_or_a_list_that_says_nothing_is_one_line(tmp_path, args, needle):
+    """An empty --tracker ran with no tracker, a RUN_DIR beside --jaeger was never read, and a
+    file given as RUN_DIR was "no such run directory": each is named now."""
+    p = run_dflash(*[a.replace("{tmp}", str(tmp_path)) for a in args], check=False, timeout=120)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1, (p.returncode, lines)
+    assert needle in lines[0], lines
+
+
 _HOLD = """
 import sys
 from dflash.preflight import run_dir

@@ -66,3 +66,25 @@ def test_lanes_are_added_once_each_before_any_span(monkeypatch):
         p.add_span_exporter("otlp", Stub(0.0, True))  # batch 1 would wait for it forever
     p.shutdown(1.0)
     assert p.final_status()["spans_exported"] == 5
+
+
+def test_roots_a_file_wrote_while_a_hung_collector_holds_their_batch_count_as_recorded(monkeypatch):
+    """The profile's health line read `recorded 32 exported 8 queued 24` beside `file: exported
+    39`: a batch's roots (the run's own spans) counted only once every lane was done with it."""
+    from otel.health import health
+
+    p = _pipeline(monkeypatch)
+    hung, file = Stub(2.0, True), Stub(0.0, True)
+    p.add_span_exporter("otlp", hung)
+    p.add_span_exporter("file", file)
+    p.enqueue(1, _spans(5, 100), 3, 2)  # 3 stage records, 2 of the run's own spans
+    deadline = time.monotonic() + 30
+    while file.n < 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    st = p.status()
+    h = health(0, 0, 3, st)
+    assert st["exporters"]["file"]["exported"] == 5 and h["spans_recorded"] == 5, (h, st)
+    assert h["spans_recorded"] == h["spans_exported"] + h["spans_dropped"] + h["spans_queued"], h
+    p.shutdown(5.0)
+    h = health(0, 0, 3, p.final_status())
+    assert h["spans_recorded"] == 5 and h["spans_queued"] == 0, h
