@@ -73,6 +73,9 @@ class Trainer:
                     with phases.phase("train", role=place.role):
                         self.run_steps()
                     report.update(state.target_counts)
+            if bridge is not None and report is None:  # in the trace: a slow tracker is time the run spends
+                self._close_trackers(summary, bridge)
+                bridge = None
         finally:
             self._end_telemetry(summary, report, sys.exc_info()[1])
         return self._finish(summary, report, bridge)
@@ -184,28 +187,47 @@ class Trainer:
                                                    "interrupted") if k in summary})
             report["telemetry"] = summary["telemetry"]["health"]
             write_text(out / "ranks" / f"rank{place.rank}.json", json.dumps(report, indent=2), inside=out)
-        elif place.lead and summary.get("steps") is not None:
+        elif place.lead and summary.get("steps") is not None and "balance" not in summary:  # the trackers' has it
             summary["balance"] = balance_from_files(out)
         dist_mod.shutdown()
 
+    def _close_trackers(self, summary: dict, bridge: Bridge) -> None:
+        """The trackers' end-of-run summary, as a phase of the run's trace (a W&B that does not
+        answer holds it up to its bound: seconds a user would otherwise see nowhere). They get
+        the telemetry's figures as of now, before its last export, and the balance from the
+        span files, flushed first (the file sink's lane writes behind the steps)."""
+        state, out = self.state, self.spec.out
+        state.tel.flush(timeout_s=2.0)
+        summary["telemetry"] = state.tel.summary()
+        if self.spec.placement.lead and summary.get("steps") is not None:
+            summary["balance"] = balance_from_files(out)
+        with phases.phase("trackers", trackers=",".join(r.sink.name for r in bridge.runners)):
+            _close_bridge(bridge, summary)
+
     def _finish(self, summary: dict, report: dict | None, bridge: Bridge | None) -> dict:
-        """The ranks' reports (a layout's lead), the trackers' summary, summary.json."""
+        """The ranks' reports (a layout's lead), the trackers' summary (a layout's: theirs wait
+        for the ranks' reports, after the trace), summary.json."""
         place, out = self.spec.placement, self.spec.out
         if place.layout is not None and place.lead:
             summary |= {"layout": str(place.layout), "ranks": rank_reports(out, place.world),
                         "held_parameters": report["held_parameters"], "role": place.role}
             summary["balance"] = balance_from_files(out)  # every rank's spans are on disk by now
-        if bridge is not None:  # bounded; falls back to OUT/<tracker>_fallback.jsonl
-            try:
-                bridge.close(summary)
-                summary["trackers"] = bridge.status()
-            except Exception as e:
-                from ..trackers.redaction import redact
-                print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
+        if bridge is not None:
+            _close_bridge(bridge, summary)
         if place.lead:
             write_text(out / "summary.json", json.dumps(summary, indent=2), inside=out)
         # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish
         return summary if place.layout is None or place.lead else {"rank": place.rank, "role": place.role}
+
+
+def _close_bridge(bridge: Bridge, summary: dict) -> None:
+    """Bounded; a tracker that fails falls back to OUT/<tracker>_fallback.jsonl."""
+    try:
+        bridge.close(summary)
+        summary["trackers"] = bridge.status()
+    except Exception as e:
+        from ..trackers.redaction import redact
+        print(f"dflash: tracker bridge: {redact(repr(e))}", file=sys.stderr)
 
 
 @contextlib.contextmanager
