@@ -279,6 +279,39 @@ def _coerce(value, typ, key: str):
     return value
 
 
+def run_config_error(run) -> str | None:
+    """One phrase naming the first value of a run config (a checkpoint's `dflash_run`, as
+    `dumps` wrote it) that is not of its field's type, or None. A hand-edited "x" where a
+    section goes, or a list where model.target goes, is named here, never an AttributeError
+    from whoever reads it later. Keys this version does not know are not judged."""
+    if not isinstance(run, dict):
+        return f"dflash_run={_short(repr(run))}: expected a mapping (the run's config)"
+    top = typing.get_type_hints(Config)
+    for section in dataclasses.fields(Config):
+        got = run.get(section.name)
+        if got is None:
+            continue
+        if not dataclasses.is_dataclass(getattr(Config(), section.name)):  # a top-level value (`out`)
+            try:
+                _coerce(got, top[section.name], f"dflash_run.{section.name}")
+            except ConfigError as e:
+                return str(e)
+            continue
+        if not isinstance(got, dict):
+            return f"dflash_run.{section.name}={_short(repr(got))}: expected a mapping"
+        hints = typing.get_type_hints(type(getattr(Config(), section.name)))
+        for key, value in got.items():
+            if key not in hints or value is None:
+                continue
+            if hints[key] is str and not isinstance(value, str):  # dumps wrote a string: 5 is an edit
+                return f"dflash_run.{section.name}.{key}={_short(repr(value))}: expected a string"
+            try:
+                _coerce(value, hints[key], f"dflash_run.{section.name}.{key}")
+            except ConfigError as e:
+                return str(e)
+    return None
+
+
 def _yaml(text: str, where: str, what: str = "valid YAML"):
     """YAML from the user (a config file, a --set value), aliases bounded (inputs.yaml_load):
     a malformed document, an alias bomb or a document nested too deeply is one line."""

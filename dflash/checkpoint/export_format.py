@@ -65,8 +65,16 @@ def read_config(path: str | Path) -> dict | None:
     """The config.json of `path` (a dir), or None when there is none."""
     from ..preflight.inputs import read_json_object
 
+    from ..preflight.checkpoint_files import shape_error
+
     f = Path(path) / "config.json"
-    return read_json_object(f, str(path), FormatError) if f.is_file() else None
+    if not f.is_file():
+        return None
+    raw = read_json_object(f, str(path), FormatError)
+    err = shape_error(raw)
+    if err:
+        raise FormatError(f"{path}: config.json: {err}")
+    return raw
 
 
 # -- weights ------------------------------------------------------------------------------

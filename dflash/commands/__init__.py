@@ -19,10 +19,13 @@ def command(name: str):
 
 
 class Once(argparse.Action):
-    """A flag that takes one value and may be given once (``--config``): a second one is an
-    error, not a silent replacement of the first (two config files do not merge)."""
+    """A path flag that takes one value and may be given once (``--config``): a second one is
+    an error, not a silent replacement of the first (two config files do not merge), and an
+    empty one is an error, never read as the flag left out."""
 
     def __call__(self, parser, namespace, values, option_string=None):
+        if isinstance(values, str) and not values.strip():  # a variable that expanded to nothing: not "absent"
+            parser.error(f"{option_string} {values!r}: expected a path")
         if getattr(namespace, self.dest, None) is not None:
             parser.error(f"{option_string} given twice ({getattr(namespace, self.dest)!r}, then {values!r}); "
                          f"give it once (and --set KEY=VALUE for the rest)")

@@ -130,8 +130,11 @@ def resolve(path: str | os.PathLike) -> Path:
     p = Path(path).expanduser()
     if (p / CONFIG).is_file():
         return p
-    old = p.with_name(p.name + ".old")
-    if (old / CONFIG).is_file():
+    if not str(path).strip():
+        raise CheckpointError(f"checkpoint {str(path)!r}: an empty path (expected a directory with {CONFIG})")
+    named = p if p.name else p.absolute()  # ".", "/": the dir they name (the root has no .old beside it)
+    old = named.with_name(named.name + ".old") if named.name else None
+    if old is not None and (old / CONFIG).is_file():
         return old
     if (p / CONFIG).exists():  # a FIFO or a device: never opened (a FIFO blocks the reader forever)
         raise CheckpointError(f"checkpoint {str(path)!r}: {CONFIG} is not a regular file (a FIFO, a device, a socket "
@@ -143,8 +146,34 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def read_config(path: Path) -> dict:
-    """`config.json` as a dict, or one line saying why not."""
-    return read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
+    """`config.json` as a dict, or one line saying why not (shape_error)."""
+    raw = read_json_object(path / CONFIG, f"checkpoint {str(path)!r}", CheckpointError)
+    err = shape_error(raw)
+    if err:
+        raise CheckpointError(f"checkpoint {str(path)!r}: config.json: {err}")
+    return raw
+
+
+def shape_error(raw: dict) -> str | None:
+    """The first top-level field of a drafter's config.json whose JSON type no reader can use
+    (`"architectures": 5`, `"layer_types": "sliding_attention"`, a `dflash_run` that is not the
+    run's config), or None: named once, before any reader indexes into it."""
+    from ..config import run_config_error
+
+    for key in ("architectures", "layer_types"):
+        v = raw.get(key)
+        if v is not None and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
+            return f"{key}={str(v)[:80]}: expected a list of names"
+    if raw.get("target") is not None and not isinstance(raw["target"], str):
+        return f"target={str(raw['target'])[:80]}: expected the target's name or path"
+    if "dflash_run" in raw:
+        return run_config_error(raw["dflash_run"])
+    return None
+
+
+# what a training checkpoint's config.json always holds (DrafterConfig.to_dict): absent, a
+# reader would build the default in its place (block 16 for a drafter trained at 8)
+CHECKPOINT_REQUIRED = (*BOUNDS, "target_layer_ids", "mask_token_id")
 
 
 def check_safetensors(f: Path, *, values: bool = False) -> dict:
@@ -240,6 +269,10 @@ def token_ids(f: Path, name: str, *, offsets: bool) -> tuple[int, int, int, int]
 def check_drafter_bounds(path, raw: dict) -> None:
     """A checkpoint config.json that no drafter can have (100000 layers, zero heads, a
     trillion-wide MLP): one line before anything is built (BOUNDS)."""
+    missing = [k for k in CHECKPOINT_REQUIRED if raw.get(k) is None]
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r}: config.json lacks {', '.join(missing)} (a dflash train "
+                              f"checkpoint writes every field of its drafter)")
     err = bounds_error(raw, f"checkpoint {str(path)!r}: config.json")
     if err:
         raise CheckpointError(err)

@@ -17,14 +17,22 @@ def check_torchrun_env() -> None:
 
     env = {k: os.environ.get(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK")}
     for k, v in env.items():
-        if v is not None and not v.strip().isdigit():
+        if v is not None and not (v.strip().isascii() and v.strip().isdigit()):  # "²" is a digit to isdigit()
             raise ConfigError(f"{k}={v!r}: expected a non-negative integer (torchrun sets it)")
     world = int(env["WORLD_SIZE"] or 1)
     if world > 1 and env["RANK"] is None:
         raise ConfigError(f"WORLD_SIZE={world} but RANK is not set: launch with torchrun --nproc_per_node N "
-                          "-m dflash train ... (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+                          "-m dflash train|capture ... (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
     if env["RANK"] is not None and int(env["RANK"]) >= world:
         raise ConfigError(f"RANK={env['RANK']}: expected < WORLD_SIZE={world}")
+    if world > 1:  # the env:// rendezvous reads them: without, a 40-line traceback from torch.distributed
+        for k in ("MASTER_ADDR", "MASTER_PORT"):
+            if not (os.environ.get(k) or "").strip():
+                raise ConfigError(f"WORLD_SIZE={world} but {k} is not set: launch with torchrun --nproc_per_node N "
+                                  "-m dflash train|capture ... (it sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)")
+        port = os.environ["MASTER_PORT"].strip()
+        if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+            raise ConfigError(f"MASTER_PORT={port!r}: expected a port in 1..65535 (torchrun sets it)")
 
 
 def check_target(cfg) -> None:

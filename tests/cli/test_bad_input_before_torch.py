@@ -87,9 +87,13 @@ def test_an_unreachable_hub_is_one_line_in_seconds(tmp_path):
     ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 but RANK is not set"),
     ({"WORLD_SIZE": "two"}, "WORLD_SIZE='two': expected a non-negative integer"),
     ({"WORLD_SIZE": "2", "RANK": "5"}, "RANK=5: expected < WORLD_SIZE=2"),
+    ({"RANK": "²"}, "RANK='²': expected a non-negative integer"),  # a digit to str.isdigit(), not to int()
+    ({"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}, "WORLD_SIZE=2 but MASTER_ADDR is not set"),
+    ({"WORLD_SIZE": "2", "RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "http"}, "MASTER_PORT='http': expected"),
 ])
 def test_half_a_torchrun_environment_is_one_line(tmp_path, env, needle):
-    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, env=env, drop=("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", *TINY, env=env,
+                                  drop=("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
 
 

@@ -137,7 +137,7 @@ def served(tmp_path_factory):
 
 @pytest.mark.parametrize("change,needle", [
     ({"num_hidden_layers": 100000}, "num_hidden_layers=100000: expected an integer in [1, 128]"),
-    ({"intermediate_size": 1e12}, "intermediate_size=1000000000000: expected an integer in"),
+    ({"intermediate_size": 1e12}, "intermediate_size=1000000000000.0: expected an integer"),  # a JSON float
     ({"num_attention_heads": 0}, "num_attention_heads=0"),
     ({"block_size": 0}, "block_size=0"),
     ({"block_size": -3}, "block_size=-3"),
@@ -145,6 +145,9 @@ def served(tmp_path_factory):
     ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan"),
     ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads=3"),
     ({"hidden_size": 65536, "intermediate_size": 1 << 20, "num_hidden_layers": 128}, "parameters (at most"),
+    ({"architectures": 5}, "architectures=5: expected a list of names"),  # each was a traceback
+    ({"architectures": "DFlashDraftModel"}, "architectures=DFlashDraftModel: expected a list of names"),
+    ({"layer_types": "sliding_attention"}, "layer_types=sliding_attention: expected a list of names"),
 ])
 def test_a_served_config_no_drafter_can_have_is_one_line_before_torch(tmp_path, served, change, needle):
     d = _edit_config(Path(shutil.copytree(served, tmp_path / "d")), **change)

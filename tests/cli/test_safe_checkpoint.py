@@ -29,6 +29,8 @@ def _fake_run(out, *, target="tiny-llama", block_size=8, layers=1, layer_ids=(1,
     ck.mkdir()
     (ck / "config.json").write_text(json.dumps({
         "block_size": block_size, "num_hidden_layers": layers, "target_layer_ids": list(layer_ids),
+        "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+        "intermediate_size": 512, "vocab_size": 49152, "mask_token_id": 0, "model_type": "dflash_drafter",  # as train writes
         "copy_head": False, "target": target, **(extra or {}),
         "dflash_run": {"model": {"target": target, "target_seed": 0}, "train": train or {}}}))
     _safetensors(ck / "model.safetensors")
@@ -48,6 +50,25 @@ def test_resume_refuses_a_checkpoint_trained_for_something_else(tmp_path, args, 
     _fake_run(tmp_path / "run")
     out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", *TINY, *args)
     assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
+@pytest.mark.parametrize("edit,needle", [
+    (lambda c: c.update(dflash_run="x"), "dflash_run=\"'x'\": expected a mapping (the run's config)"),
+    (lambda c: c["dflash_run"]["model"].update(target=["tiny-llama"]), "dflash_run.model.target="),
+    (lambda c: c["dflash_run"].update(train="x"), "dflash_run.train=\"'x'\": expected a mapping"),
+    (lambda c: c.pop("block_size"), "config.json lacks block_size"),  # was read as the default 16
+])
+def test_a_checkpoint_config_edited_out_of_shape_is_one_line(tmp_path, edit, needle):
+    """Hand edits that were an AttributeError or TypeError from whoever read the field first,
+    or (block_size deleted) a silent default, for --resume, eval and export alike."""
+    ck = _fake_run(tmp_path / "run")
+    cfg = json.loads((ck / "config.json").read_text())
+    edit(cfg)
+    (ck / "config.json").write_text(json.dumps(cfg))
+    for cmd in (["train", "--out", tmp_path / "run", "--resume", *TINY], ["eval", "--checkpoint", ck],
+                ["export", "--checkpoint", ck, "--out", tmp_path / "exp"]):
+        out, lines = cli_before_torch(*cmd)
+        assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], (cmd, lines)
 
 
 @pytest.mark.parametrize("extra,train,args,needle", [
