@@ -218,13 +218,16 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
 def _check_resume(cfg) -> None:
     """The checkpoint in OUT fits this run (target, block size, layers, layer ids), checked
     from its config.json before torch loads."""
-    from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch
+    from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch, training_state_error
     from ..preflight.inputs import target_num_layers
 
     try:
         _, raw = check_readable(os.path.join(cfg.out, "checkpoint"))
+        err = training_state_error(os.path.join(cfg.out, "checkpoint"), cfg.train.steps)
     except CheckpointError as e:
         raise ConfigError(f"--resume: {e}") from None
+    if err:
+        raise ConfigError(f"--resume: {err}")
     try:
         why = resume_mismatch(raw, cfg.model, target_num_layers(cfg.model.target))
     except ValueError as e:

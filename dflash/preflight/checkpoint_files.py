@@ -309,6 +309,31 @@ def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None
     return None
 
 
+def training_state_error(path: str | os.PathLike, steps: int) -> str | None:
+    """What a resume of the checkpoint at ``path`` cannot start from, read from its
+    training_state.json's skeleton (torch-free), or None: a step that is not a whole number
+    in [0, train.steps] (a -3 or a 4.5 hung the prefetch worker for ever; past train.steps
+    nothing is trained and the record says otherwise), and the parts every resume loads
+    (optimizer, scheduler, torch_rng), each of the kind the file format writes. An older
+    checkpoint's pickle (LEGACY_STATE) is judged when it is loaded."""
+    p = resolve(path)
+    if not (p / STATE_TREE).is_file():
+        return None
+    tree = read_json_object(p / STATE_TREE, f"checkpoint {str(path)!r}", CheckpointError)
+    where = f"checkpoint {str(path)!r}: {STATE_TREE}"
+    for key, kind in (("optimizer", "a mapping"), ("scheduler", "a mapping"), ("torch_rng", "a tensor")):
+        v = tree.get(key)
+        if not isinstance(v, dict) or (kind == "a tensor") != (set(v) == {"__tensor__"}):
+            return f"{where}: {key}={str(v)[:60]}: expected {kind} (the file was edited or is not dflash's)"
+    step = tree.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"{where}: step={step!r}: expected a whole number of steps >= 0 (the file was edited)"
+    if step > steps:
+        return (f"the checkpoint is at step {step:,}, past train.steps={steps:,}: give --steps above {step:,} "
+                f"to train on from it (or evaluate it: dflash eval --checkpoint {str(path)!r})")
+    return None
+
+
 def check_readable(path: str | os.PathLike) -> tuple[Path, dict]:
     """(resolved dir, its config) of a checkpoint whose files are whole; torch-free."""
     p = resolve(path)

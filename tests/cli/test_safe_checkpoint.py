@@ -71,6 +71,23 @@ def test_a_checkpoint_config_edited_out_of_shape_is_one_line(tmp_path, edit, nee
         assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], (cmd, lines)
 
 
+@pytest.mark.parametrize("edit,needle", [
+    ({"step": -3}, "step=-3: expected a whole number of steps >= 0"),  # hung the prefetch worker for ever
+    ({"step": 4.5}, "step=4.5: expected a whole number"),
+    ({"step": "1"}, "step='1': expected a whole number"),
+    ({"torch_rng": None}, "torch_rng=None: expected a tensor"),  # was a KeyError
+    ({"scheduler": "x"}, "scheduler=x: expected a mapping"),  # was an AttributeError
+    ({"step": 10**12}, "the checkpoint is at step 1,000,000,000,000, past train.steps=200"),  # was exit 0, untrained
+])
+def test_a_training_state_edited_out_of_shape_is_one_line_before_torch(tmp_path, edit, needle):
+    ck = _fake_run(tmp_path / "run")
+    tree = {"optimizer": {"state": {}, "param_groups": []}, "scheduler": {"last_epoch": 1}, "step": 1,
+            "torch_rng": {"__tensor__": "t0"}}
+    (ck / "training_state.json").write_text(json.dumps({**tree, **edit}))
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama", *TINY)
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and needle in lines[0], lines
+
+
 @pytest.mark.parametrize("extra,train,args,needle", [
     ({}, {}, ["--set", "model.arch=dspark"], "model.arch: the checkpoint is a dflash drafter, this run builds a dspark"),
     ({"arch": "dspark", "markov_rank": 16, "confidence_head": False, "confidence_with_markov": False}, {},
