@@ -49,6 +49,9 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
     from ..preflight.run_dir import check_place
 
     dst = check_place(out, expected="a new or empty dir, or an earlier dflash export")
+    if dst.is_symlink():  # the export is renamed into place: the link itself would be replaced, its target left empty
+        raise ConfigError(f"--out {out!r}: a symbolic link (to {os.readlink(dst)!r}); the export is renamed into "
+                          f"place and would replace the link: name the directory itself")
     _check_not_in_a_runs_own_dirs(out, dst)
     if dst.is_dir() and any(dst.iterdir()):
         foreign = files.foreign_entries(dst, files.EXPORT_WRITTEN)
@@ -224,10 +227,14 @@ def _run_held_out(run_cfg: dict, run_dir: Path):
 
 
 def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloat16", target: str = "",
-                 figures: dict | None = None, note: str | None = None, prompts: tuple | None = None) -> Path:
+                 figures: dict | None = None, note: str | None = None, prompts: tuple | None = None,
+                 replace: bool = True) -> Path:
     """Write `drafter` (ours, without a copy head in use) to `out` in the served format,
     atomically (temp dir + rename, so a reader never sees half an export). `prompts`
-    (`held_out_prompts`): the run's held-out prompts and eval settings, carried beside it."""
+    (`held_out_prompts`): the run's held-out prompts and eval settings, carried beside it.
+    ``replace`` False (`dflash export` without --overwrite): an export another process put
+    at `out` while this one was written is not replaced (two exports to one new dir).
+    A full disk is one line (ConfigError), the earlier export untouched."""
     import torch
     from safetensors.torch import save_file
 
@@ -251,11 +258,32 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
             (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
         files.plain_modes(tmp)  # an engine running as another user must read it
+        if not replace and dst.is_dir() and any(dst.iterdir()):  # checked empty before: someone wrote it since
+            raise ConfigError(f"--out {str(out)!r}: another export was written there while this one was made; "
+                              f"nothing replaced (add --overwrite to replace it)")
         _swap_in(tmp, dst)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        why = _no_room(e)
+        if why:
+            raise ConfigError(f"--out {str(out)!r}: the export could not be written ({why}); nothing was "
+                              f"replaced") from None
         raise
     return dst
+
+
+def _no_room(e: BaseException) -> str | None:
+    """'no space left on device' and its kin, from an OSError or a writer's own error text
+    (safetensors raises its own type with the OS's words in it), else None."""
+    import errno
+
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return os.strerror(e.errno).lower()
+    text = str(e)
+    for words in ("No space left on device", "Disk quota exceeded", "Read-only file system"):
+        if words in text:
+            return words.lower()
+    return None
 
 
 _RENAME_EXCHANGE = 2  # linux/fs.h
@@ -400,7 +428,7 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str = "bfloat16", wit
         print(f"dflash export: warning: {warn}", file=sys.stderr)
     run_dir = Path(checkpoint).resolve().parent
     dst = write_export(drafter, tcfg, out, dtype=dtype, target=target, figures=figures, note=note,
-                       prompts=_run_held_out(run_cfg, run_dir))
+                       prompts=_run_held_out(run_cfg, run_dir), replace=overwrite)
     size = (dst / "model.safetensors").stat().st_size
     return {"out": str(dst), "dtype": dtype, "bytes": size, "target": target,
             "without_copy_head": bool(raw.get("copy_head")), "tau_no_copy_estimate": no_copy,

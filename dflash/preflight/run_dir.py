@@ -162,7 +162,7 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
 
 
 # what a run writes at the top of its dir; --overwrite removes these and nothing else
-_RUN_FILES = ("config.yaml", "summary.json", "learning_curve.png", "error.txt", "error.rank*.txt",
+_RUN_FILES = ("config.yaml", "config.before-step*.yaml", "summary.json", "learning_curve.png", "error.txt", "error.rank*.txt",
               "wandb_fallback.jsonl", "wandb_run.json", "ranks/rank*.json", "ranks/rank*.pid",
               # dflash/trackers: TensorBoard events, the local MLflow store (its db and artifacts)
               "tensorboard_fallback.jsonl", "mlflow_fallback.jsonl", "mlflow_run.json",

@@ -60,7 +60,7 @@ class Trainer:
         spec, state = self.spec, self.state
         place, out = spec.placement, spec.out
         if place.lead:
-            write_text(out / "config.yaml", dumps(spec.cfg), inside=out)
+            _write_config(out, spec.cfg, state.train_step.step if state.train_step is not None else 0)
         report = rank_report(spec, state) if place.layout is not None else None
         bridge = trackers.start(spec, state) if place.has_drafter else None  # --tracker/--wandb, the lead: own threads
         summary: dict = {}
@@ -94,7 +94,8 @@ class Trainer:
         state.tel.begin_profile()  # the profile's shares are of the steps alone, not the set-up or the evals
         with phases.phase("train", start_step=step0, steps=spec.cfg.train.steps) as ph:
             ph.progress(lambda: state.train_step.step, spec.cfg.train.steps)  # read by the gauge, not per step
-            if state.estimate is not None:  # the curve's first point: where training starts from
+            # the curve's first point: where training starts from (a resume's checkpoint saved it)
+            if state.estimate is not None and not any(h[0] == step0 for h in state.estimate.history):
                 state.estimate(state.train_step.step)
             self.run_steps()
             readback.finish(state)
@@ -218,6 +219,38 @@ class Trainer:
             write_text(out / "summary.json", json.dumps(summary, indent=2), inside=out)
         # under a layout only the lead reports (exit 130 when interrupted); it is the last to finish
         return summary if place.layout is None or place.lead else {"rank": place.rank, "role": place.role}
+
+
+def _write_config(out: Path, cfg: Config, step: int) -> None:
+    """OUT/config.yaml: this run's settings. A resume with other settings (a new learning
+    rate, say) keeps the earlier file as config.before-step<N>.yaml and names what changed:
+    the record of how the first steps were trained is never overwritten."""
+    import yaml
+
+    f, text = out / "config.yaml", dumps(cfg)
+    if f.is_file():
+        before = f.read_text()
+        changed = _changed(yaml.safe_load(before) or {}, yaml.safe_load(text) or {})
+        changed = [c for c in changed if not c.startswith("out:")]  # the same dir spelled another way
+        if changed:
+            keep = out / f"config.before-step{step}.yaml"
+            n = 1
+            while keep.exists():
+                n += 1
+                keep = out / f"config.before-step{step}.{n}.yaml"
+            write_text(keep, before, inside=out)
+            shown = "; ".join(changed[:6]) + (f"; and {len(changed) - 6} more" if len(changed) > 6 else "")
+            print(f"resumed at step {step} with changed settings: {shown} (the earlier ones kept in {keep.name})",
+                  file=sys.stderr)
+    write_text(f, text, inside=out)
+
+
+def _changed(a, b, prefix: str = "") -> list[str]:
+    """`key: old -> new` for each leaf that differs between two config dicts."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [c for k in sorted(set(a) | set(b), key=str)
+                for c in _changed(a.get(k), b.get(k), f"{prefix}{k}." if prefix or k else "")]
+    return [] if a == b else [f"{prefix.rstrip('.')}: {a!r} -> {b!r}"]
 
 
 def _close_bridge(bridge: Bridge, summary: dict) -> None:

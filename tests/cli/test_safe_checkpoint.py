@@ -230,3 +230,29 @@ def test_export_takes_the_checkpoint_old_a_killed_swap_leaves_as_resume_and_eval
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "export" / "config.json").read_text())["block_size"] == 4
     assert not (run / "checkpoint").exists() and (run / "checkpoint.old" / "config.json").is_file()  # read, not moved
+
+
+def test_export_into_a_symbolic_link_is_refused_and_the_link_kept(tmp_path):
+    """The export is renamed into place: `--out LINK` replaced the user's link with a directory
+    and left the link's target empty, with exit 0."""
+    ck = _fake_run(tmp_path / "run")
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    out, lines = cli_before_torch("export", "--checkpoint", ck, "--out", tmp_path / "link")
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1 and "a symbolic link" in lines[0], lines
+    assert (tmp_path / "link").is_symlink()
+
+
+def test_a_resume_with_other_settings_keeps_the_earlier_config_and_names_the_change(tmp_path, capsys):
+    from dflash.config import Config, dumps
+    from dflash.run.trainer import _write_config
+
+    first, second = Config(), Config()
+    second.train.lr = first.train.lr * 2
+    _write_config(tmp_path, first, 0)
+    _write_config(tmp_path, first, 4)  # the same settings: nothing kept, nothing said
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"] and not capsys.readouterr().err
+    _write_config(tmp_path, second, 4)
+    assert (tmp_path / "config.before-step4.yaml").read_text() == dumps(first)
+    assert (tmp_path / "config.yaml").read_text() == dumps(second)
+    assert f"train.lr: {first.train.lr!r} -> {second.train.lr!r}" in capsys.readouterr().err

@@ -95,3 +95,42 @@ def test_an_earlier_export_set_aside_by_a_killed_writer_comes_back(tmp_path):
     sweep_stale(out)
     assert (out / "config.json").is_file() and not aside.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([".export.tmp-junk", live.name, "export"])
+
+
+def test_an_export_that_appeared_while_this_one_was_made_is_not_replaced_without_overwrite(tmp_path):
+    """Two `dflash export --out cc` at once both said "exported": the later rename replaced the
+    other's export though neither had --overwrite. The second now refuses, the first kept."""
+    from dflash.checkpoint import export as X
+    from dflash.errors import ConfigError
+
+    out = tmp_path / "cc"
+    served_drafter(out)  # the other process's export, there by the time this one swaps in
+    before = (out / "model.safetensors").read_bytes()
+    with pytest.raises(ConfigError, match="another export was written there while this one was made"):
+        _another_drafter(X, out, replace=False)  # dflash export without --overwrite, its check long passed
+    assert (out / "model.safetensors").read_bytes() == before
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".cc.tmp")]  # its temp dir removed
+
+
+def _another_drafter(X, path, replace: bool):
+    import torch
+
+    from dflash.model.drafter import DFlashDrafter, DrafterConfig
+    from dflash.model.target import _tiny_config, load_tokenizer
+
+    tc = _tiny_config("tiny-qwen3", load_tokenizer("tiny-qwen3"))
+    cfg = DrafterConfig.from_target(tc, target_layer_ids=[1, 3], vocab_size=tc.vocab_size, mask_token_id=16,
+                                    block_size=4, num_hidden_layers=1)
+    torch.manual_seed(3)
+    return X.write_export(DFlashDrafter(cfg), tc, path, dtype="float32", target="tiny-qwen3", replace=replace)
+
+
+def test_a_full_disk_is_named_in_words_from_either_kind_of_error():
+    import errno
+
+    from dflash.checkpoint.export import _no_room
+
+    assert _no_room(OSError(errno.ENOSPC, "No space left on device")) == "no space left on device"
+    assert _no_room(RuntimeError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, "
+                                 "message: \"No space left on device\" })")) == "no space left on device"
+    assert _no_room(ValueError("shape mismatch")) is None
