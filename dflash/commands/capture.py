@@ -99,7 +99,8 @@ def _checked_config(a):
         raise ConfigError(f"data.features={cfg.data.features!r}: a capture runs the target; unset it")
     check_regen_lengths(cfg)
     if needs_target_distribution(cfg.train.loss, cfg.model.arch) and not cfg.train.kl_topk:
-        raise ConfigError(f"train.loss={cfg.train.loss} with train.kl_topk=0: a capture keeps the target's top-k "
+        why = (f"model.arch={cfg.model.arch}" if cfg.train.loss not in ("kl", "lk") else f"train.loss={cfg.train.loss}")
+        raise ConfigError(f"{why} with train.kl_topk=0: a capture keeps the target's top-k "
                           "next-token log-probs per token, not whole rows (a vocabulary of fp16 per token); "
                           "set train.kl_topk=K (6 bytes a token each)")
     if a.engine_tp < 1:

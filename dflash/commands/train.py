@@ -115,7 +115,8 @@ def _checked_config(a):
         say_replaced(a.init_from, init, asked)
     features = a.features or cfg.data.features
     if features:  # the capture decides target, its seed and the layer ids
-        cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval))
+        cfg = override(cfg, **train_flags(features, cfg, target_flag=a.target, eval_flag=a.eval,
+                                          named=asked | ({"train.seed": a.seed} if a.seed is not None else {})))
     else:
         check_regen_lengths(cfg)
     if a.resume and a.overwrite:
@@ -181,10 +182,13 @@ def load_data(cfg) -> None:
                           "expected at least 2 (one to train on, one held out)")
 
 
-def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -> dict:
+def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool, named: dict | None = None) -> dict:
     """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
     capture's index; what the user asked (``asked``: the config before them) must not
-    contradict it. One line before torch loads."""
+    contradict it. One line before torch loads. The capture's data settings and its split
+    seed become the run's too (``named``: the keys the user gave, said when overruled): its
+    config.yaml then says what the samples came from, and `dflash eval` rebuilds the held-out
+    conversations the capture set aside, never ones it trained on."""
     from ..offline.feature_index import FeaturesError, mismatch, read_index
 
     try:
@@ -203,16 +207,60 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool) -
     if needs_target_distribution(t.loss, asked.model.arch):  # the target's distribution comes from the capture: enough of it?
         have = idx.get("kl_topk") or 0
         if not have:
-            raise ConfigError(f"--features {path} with train.loss={t.loss}: the capture kept no target "
-                              f"distribution; capture again with --set train.loss={t.loss} (train.kl_topk=K)")
+            asks = f"train.loss={t.loss}" if t.loss in ("kl", "lk") else f"model.arch={asked.model.arch}"
+            raise ConfigError(f"--features {path} with {asks}: the capture kept no target distribution; capture "
+                              f"again with --set {asks} (and train.kl_topk=K)")
         if not t.kl_topk or t.kl_topk > have:
             raise ConfigError(f"--features {path}: train.kl_topk={t.kl_topk}: the capture kept the top {have} "
                               f"log-probs per token; set train.kl_topk to 1..{have}")
     if asked.data.max_len != idx["data"]["max_len"]:
         print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
               file=sys.stderr)
+    data, named = idx["data"], named or {}
+    split_seed = data.get("train_seed")
+    if split_seed is not None and "train.seed" in named and asked.train.seed != split_seed:
+        raise ConfigError(f"--features {path} with train.seed={asked.train.seed}: the capture set its held-out "
+                          f"conversations aside with seed {split_seed}, and a run from it keeps that seed (dflash "
+                          f"eval rebuilds the split from it); leave the seed out, or capture again with --seed "
+                          f"{asked.train.seed}")
+    captured = {f"data.{k}": data[k] for k in ("path", "num_conversations", "regenerate", "regen_max_new_tokens",
+                                               "regen_max_prompt_len") if data.get(k) is not None}
+    for k, v in captured.items():
+        if k in named and str(getattr(asked.data, k[5:])) != str(v):
+            print(f"dflash train: notice: {k}={named[k]!r}: the capture's samples came from {k}={v!r}, which "
+                  f"this run records; ignored", file=sys.stderr)
+    too_long = _block_past_the_capture(path, idx, asked.model.block_size)
+    if too_long:
+        raise ConfigError(too_long)
     return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
-            "model.target_layer_ids": key["layer_ids"], "data.max_len": idx["data"]["max_len"]}
+            "model.target_layer_ids": key["layer_ids"], "data.max_len": data["max_len"], **captured,
+            **({"train.seed": split_seed} if split_seed is not None else {})}
+
+
+def _block_past_the_capture(path: str, idx: dict, block_size: int) -> str | None:
+    """A block size for which no captured sample has its 2 x block_size loss tokens, or None.
+    Read before torch and before --overwrite clears anything (it was a traceback after both):
+    only where the block is larger than the capture's, from the shards' loss masks (numpy)."""
+    need = 2 * block_size
+    if need <= idx["data"]["min_loss_tokens"]:
+        return None  # the capture kept only samples with at least that many
+    import numpy as np
+    from safetensors import safe_open
+
+    best = 0
+    for shard in idx.get("shards") or []:
+        try:
+            with safe_open(os.path.join(path, shard["file"]), framework="numpy") as f:
+                mask, offsets = f.get_tensor("loss_mask"), f.get_tensor("offsets")
+        except Exception:  # a damaged shard is the loader's to name, in its own words
+            return None
+        sums = np.add.reduceat(mask.astype(np.int64), offsets[:-1]) if len(offsets) > 1 else np.zeros(0)
+        best = max(best, int(sums.max(initial=0)))
+        if best >= need:
+            return None
+    return (f"--features {path}: model.block_size={block_size} needs samples with >= {need} loss tokens "
+            f"(2 x the block); the longest captured one has {best}: lower model.block_size, or capture again "
+            f"with it")
 
 
 def _check_resume(cfg) -> None:

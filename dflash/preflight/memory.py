@@ -227,6 +227,11 @@ class RunShape:
                                                 # (hidden_size, intermediate_size, num_hidden_layers,
                                                 # num_attention_heads); empty: it does not
 
+    def __post_init__(self):
+        # a sequence has at most max_len anchors (objective.sample_anchors takes min(num_anchors, S)):
+        # num_anchors=5000 at max_len 256 trains what 256 does, and must be priced so
+        object.__setattr__(self, "num_anchors", max(0, min(self.num_anchors, self.max_len)))
+
 
 def _layer_bytes(f: dict, s: RunShape) -> int:
     """Tensors one drafter layer keeps for its backward in a training step: per query row

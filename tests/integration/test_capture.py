@@ -298,8 +298,12 @@ def test_drafter_init_target_from_features_reads_only_the_layers_it_copies(tmp_p
     ("other_layers", "captured layers"),
     ("eval", "--eval with --features"),
     ("layout", "no target ranks are needed"),
+    ("block_past_it", "needs samples with >= 64 loss tokens (2 x the block); the longest captured one has"),
+    ("other_seed", "the capture set its held-out conversations aside with seed 0"),
 ])
 def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, needle):
+    """block_past_it was a traceback after torch, once --overwrite had cleared the run dir;
+    other_seed trained, and `dflash eval` then scored conversations the capture trained on."""
     import shutil
 
     src = feats
@@ -316,7 +320,9 @@ def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, n
         else:
             next(src.glob("shard-*.safetensors")).unlink()
     extra = {"other_target": ["--target", "tiny-llama"], "other_layers": ["--set", "model.target_layer_ids=0"],
-             "eval": ["--eval"], "layout": ["--layout", "target:1,drafter:1"]}.get(case, [])
+             "eval": ["--eval"], "layout": ["--layout", "target:1,drafter:1"],
+             "block_past_it": ["--set", "model.block_size=32"],
+             "other_seed": ["--seed", "7"]}.get(case, [])
     out, lines = cli_before_torch("train", "--features", src, "--out", tmp_path / "run", *COMMON, *extra)
     assert out == {"rc": 2, "torch": False}, lines
     assert len(lines) == 1 and needle in lines[0], lines

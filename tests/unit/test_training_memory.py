@@ -80,6 +80,15 @@ def test_a_run_of_no_steps_is_checked_at_what_it_needs():
     assert "training it needs about" in err and "on top of the 1.00 GiB this process holds now" in err
 
 
+def test_anchors_beyond_the_sequence_length_are_priced_as_the_step_takes_them():
+    """num_anchors=5000 at max_len 256 was refused at ~1 TiB; the step samples min(5000, 256)."""
+    from dflash.preflight.memory import estimate
+
+    many = RunShape(steps=1, batch_size=2, num_anchors=5000, max_len=256)
+    assert many.num_anchors == 256
+    assert estimate(TINY_128, many) == estimate(TINY_128, RunShape(steps=1, batch_size=2, num_anchors=256, max_len=256))
+
+
 def test_only_a_save_during_training_holds_a_snapshot():
     """The final save copies nothing (it writes the live tensors); one every N steps leaves its
     snapshot (weights and moments, and what the allocator keeps beside them) with the writer
