@@ -202,6 +202,11 @@ def _plan(a):
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
                                    "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
     _notice_other_targets(dirs, target)
+    idle = [f for f, v in (("--top-p", a.top_p), ("--top-k", a.top_k), ("--seed", getattr(a, "seed", None)))
+            if v is not None]
+    if idle and not cfg.eval.temperature:  # they shape sampling, and a greedy decode samples nothing
+        print(f"dflash eval: notice: {', '.join(idle)} {'applies' if len(idle) == 1 else 'apply'} when sampling (--temperature > 0); this eval is greedy "
+              f"(T = 0): ignored", file=sys.stderr)
     return dirs, owner, cfg
 
 
