@@ -256,3 +256,12 @@ def test_a_resume_with_other_settings_keeps_the_earlier_config_and_names_the_cha
     assert (tmp_path / "config.before-step4.yaml").read_text() == dumps(first)
     assert (tmp_path / "config.yaml").read_text() == dumps(second)
     assert f"train.lr: {first.train.lr!r} -> {second.train.lr!r}" in capsys.readouterr().err
+
+
+def test_export_of_a_checkpoint_whose_target_is_gone_is_one_line_before_torch(tmp_path):
+    """It read the target's config after torch had loaded: a hub id offline took 27 s of
+    retries, a missing dir leaked the hub library's own error."""
+    ck = _fake_run(tmp_path / "run", target=str(tmp_path / "no-such-model"))
+    out, lines = cli_before_torch("export", "--checkpoint", ck, "--out", tmp_path / "exp")
+    assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
+    assert "its target: target" in lines[0] and "no such model directory" in lines[0], lines
