@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     with phases.phase("parse_args"):  # builds every command's parser: imports the command modules
         a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"
-    on_hard_stop(lambda: f"dflash {a.cmd}: stopped by a second signal during {a.phase}; {_what_next(a)}")
+    on_hard_stop(lambda: f"dflash {a.cmd}: stopped by a second signal during {_where(a)}; {_what_next(a)}")
     # a job runner's SIGTERM (or a closed terminal's SIGHUP) before the loop's own handler is in
     # place (model load, regeneration): stop now with 130 and say how to go on, not die
     # silently with 143
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         ended()  # one that landed just before the line above
         failure = e
-        _say(f"dflash {a.cmd}: interrupted during {a.phase}; {_what_next(a)}")
+        _say(f"dflash {a.cmd}: interrupted during {_where(a)}; {_what_next(a)}")
         rc = 130
     except BrokenPipeError as e:
         failure = e
@@ -156,6 +156,11 @@ def _say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
     except OSError:
         pass
+
+
+def _where(a) -> str:
+    """What the command was doing: its innermost phase (`checkpoint`, `export`), else its own word."""
+    return phases.innermost() or a.phase
 
 
 def _what_next(a) -> str:

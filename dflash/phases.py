@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 
 # the set-up phases --inject-delay can slow down (on every rank, or on one: PHASE@RANK)
@@ -110,11 +111,47 @@ class _Injected:
         return self.inner.__exit__(*exc)
 
 
+class _Named:
+    """A phase the main thread is in, named for the line a signal prints (`innermost`)."""
+
+    def __init__(self, inner, name):
+        self.inner, self.name = inner, name
+
+    def __enter__(self):
+        main = threading.current_thread() is threading.main_thread()
+        if main:
+            _main_open.append(self.name)
+        try:
+            return self.inner.__enter__()  # an injected delay sleeps in here: a signal may land in it
+        except BaseException:
+            if main:
+                _main_open.pop()
+                _left_by_error[:] = _left_by_error or [self.name]
+            raise
+
+    def __exit__(self, *exc):
+        if threading.current_thread() is threading.main_thread() and _main_open and _main_open[-1] == self.name:
+            _main_open.pop()
+            if exc[0] is not None and not _left_by_error:  # the innermost a signal or a crash left
+                _left_by_error.append(self.name)
+        return self.inner.__exit__(*exc)
+
+
+_main_open: list[str] = []  # the main thread's open phases, outermost first
+_left_by_error: list[str] = []  # the innermost phase an exception ended (at most one)
+
+
+def innermost() -> str | None:
+    """The phase the command's main thread is in now (`checkpoint`, `export`, ...), or the
+    innermost one an exception on its way out (a Ctrl-C) has just ended; else None."""
+    return _main_open[-1] if _main_open else (_left_by_error[0] if _left_by_error else None)
+
+
 def phase(name: str, **attrs):
     """A step of the run, as a context manager (see the module doc)."""
     ph = _current.phase(name, **attrs) if _current is not None else _EarlyPhase(name, attrs)
     secs = _inject.get(name)
-    return _Injected(ph, secs) if secs else ph
+    return _Named(_Injected(ph, secs) if secs else ph, name)
 
 
 def record(name: str, t0_ns: int, t1_ns: int, parent=None, **attrs) -> int:
@@ -228,6 +265,8 @@ def reset() -> None:
     _current = None
     _early.clear()
     _inject.clear()
+    _main_open.clear()
+    _left_by_error.clear()
 
 
 def finish(error: BaseException | tuple | None = None) -> None:

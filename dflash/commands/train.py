@@ -315,5 +315,5 @@ def what_next(a) -> str:
     if out and (Path(out) / "checkpoint" / "config.json").is_file():
         return f"the last checkpoint is in {out}/checkpoint; continue with: dflash {shlex.join(again + ['--resume'])}"
     if out and Path(out).is_dir():
-        again.append("--overwrite")  # nothing was trained: the dir holds only this attempt's start
-    return f"nothing was trained yet; run it again: dflash {shlex.join(again)}"
+        again.append("--overwrite")  # nothing saved: the dir holds only this attempt's start
+    return f"no checkpoint was saved yet; run it again: dflash {shlex.join(again)}"

@@ -301,7 +301,11 @@ def header_mismatch(want: dict, headers: dict, rename=lambda k: k) -> str | None
                 return f"{fname}: tensor {k!r} has dtype {dtype!r} (expected one of {', '.join(_FLOAT_DTYPES)})"
             if tuple(shape) != want[ours]:
                 return f"{fname}: tensor {k!r} has shape {list(shape)}; its config implies {list(want[ours])}"
-            seen[ours] = k
+            if ours in seen:  # two files (or two names) for one weight: which one a loader keeps is its order's luck
+                first = getattr(seen[ours][0], "name", seen[ours][0])
+                return (f"{fname}: tensor {k!r} is a second copy of {seen[ours][1]!r} in {first}: a drafter "
+                        f"holds each weight once")
+            seen[ours] = (fname, k)
     missing = sorted(set(want) - set(seen))
     if missing:
         return (f"weights missing for this config: {', '.join(missing[:4])}"

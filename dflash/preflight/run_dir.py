@@ -87,6 +87,10 @@ def check(out: str, *, resume: bool, overwrite: bool, judge_earlier_run: bool = 
         raise ConfigError(f"--out {out}: holds the output of `{earlier}`, not of `{by}`; --resume and "
                           f"--overwrite act only on their own command's dirs: choose another directory")
     if judge_earlier_run and not (resume or overwrite):
+        if by == "dflash train" and not any((p / d / "config.json").is_file() for d in ("checkpoint", "checkpoint.old")):
+            # stopped before its first save finished: nothing --resume could start from
+            raise ConfigError(f"--out {out}: holds an earlier run that saved no checkpoint (nothing to resume); "
+                              "pass --overwrite to replace it")
         raise ConfigError(f"--out {out}: holds an earlier run; pass --resume to continue it or --overwrite to "
                           "replace it")
     links = [] if overwrite else links_where_a_run_writes(p)  # --overwrite removes them as links

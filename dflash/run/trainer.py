@@ -168,6 +168,8 @@ class Trainer:
         if spec.memory:  # the memory check's estimate beside the peak this process reached (VmHWM)
             from ..preflight.memory import run_summary
             summary["memory"] = run_summary(spec.memory)
+        if state.stop.is_set():  # a signal after the steps (the final save, the export): exit 130 too, as the trace says
+            summary["interrupted"] = True
 
     def _end_telemetry(self, summary: dict, report: dict | None, error: BaseException | None = None) -> None:
         """However the run ended: its root span (marked with ``error``), the telemetry's last
@@ -276,8 +278,13 @@ def _graceful_signals(spec: RunSpec, state: RunState):
     def on_signal(signum, frame):
         if state.stop.is_set():
             raise KeyboardInterrupt
-        print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint (a second signal "
-              f"stops now, keeping the last checkpoint)", file=sys.stderr)
+        now = phases.innermost()
+        if now in (None, "train"):
+            print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint (a second signal "
+                  f"stops now, keeping the last checkpoint)", file=sys.stderr)
+        else:  # the steps are over: the final checkpoint, an eval, the export
+            print(f"\n{who}interrupt: finishing {now}, then stopping (a second signal stops now, keeping the "
+                  f"last checkpoint)", file=sys.stderr)
         state.stop.set()
 
     prev = {s: signal.getsignal(s) for s in stop_signals()}  # SIGHUP too: a closed terminal

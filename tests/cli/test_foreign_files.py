@@ -162,6 +162,7 @@ def test_a_served_config_no_drafter_can_have_is_one_line_before_torch(tmp_path, 
     ("wider", "has shape [256, 512]; its config implies [256, 1024]"),
     ("extra", "tensor 'layers.7.mlp.up_proj.weight' is not part of the drafter"),
     ("int8", "has dtype 'I8'"),
+    ("dup", "is a second copy of"),  # the later file by name won, silently
 ])
 def test_a_config_that_disagrees_with_its_safetensors_header_is_one_line_before_building(tmp_path, served, lie,
                                                                                       needle):
@@ -174,6 +175,8 @@ def test_a_config_that_disagrees_with_its_safetensors_header_is_one_line_before_
     d = Path(shutil.copytree(served, tmp_path / "d"))
     if lie == "wider":
         _edit_config(d, intermediate_size=1024)
+    elif lie == "dup":
+        shutil.copy(d / "model.safetensors", d / "z.safetensors")
     else:
         t = load_file(str(d / "model.safetensors"))
         if lie == "extra":

@@ -55,3 +55,25 @@ def test_a_stop_in_the_data_read_before_the_run_dir_is_ours_prints_the_phases(mo
             assert ("read_data" in err and "(failed)" in err) == table, err
         finally:
             phases.reset()
+
+
+def test_the_phase_a_signal_ended_is_the_one_named():
+    """"interrupted during set-up" was printed for a signal in the final checkpoint or the export:
+    the message now names the main thread's innermost phase, open or just ended by the signal."""
+    from dflash import phases
+
+    phases.reset()
+    assert phases.innermost() is None
+    with phases.phase("train"):
+        with phases.phase("checkpoint"):
+            assert phases.innermost() == "checkpoint"
+        assert phases.innermost() == "train"
+    try:
+        with phases.phase("export"):
+            with phases.phase("write_weights"):
+                raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        pass
+    assert phases.innermost() == "write_weights"
+    phases.reset()
+    assert phases.innermost() is None

@@ -40,6 +40,12 @@ def test_system_dirs_are_refused(out):
 def test_a_used_run_dir_needs_resume_or_overwrite(tmp_path):
     run_dir.claim(str(tmp_path), resume=False, overwrite=False)
     (tmp_path / "summary.json").write_text("{}")
+    # killed before its first save finished (a whole one may sit in .checkpoint.tmp-*): --resume
+    # would say "no config.json there", so only --overwrite is offered
+    with pytest.raises(ConfigError, match="saved no checkpoint \\(nothing to resume\\); pass --overwrite"):
+        run_dir.check(str(tmp_path), resume=False, overwrite=False)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text("{}")
     with pytest.raises(ConfigError, match="pass --resume to continue it or --overwrite"):
         run_dir.check(str(tmp_path), resume=False, overwrite=False)
     run_dir.check(str(tmp_path), resume=False, overwrite=True)
