@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     with phases.phase("parse_args"):  # builds every command's parser: imports the command modules
         a = _parser().parse_args(argv)
     a.argv, a.phase = argv, "start-up"
-    on_hard_stop(lambda: f"dflash {a.cmd}: stopped by a second signal during {_where(a)}; {_what_next(a)}")
+    on_hard_stop(lambda: f"dflash {_named(a)}: stopped by a second signal during {_where(a)}; {_what_next(a)}")
     # a job runner's SIGTERM (or a closed terminal's SIGHUP) before the loop's own handler is in
     # place (model load, regeneration): stop now with 130 and say how to go on, not die
     # silently with 143
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt as e:
         ended()  # one that landed just before the line above
         failure = e
-        _say(f"dflash {a.cmd}: interrupted during {_where(a)}; {_what_next(a)}")
+        _say(f"dflash {_named(a)}: interrupted during {_where(a)}; {_what_next(a)}")
         rc = 130
     except BrokenPipeError as e:
         failure = e
@@ -158,6 +158,12 @@ def _say(line: str) -> None:
         pass
 
 
+def _named(a) -> str:
+    """The command as typed: `data inspect`, not `data`."""
+    sub = getattr(a, "data_cmd", None)
+    return f"{a.cmd} {sub}" if sub else a.cmd
+
+
 def _where(a) -> str:
     """What the command was doing: its innermost phase (`checkpoint`, `export`), else its own word."""
     return phases.innermost() or a.phase
@@ -179,12 +185,12 @@ def _report_failure(a, e: Exception) -> int:
 
     user = user_error(e)
     if user is not None:
-        print(f"dflash {a.cmd}: error: {user}", file=sys.stderr)
+        print(f"dflash {_named(a)}: error: {user}", file=sys.stderr)
         return 2
     text, path = report(e, getattr(a, "resolved_out", None))
     print(text, file=sys.stderr, end="" if text.endswith("\n") else "\n")
     where = f" (traceback above, also in {path})" if path else " (traceback above)"
-    print(f"dflash {a.cmd}: error: {e}{where}", file=sys.stderr)
+    print(f"dflash {_named(a)}: error: {e}{where}", file=sys.stderr)
     return 1
 
 
