@@ -101,6 +101,9 @@ class _Injected:
     def __init__(self, inner, secs):
         self.inner, self.secs = inner, secs
 
+    def __getattr__(self, attr):
+        return getattr(self.inner, attr)
+
     def __enter__(self):
         ph = self.inner.__enter__()
         ph.set(injected_delay_s=self.secs)
@@ -116,6 +119,9 @@ class _Named:
 
     def __init__(self, inner, name):
         self.inner, self.name = inner, name
+
+    def __getattr__(self, attr):  # set, event, progress, traceparent: the phase's own (held un-entered too)
+        return getattr(self.inner, attr)
 
     def __enter__(self):
         main = threading.current_thread() is threading.main_thread()

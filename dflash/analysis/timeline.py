@@ -210,7 +210,8 @@ def write_perfetto(spans, path, window=None, run_id=None) -> int:
            "otherData": {"run_id": run_id, "time_origin_unix_ns": run_start_ns(spans)}}
 
     def write(tmp):
-        with open(tmp, "w") as f:  # anything JSON has no type for as its text
-            json.dump(doc, f, default=str, allow_nan=False)
+        with open(tmp, "w") as f:  # bytes as hex (JSON has none), anything else JSON has no type for as its text
+            json.dump(doc, f, default=lambda v: v.hex() if isinstance(v, (bytes, bytearray)) else str(v),
+                      allow_nan=False)
     _replace_atomically(path, write)
     return len(ev)

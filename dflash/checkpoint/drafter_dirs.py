@@ -74,6 +74,10 @@ def inspect(path: str | Path, flag: str = "--checkpoint") -> DrafterDir:
             files.check_drafter_bounds(path, raw)
         except files.CheckpointError as e:
             raise DrafterDirError(named(e)) from None
+        from ..config import run_config_error
+        err = run_config_error(raw.get("dflash_run") or {})  # its run's settings, each of its field's type
+        if err:
+            raise DrafterDirError(f"{flag} {str(path)!r}: config.json: {err}")
         f, d = raw, DrafterDir(p, "checkpoint", raw, raw.get("dflash_run") or {})
     try:  # the weights' values: after the config's bounds (sizes known sane), before anything is built
         for file in headers:  # a checkpoint's training state (optimizer moments) is not what is run

@@ -46,6 +46,10 @@ def check_request(checkpoint: str, out: str, *, without_copy_head: bool, overwri
         raise ConfigError(f"--checkpoint {checkpoint!r}: the drafter has a copy head (model.copy_head), which the "
                           f"DFlash format cannot carry; add --without-copy-head to export the rest")
     files.check_readable(checkpoint)  # whole, within bounds, every weight finite: before torch loads it
+    from ..config import run_config_error
+    err = run_config_error(raw.get("dflash_run") or {})
+    if err:
+        raise ConfigError(f"--checkpoint {checkpoint!r}: config.json: {err}")
     target = ((raw.get("dflash_run") or {}).get("model") or {}).get("target") or raw.get("target")
     if target:  # its config is read for the export: a hub id that cannot be reached is one line now, not retries
         from ..preflight.inputs import TargetSpecError, check_target_spec

@@ -276,6 +276,10 @@ def _check_resume(cfg) -> None:
         raise ConfigError(f"--resume: {e}") from None
     if err:
         raise ConfigError(f"--resume: {err}")
+    from ..config import run_config_error
+    err = run_config_error(raw.get("dflash_run") or {})
+    if err:
+        raise ConfigError(f"--resume: checkpoint {os.path.join(cfg.out, 'checkpoint')!r}: config.json: {err}")
     try:
         why = resume_mismatch(raw, cfg.model, target_num_layers(cfg.model.target))
     except ValueError as e:

@@ -154,20 +154,30 @@ def read_config(path: Path) -> dict:
     return raw
 
 
+RUN_SECTIONS = ("model", "data", "train", "eval", "pipeline", "telemetry")  # config.Config's sections
+
+
 def shape_error(raw: dict) -> str | None:
     """The first top-level field of a drafter's config.json whose JSON type no reader can use
-    (`"architectures": 5`, `"layer_types": "sliding_attention"`, a `dflash_run` that is not the
-    run's config), or None: named once, before any reader indexes into it."""
-    from ..config import run_config_error
-
+    (`"architectures": 5`, `"layer_types": "sliding_attention"`, a `dflash_run` that is not a
+    run's config), or None: named once, before any reader indexes into it. The run config's
+    values, field by field, are config.run_config_error's (a floor above this one)."""
     for key in ("architectures", "layer_types"):
         v = raw.get(key)
         if v is not None and (not isinstance(v, list) or not all(isinstance(x, str) for x in v)):
             return f"{key}={str(v)[:80]}: expected a list of names"
     if raw.get("target") is not None and not isinstance(raw["target"], str):
         return f"target={str(raw['target'])[:80]}: expected the target's name or path"
-    if "dflash_run" in raw:
-        return run_config_error(raw["dflash_run"])
+    run = raw.get("dflash_run")
+    if run is not None and not isinstance(run, dict):
+        return f"dflash_run={str(run)[:60]!r}: expected a mapping (the run's config)"
+    for section in RUN_SECTIONS:
+        v = (run or {}).get(section)
+        if v is not None and not isinstance(v, dict):
+            return f"dflash_run.{section}={str(v)[:60]!r}: expected a mapping"
+    target = ((run or {}).get("model") or {}).get("target")
+    if target is not None and not isinstance(target, str):
+        return f"dflash_run.model.target={str(target)[:80]!r}: expected a string"
     return None
 
 

@@ -53,9 +53,10 @@ def test_resume_refuses_a_checkpoint_trained_for_something_else(tmp_path, args, 
 
 
 @pytest.mark.parametrize("edit,needle", [
-    (lambda c: c.update(dflash_run="x"), "dflash_run=\"'x'\": expected a mapping (the run's config)"),
+    (lambda c: c.update(dflash_run="x"), "dflash_run='x': expected a mapping (the run's config)"),
     (lambda c: c["dflash_run"]["model"].update(target=["tiny-llama"]), "dflash_run.model.target="),
-    (lambda c: c["dflash_run"].update(train="x"), "dflash_run.train=\"'x'\": expected a mapping"),
+    (lambda c: c["dflash_run"].update(train="x"), "dflash_run.train='x': expected a mapping"),
+    (lambda c: c["dflash_run"]["train"].update(lr="fast"), "dflash_run.train.lr='fast': expected float"),
     (lambda c: c.pop("block_size"), "config.json lacks block_size"),  # was read as the default 16
 ])
 def test_a_checkpoint_config_edited_out_of_shape_is_one_line(tmp_path, edit, needle):
