@@ -269,6 +269,9 @@ def _check_resume(cfg) -> None:
     from ..preflight.checkpoint_files import CheckpointError, check_readable, resume_mismatch, training_state_error
     from ..preflight.inputs import target_num_layers
 
+    if cfg.model.init_from:  # the run's own command again (what_next repeats it): its weights are the checkpoint's
+        print(f"dflash train: notice: --init-from {cfg.model.init_from}: a resume continues from "
+              f"{cfg.out}/checkpoint; ignored", file=sys.stderr)
     try:
         _, raw = check_readable(os.path.join(cfg.out, "checkpoint"))
         err = training_state_error(os.path.join(cfg.out, "checkpoint"), cfg.train.steps)
