@@ -44,8 +44,9 @@ def add_parser(sub) -> None:
                    help="a DSpark drafter with a confidence head drafts each block only while its estimate that "
                         "every slot so far is accepted stays >= T (0: whole blocks; default: the run's "
                         "eval.confidence_threshold, for the drafters that have the head)")
-    e.add_argument("--prompts", type=int)
-    e.add_argument("--max-new-tokens", type=int)
+    e.add_argument("--prompts", type=int, help="eval.prompts: how many held-out prompts (default: the run's, 8)")
+    e.add_argument("--max-new-tokens", type=int, help="eval.max_new_tokens: tokens decoded per prompt (default: the "
+                   "run's, 48)")
     e.add_argument("--max-prompt-len", type=int,
                    help="cut held-out and --prompts-from prompts to this many tokens (default: eval.max_prompt_len)")
     e.add_argument("--json", action="store_true", help="last line: one JSON object")

@@ -13,10 +13,12 @@ from . import CommaList, Once
 
 def add_parser(sub) -> None:
     t = sub.add_parser("train", help="train a drafter against a frozen target")
-    t.add_argument("--out", help="run directory (checkpoint/, summary.json, telemetry/)")
+    t.add_argument("--out", help="run directory (checkpoint/, summary.json, telemetry/); default: the config's "
+                   "out, runs/default")
     t.add_argument("--target", help="smollm2 | tiny-llama | tiny-qwen3 | tiny-qwen3.5 | model dir | hub id")
-    t.add_argument("--steps", type=int)
-    t.add_argument("--seed", type=int)
+    t.add_argument("--steps", type=int, help="train.steps: optimizer steps in all (default 200)")
+    t.add_argument("--seed", type=int, help="train.seed: the data subset and held-out split, the drafter's "
+                   "init, the anchors (default 0)")
     t.add_argument("--config", action=Once, help="YAML file with any of the config keys")
     t.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.lr=3e-4 (repeatable)")
@@ -33,7 +35,9 @@ def add_parser(sub) -> None:
                    help="sleep in a stage: a tool for testing dashboards, alerts and stall reports")
     t.add_argument("--inject-fault", action="append", default=[], metavar="STAGE=STEP",
                    help="raise in a stage at a step: a tool for testing the failure path")
-    t.add_argument("--no-telemetry", action="store_true")
+    t.add_argument("--no-telemetry", action="store_true",
+                   help="telemetry.enabled=false: no spans or metrics, no exporter process (the steps' own "
+                        "timing still prints)")
     t.add_argument("--wandb", action="store_true", help="bridge metrics and the run summary to W&B")
     t.add_argument("--tracker", action=CommaList, metavar="NAMES",
                    help="experiment trackers, a comma list of wandb, tensorboard, mlflow (--wandb: wandb)")

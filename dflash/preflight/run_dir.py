@@ -154,6 +154,7 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
         os.ftruncate(fd, 0)
         os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                                  "since": time.strftime("%Y-%m-%dT%H:%M:%S")}).encode())
+        _sweep_dead_markers(p)
         if not (p / MARKER).is_file():
             tmp = p / f"{MARKER}.tmp{os.getpid()}"
             write_text(tmp, json.dumps({"written_by": by, "version": 1}) + "\n", inside=p)
@@ -163,6 +164,26 @@ def claim(out: str, *, resume: bool, overwrite: bool, by: str = "dflash train") 
         raise ConfigError(f"--out {out}: cannot write there ({e.strerror or e})") from None
     _held.append(fd)
     return p
+
+
+def _sweep_dead_markers(p: Path) -> None:
+    """A marker's temp file left by a claim killed between its write and its rename
+    (`.dflash-run.tmpPID`, PID gone): removed, a plain file only, never another live claim's."""
+    for f in p.glob(f"{MARKER}.tmp*"):
+        pid = f.name[len(MARKER) + 4:]
+        if not pid.isdigit() or int(pid) == os.getpid() or f.is_symlink() or not f.is_file():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or another user's: PermissionError below)
+        except PermissionError:
+            continue
+        except (ProcessLookupError, OverflowError):
+            pass
+        try:
+            f.unlink()
+        except OSError:
+            pass
 
 
 # what a run writes at the top of its dir; --overwrite removes these and nothing else

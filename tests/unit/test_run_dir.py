@@ -176,3 +176,12 @@ def test_a_capture_and_a_training_run_never_resume_or_overwrite_each_other(tmp_p
                               by=by)
         assert (out / "telemetry" / "traces.jsonl").read_text() == "{}\n"
     assert run_dir.check(str(feats), resume=False, overwrite=True, by="dflash capture") == feats
+
+
+def test_a_marker_temp_left_by_a_killed_claim_is_swept_and_a_live_ones_kept(tmp_path):
+    """A SIGKILL between the marker's write and its rename left `.dflash-run.tmpPID` for good."""
+    dead, live = tmp_path / f"{run_dir.MARKER}.tmp4194305", tmp_path / f"{run_dir.MARKER}.tmp{os.getppid()}"
+    dead.write_text("{}")
+    live.write_text("{}")
+    run_dir.claim(str(tmp_path), resume=False, overwrite=False)
+    assert not dead.exists() and live.exists() and (tmp_path / run_dir.MARKER).is_file()
