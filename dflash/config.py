@@ -248,7 +248,7 @@ def _coerce(value, typ, key: str):
                 value[k.strip()] = _yaml(v, f"{key}: {k.strip()}={_short(v)}") if vt is typing.Any and v.strip() else v
         if not isinstance(value, dict):
             raise ConfigError(f"{key}={value!r}: expected a mapping")
-        return {_coerce(k, kt, key): _coerce(v, vt, key) for k, v in value.items()}
+        return {_coerce(k, kt, key): _coerce(v, vt, f"{key}.{k}") for k, v in value.items()}  # the entry named
     if typ is bool:
         if isinstance(value, bool):
             return value
