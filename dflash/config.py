@@ -285,7 +285,7 @@ def run_config_error(run) -> str | None:
     section goes, or a list where model.target goes, is named here, never an AttributeError
     from whoever reads it later. Keys this version does not know are not judged."""
     if not isinstance(run, dict):
-        return f"dflash_run={_short(repr(run))}: expected a mapping (the run's config)"
+        return f"dflash_run={str(run)[:60]!r}: expected a mapping (the run's config)"
     top = typing.get_type_hints(Config)
     for section in dataclasses.fields(Config):
         got = run.get(section.name)
@@ -298,13 +298,13 @@ def run_config_error(run) -> str | None:
                 return str(e)
             continue
         if not isinstance(got, dict):
-            return f"dflash_run.{section.name}={_short(repr(got))}: expected a mapping"
+            return f"dflash_run.{section.name}={str(got)[:60]!r}: expected a mapping"
         hints = typing.get_type_hints(type(getattr(Config(), section.name)))
         for key, value in got.items():
             if key not in hints or value is None:
                 continue
             if hints[key] is str and not isinstance(value, str):  # dumps wrote a string: 5 is an edit
-                return f"dflash_run.{section.name}.{key}={_short(repr(value))}: expected a string"
+                return f"dflash_run.{section.name}.{key}={str(value)[:80]!r}: expected a string"
             try:
                 _coerce(value, hints[key], f"dflash_run.{section.name}.{key}")
             except ConfigError as e:

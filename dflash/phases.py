@@ -127,6 +127,7 @@ class _Named:
         main = threading.current_thread() is threading.main_thread()
         if main:
             _main_open.append(self.name)
+            _left_by_error.clear()  # an error handled before: the command went on past it
         try:
             return self.inner.__enter__()  # an injected delay sleeps in here: a signal may land in it
         except BaseException:
@@ -138,7 +139,9 @@ class _Named:
     def __exit__(self, *exc):
         if threading.current_thread() is threading.main_thread() and _main_open and _main_open[-1] == self.name:
             _main_open.pop()
-            if exc[0] is not None and not _left_by_error:  # the innermost a signal or a crash left
+            if exc[0] is None:
+                _left_by_error.clear()  # ended well: whatever an inner one raised was handled
+            elif not _left_by_error:  # the innermost a signal or a crash left
                 _left_by_error.append(self.name)
         return self.inner.__exit__(*exc)
 

@@ -63,7 +63,7 @@ class TelemetryAPI(Protocol):
 
     def end_profile(self, timeout_s=2.0) -> None: ...
 
-    def flush(self, timeout_s=2.0) -> bool: ...
+    def flush(self, timeout_s=2.0, network=True) -> bool: ...
 
     def shutdown(self, timeout_s=2.0) -> None: ...
 
@@ -202,7 +202,7 @@ class DisabledTelemetry:
     def end_profile(self, timeout_s=2.0) -> None:
         pass
 
-    def flush(self, timeout_s=2.0) -> bool:
+    def flush(self, timeout_s=2.0, network=True) -> bool:
         return True
 
     def shutdown(self, timeout_s=2.0) -> None:

@@ -38,18 +38,22 @@ def spans_drained_whole(file_dir) -> bool:
 
 
 def shown_endpoint(value: str) -> str:
-    """An endpoint as a message may print it: a password in it and its query (where tokens
-    go) replaced by ***, cut to 200 characters."""
+    """An endpoint as a message may print it: its user info (a password, or a token given as
+    the user) and its query (where tokens go) replaced by ***, cut to 200 characters; also
+    when the value does not parse as a URL."""
     from urllib.parse import urlsplit, urlunsplit
 
     try:
         u = urlsplit(value)
         netloc = u.netloc
-        if u.password is not None:
-            netloc = netloc.replace(":" + u.password + "@", ":***@", 1)
+        if "@" in netloc:  # user:password@ or a token as the user (https://KEY@host): neither shown
+            netloc = "***@" + netloc.rpartition("@")[2]
         value = urlunsplit((u.scheme, netloc, u.path, "***" if u.query else "", u.fragment))
-    except ValueError:
-        pass
+    except ValueError:  # not a URL at all (the case a check reports): hide whatever could be credentials
+        head, sep, rest = value.partition("://")
+        if sep and "@" in rest:
+            value = f"{head}://***@{rest.rpartition('@')[2]}"
+        value = value.split("?", 1)[0] + ("?***" if "?" in value else "")
     return repr(value[:200])
 
 

@@ -370,6 +370,10 @@ class ProcessTransport:
 
     def status(self) -> dict:
         child = self._child
+        if self.dead and self._final is None:
+            # the roots of the batches it held open are re-sent by the fallback (counted there) or
+            # lost with it (exporter_gone): no longer queued in the process that is gone
+            child = {**child, "roots_queued": 0}
         fb = self._fallback
         if not isinstance(fb, InProcessTransport):  # None, False (not allowed) or "failed" (it could not start)
             fb = None

@@ -269,10 +269,10 @@ def write_export(drafter, target_config, out: str | Path, *, dtype: str = "bfloa
             (tmp / files.EVAL_SETTINGS).write_text(json.dumps(prompts[1], indent=2) + "\n")
         (tmp / files.EXPORT_MARKER).write_text(json.dumps({"written_by": "dflash export", "version": 1}) + "\n")
         files.plain_modes(tmp)  # an engine running as another user must read it
-        if not replace and dst.is_dir() and any(dst.iterdir()):  # checked empty before: someone wrote it since
-            raise ConfigError(f"--out {str(out)!r}: another export was written there while this one was made; "
-                              f"nothing replaced (add --overwrite to replace it)")
-        _swap_in(tmp, dst)
+        if replace:
+            _swap_in(tmp, dst)
+        else:  # checked new or empty before it was made: someone may have written it since
+            _place_new(tmp, dst, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         why = _no_room(e)
@@ -297,24 +297,54 @@ def _no_room(e: BaseException) -> str | None:
     return None
 
 
-_RENAME_EXCHANGE = 2  # linux/fs.h
+_RENAME_NOREPLACE, _RENAME_EXCHANGE = 1, 2  # linux/fs.h
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two directories in one step (Linux renameat2 RENAME_EXCHANGE): a reader sees the
-    one or the other at each name, never neither. False where the platform, the C library or
-    the file system cannot (the caller then renames aside)."""
+def _renameat2(a: Path, b: Path, flags: int) -> int | None:
+    """Linux renameat2: 0, or the errno it failed with; None where the platform or the C
+    library has none (glibc < 2.28, musl without it)."""
     if not sys.platform.startswith("linux"):
-        return False
+        return None
     try:
         import ctypes
         libc = ctypes.CDLL(None, use_errno=True)
         fn = libc.renameat2
-    except (OSError, AttributeError):  # glibc < 2.28, musl without it
-        return False
+    except (OSError, AttributeError):
+        return None
     fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
     at_cwd = -100
-    return fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0
+    return 0 if fn(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), flags) == 0 else ctypes.get_errno()
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories in one step (RENAME_EXCHANGE): a reader sees the one or the other
+    at each name, never neither. False where the platform, the C library or the file system
+    cannot (the caller then renames aside)."""
+    return _renameat2(a, b, _RENAME_EXCHANGE) == 0
+
+
+def _place_new(tmp: Path, dst: Path, out) -> None:
+    """``tmp`` becomes ``dst`` only where nothing is there (or the empty dir the check allowed),
+    in one step: another export that landed since the check is never replaced."""
+    import errno
+
+    if dst.is_dir() and not dst.is_symlink():
+        try:
+            dst.rmdir()  # empty: a new name for renameat2; not empty: OSError, and the rename below refuses
+        except OSError:
+            pass
+    err = _renameat2(tmp, dst, _RENAME_NOREPLACE)
+    if err is None or err == errno.EINVAL:  # no renameat2, or a file system without NOREPLACE
+        try:
+            os.rename(tmp, dst)  # refuses a non-empty dir (ENOTEMPTY); a new name is taken whole
+            return
+        except OSError as e:
+            err = e.errno
+    if err in (errno.EEXIST, errno.ENOTEMPTY, errno.EISDIR, errno.ENOTDIR):
+        raise ConfigError(f"--out {str(out)!r}: another export was written there while this one was made; "
+                          f"nothing replaced (add --overwrite to replace it)")
+    if err:
+        raise OSError(err, os.strerror(err), str(dst))
 
 
 def _swap_in(tmp: Path, dst: Path) -> None:

@@ -57,11 +57,12 @@ def run(a) -> int:
     print(format_report(report))
     if a.json:
         print(json.dumps(report))
-    if not report["used"]:  # what train would refuse: the report says why, the exit status says so to a script
+    if report["used"] < 2:  # train refuses it (one to train on, one held out): the report says why, the exit status tells a script
         from ..preflight.inputs import DatasetError
         why = ", ".join(f"{k} {v}" for k, v in report["dropped"].items() if v and k != "over_length") or "none read"
-        raise DatasetError(f"dataset '{a.path}': no usable conversation in {report['records_read']} records "
-                           f"({why}); train would refuse it")
+        raise DatasetError(f"dataset '{a.path}': {report['used']} usable conversation(s) in {report['records_read']} "
+                           f"records ({why}); train would refuse it (it needs at least 2: one to train on, one "
+                           f"held out)")
     return 0
 
 

@@ -201,7 +201,7 @@ def _plan(a):
     a.gates = confidence_gates(dirs, getattr(a, "confidence_threshold", None),
                                [((_run_config(d) or {}).get("eval") or {}).get("confidence_threshold") for d in dirs])
     cfg = load_config(None, [], **{"model": model, "data": run_cfg.get("data", {}),
-                                   "train.seed": (run_cfg.get("train") or {}).get("seed", 0), "eval": ev})
+                                   "train.seed": _split_seed(run_cfg), "eval": ev})
     _notice_other_targets(dirs, target)
     idle = [f for f, v in (("--top-p", a.top_p), ("--top-k", a.top_k), ("--seed", getattr(a, "seed", None)))
             if v is not None]
@@ -234,6 +234,23 @@ def _threshold(value) -> float:
     no gate rather than a failed eval; `true` is not 1.0, which would draft nothing at all."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 1
     return float(value) if ok else 0.0
+
+
+def _split_seed(run_cfg: dict) -> int:
+    """The seed the run's held-out conversations were set aside with: its train.seed, or for a
+    run trained from a capture (data.features) the capture's own (its index.json), which a run
+    may train from with any train.seed of its own."""
+    seed = (run_cfg.get("train") or {}).get("seed", 0)
+    features = (run_cfg.get("data") or {}).get("features")
+    if features:
+        from ..offline.feature_index import FeaturesError, read_index
+        try:
+            captured = read_index(features)["data"].get("train_seed")
+        except (FeaturesError, OSError, KeyError, TypeError):
+            captured = None  # the capture is gone: the run's own seed, as before
+        if isinstance(captured, int) and not isinstance(captured, bool):
+            return captured
+    return seed
 
 
 def _notice_other_targets(dirs, target: str) -> None:

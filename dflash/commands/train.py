@@ -189,10 +189,11 @@ def load_data(cfg) -> None:
 def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool, named: dict | None = None) -> dict:
     """`dflash train --features FEATS`: the target, its seed and the layer ids come from the
     capture's index; what the user asked (``asked``: the config before them) must not
-    contradict it. One line before torch loads. The capture's data settings and its split
-    seed become the run's too (``named``: the keys the user gave, said when overruled): its
-    config.yaml then says what the samples came from, and `dflash eval` rebuilds the held-out
-    conversations the capture set aside, never ones it trained on."""
+    contradict it. One line before torch loads. The capture's data settings become the run's
+    too (``named``: the keys the user gave, said when overruled): its config.yaml then says
+    what the samples came from. train.seed stays the run's own (the drafter's init, the batch
+    order: several seeds from one capture); `dflash eval` takes the held-out split's seed from
+    the capture's index (commands/eval.py `_split_seed`), never a split the capture trained on."""
     from ..offline.feature_index import FeaturesError, mismatch, read_index
 
     try:
@@ -221,12 +222,6 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool, n
         print(f"data.max_len: {idx['data']['max_len']}, the capture's (samples were cut to it when captured)",
               file=sys.stderr)
     data, named = idx["data"], named or {}
-    split_seed = data.get("train_seed")
-    if split_seed is not None and "train.seed" in named and asked.train.seed != split_seed:
-        raise ConfigError(f"--features {path} with train.seed={asked.train.seed}: the capture set its held-out "
-                          f"conversations aside with seed {split_seed}, and a run from it keeps that seed (dflash "
-                          f"eval rebuilds the split from it); leave the seed out, or capture again with --seed "
-                          f"{asked.train.seed}")
     captured = {f"data.{k}": data[k] for k in ("path", "num_conversations", "regenerate", "regen_max_new_tokens",
                                                "regen_max_prompt_len") if data.get(k) is not None}
     for k, v in captured.items():
@@ -237,8 +232,7 @@ def train_flags(path: str, asked, *, target_flag: str | None, eval_flag: bool, n
     if too_long:
         raise ConfigError(too_long)
     return {"data.features": path, "model.target": key["target"], "model.target_seed": key["target_seed"],
-            "model.target_layer_ids": key["layer_ids"], "data.max_len": data["max_len"], **captured,
-            **({"train.seed": split_seed} if split_seed is not None else {})}
+            "model.target_layer_ids": key["layer_ids"], "data.max_len": data["max_len"], **captured}
 
 
 def _block_past_the_capture(path: str, idx: dict, block_size: int) -> str | None:

@@ -119,17 +119,26 @@ def check_target_spec(spec: str, *, probe_hub: bool = False) -> None:
     if looks_like_path or not _HUB_ID.match(spec):
         raise TargetSpecError(f"target '{spec}': no such model directory ({_EXPECTED})")
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        if _cached(spec):  # downloaded before: transformers reads it from the cache, offline
+            return
         raise TargetSpecError(
-            f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and no such local dir exists ({_EXPECTED})"
+            f"target '{spec}': hub id given but HF_HUB_OFFLINE is set and it is neither in the local Hugging Face "
+            f"cache nor a local dir ({_EXPECTED})"
         )
     if probe_hub:
         _probe_hub(spec)
 
 
+def _cached(spec: str) -> bool:
+    import huggingface_hub as hub
+
+    return isinstance(hub.try_to_load_from_cache(spec, "config.json"), str)
+
+
 def _probe_hub(spec: str) -> None:
     import huggingface_hub as hub
 
-    if isinstance(hub.try_to_load_from_cache(spec, "config.json"), str):
+    if _cached(spec):
         return  # downloaded before: transformers will find it without the network
     try:
         hub.model_info(spec, timeout=10)

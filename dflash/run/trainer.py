@@ -190,7 +190,7 @@ class Trainer:
                                                    "interrupted") if k in summary})
             report["telemetry"] = summary["telemetry"]["health"]
             write_text(out / "ranks" / f"rank{place.rank}.json", json.dumps(report, indent=2), inside=out)
-        elif place.lead and summary.get("steps") is not None and "balance" not in summary:  # the trackers' has it
+        elif place.lead and summary.get("steps") is not None:  # every span on disk now (the trackers had an early one)
             summary["balance"] = balance_from_files(out)
         dist_mod.shutdown()
 
@@ -200,10 +200,10 @@ class Trainer:
         the telemetry's figures as of now, before its last export, and the balance from the
         span files, flushed first (the file sink's lane writes behind the steps)."""
         state, out = self.state, self.spec.out
-        state.tel.flush(timeout_s=2.0)
+        state.tel.flush(timeout_s=2.0, network=False)  # handed to the sinks: a dead collector holds nothing up
         summary["telemetry"] = state.tel.summary()
         if self.spec.placement.lead and summary.get("steps") is not None:
-            summary["balance"] = balance_from_files(out)
+            summary["balance"] = balance_from_files(out)  # as far as written: summary.json's is read again at the end
         with phases.phase("trackers", trackers=",".join(r.sink.name for r in bridge.runners)):
             _close_bridge(bridge, summary)
 
@@ -283,8 +283,9 @@ def _graceful_signals(spec: RunSpec, state: RunState):
             print(f"\n{who}interrupt: finishing the current step, then saving a checkpoint (a second signal "
                   f"stops now, keeping the last checkpoint)", file=sys.stderr)
         else:  # the steps are over: the final checkpoint, an eval, the export
-            print(f"\n{who}interrupt: finishing {now}, then stopping (a second signal stops now, keeping the "
-                  f"last checkpoint)", file=sys.stderr)
+            print(f"\n{who}interrupt during {now}: the steps are over; the run writes what is left (its "
+                  f"checkpoint, learning curve, export; no more evals), then exits 130 (a second signal stops "
+                  f"now, keeping the last checkpoint)", file=sys.stderr)
         state.stop.set()
 
     prev = {s: signal.getsignal(s) for s in stop_signals()}  # SIGHUP too: a closed terminal

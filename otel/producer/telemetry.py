@@ -334,14 +334,15 @@ class Telemetry:
             self._profile_printed = True
 
     # ------------------------------------------------------------------ lifecycle
-    def flush(self, timeout_s=2.0) -> bool:
-        """Drain and export what is buffered now, within the bound."""
+    def flush(self, timeout_s=2.0, network=True) -> bool:
+        """Drain and export what is buffered now, within the bound (``network`` False: handed to
+        the exporter, not waited for at a collector, as end_profile does)."""
         if self._closed:
             return False
         deadline = time.monotonic() + timeout_s
         if not self._bg.cycle(final=True, lock_timeout_s=timeout_s / 2):
             return False
-        return self._transport.flush(max(deadline - time.monotonic(), 0.01))
+        return self._transport.flush(max(deadline - time.monotonic(), 0.01), network=network)
 
     def shutdown(self, timeout_s=2.0) -> None:
         """Export everything and stop. Local files are always written completely; the

@@ -299,11 +299,9 @@ def test_drafter_init_target_from_features_reads_only_the_layers_it_copies(tmp_p
     ("eval", "--eval with --features"),
     ("layout", "no target ranks are needed"),
     ("block_past_it", "needs samples with >= 64 loss tokens (2 x the block); the longest captured one has"),
-    ("other_seed", "the capture set its held-out conversations aside with seed 0"),
 ])
 def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, needle):
-    """block_past_it was a traceback after torch, once --overwrite had cleared the run dir;
-    other_seed trained, and `dflash eval` then scored conversations the capture trained on."""
+    """block_past_it was a traceback after torch, once --overwrite had cleared the run dir."""
     import shutil
 
     src = feats
@@ -321,12 +319,22 @@ def test_bad_feature_requests_are_one_line_before_torch(tmp_path, feats, case, n
             next(src.glob("shard-*.safetensors")).unlink()
     extra = {"other_target": ["--target", "tiny-llama"], "other_layers": ["--set", "model.target_layer_ids=0"],
              "eval": ["--eval"], "layout": ["--layout", "target:1,drafter:1"],
-             "block_past_it": ["--set", "model.block_size=32"],
-             "other_seed": ["--seed", "7"]}.get(case, [])
+             "block_past_it": ["--set", "model.block_size=32"]}.get(case, [])
     out, lines = cli_before_torch("train", "--features", src, "--out", tmp_path / "run", *COMMON, *extra)
     assert out == {"rc": 2, "torch": False}, lines
     assert len(lines) == 1 and needle in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+def test_eval_of_a_run_from_a_capture_splits_with_the_captures_seed(feats):
+    """A run may train from one capture with any train.seed (bench/data_scale.py's seeds); its
+    held-out prompts are the capture's, split with the capture's seed, never its own: seed 7's
+    split of the same conversations held out one the capture trained on."""
+    from dflash.commands.eval import _split_seed
+
+    assert _split_seed({"train": {"seed": 7}, "data": {"features": str(feats)}}) == 0
+    assert _split_seed({"train": {"seed": 7}, "data": {"features": str(feats) + "-moved"}}) == 7  # gone: its own
+    assert _split_seed({"train": {"seed": 7}, "data": {}}) == 7
 
 
 def test_a_features_dir_whose_target_config_asks_for_its_own_code_runs_nothing(tmp_path, feats):

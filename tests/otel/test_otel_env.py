@@ -72,7 +72,10 @@ def test_a_malformed_endpoint_is_named_once_without_its_secrets_and_the_file_kee
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://u:PW@127.0.0.1:1/?token=SECRETTOK")
     err = endpoint_env_error("traces", "http/protobuf")
-    assert "u:***@127.0.0.1:1/?***" in err and "/v1/traces after it" in err and "PW" not in err
+    assert "***@127.0.0.1:1/?***" in err and "/v1/traces after it" in err and "PW" not in err
+    from otel.exporter_choice import shown_endpoint
+    assert shown_endpoint("https://user:pw@[::1:4318") == "'https://***@[::1:4318'"  # unparsable: still hidden
+    assert shown_endpoint("https://KEY@host/v1") == "'https://***@host/v1'"  # a token as the user
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1/v1/traces?token=x")
     assert endpoint_env_error("traces", "http/protobuf") is None  # the SDK sends to a signal's URL as it is
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")

@@ -113,7 +113,7 @@ def test_data_inspect_of_nothing_usable_reports_why_and_exits_2(tmp_path):
     p = run_dflash("data", "inspect", path, "--json", check=False, timeout=300)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
     assert last_json(p.stdout)["used"] == 0  # the report first: the reasons are its point
-    assert "no usable conversation in" in p.stderr and "not_json 1" in p.stderr and "train would refuse it" in p.stderr
+    assert "0 usable conversation(s) in" in p.stderr and "not_json 1" in p.stderr and "train would refuse it" in p.stderr
 
 
 def test_a_lone_surrogate_escape_a_bom_and_a_cut_array_are_counted_not_crashes(tmp_path):

@@ -75,5 +75,12 @@ def test_the_phase_a_signal_ended_is_the_one_named():
     except KeyboardInterrupt:
         pass
     assert phases.innermost() == "write_weights"
+    with phases.phase("engine_verdict"):  # an error caught inside (eval's engine job): not where a later signal lands
+        try:
+            with phases.phase("engine_job"):
+                raise RuntimeError
+        except RuntimeError:
+            pass
+    assert phases.innermost() is None
     phases.reset()
     assert phases.innermost() is None

@@ -90,7 +90,7 @@ def test_a_traces_file_that_is_no_regular_file_is_skipped(tmp_path, capsys):
 
 def test_perfetto_writes_a_bytes_attribute(tmp_path):
     sp = steps(2)
-    sp[1]["attributes"]["blob"] = b"\x01\xff"  # an OTLP bytesValue, as the reader decodes it
+    sp[1]["attributes"]["blob"] = b"\x01\xff"  # bytes from a caller's dicts (the file reader gives a bytesValue as its base64 text)
     write_perfetto(sp, tmp_path / "t.json")
     ev = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert any(e.get("args", {}).get("blob") == "01ff" for e in ev)

@@ -85,8 +85,17 @@ def test_check_target_spec(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     T.check_target_spec("Qwen/Qwen3-8B")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hub_constants
+    cache = tmp_path / "hub"
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(cache))
     with pytest.raises(T.TargetSpecError, match="HF_HUB_OFFLINE"):
         T.check_target_spec("Qwen/Qwen3-8B")
+    snap = cache / "models--Qwen--Qwen3-8B" / "snapshots" / "abc"  # downloaded before: offline is fine
+    snap.mkdir(parents=True)
+    (snap / "config.json").write_text("{}")
+    (cache / "models--Qwen--Qwen3-8B" / "refs").mkdir()
+    (cache / "models--Qwen--Qwen3-8B" / "refs" / "main").write_text("abc")
+    T.check_target_spec("Qwen/Qwen3-8B")
     assert "\n" not in str(pytest.raises(T.TargetSpecError, T.check_target_spec, "/x/y/z").value)
 
 
