@@ -370,6 +370,10 @@ def test_a_real_mlflow_server_holds_the_run(served_run, mlflow_server):
     png = Path(client.download_artifacts(r.info["run_id"], "learning_curve.png", str(r.out.parent)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     _no_secret_in(r.stdout, r.stderr, r.out, mlflow_server.db)
+    # the trackers' end-of-run summary is a phase of the run's trace (a slow tracker's wait has a name)
+    from otel import read_spans
+    closing = [s for s in read_spans(str(r.out / "telemetry")) if s["name"] == "trackers"]
+    assert [s["attributes"].get("trackers") for s in closing] == ["tensorboard,mlflow"], closing
 
 
 @pytest.mark.slow

@@ -337,6 +337,18 @@ def test_eval_of_a_run_from_a_capture_splits_with_the_captures_seed(feats):
     assert _split_seed({"train": {"seed": 7}, "data": {}}) == 7
 
 
+def test_a_run_from_a_capture_records_the_captures_data_settings_and_names_an_overruled_one(feats, capsys):
+    from dflash.commands.train import train_flags
+    from dflash.config import load_config
+
+    asked = {}
+    cfg = load_config(None, [*[x for x in TINY if x != "--set"], "data.num_conversations=100"], asked=asked)
+    flags = train_flags(str(feats), cfg, target_flag=None, eval_flag=False, named=asked)
+    assert flags["data.num_conversations"] != 100 and "data.regenerate" in flags  # the capture's, into config.yaml
+    err = capsys.readouterr().err
+    assert "notice: data.num_conversations=" in err and "which this run records; ignored" in err
+
+
 def test_a_features_dir_whose_target_config_asks_for_its_own_code_runs_nothing(tmp_path, feats):
     """Features dirs are meant to be shared: FEATS/target/config.json with a crafted
     auto_map is refused by name, with "y" waiting on stdin, and its module never runs."""
