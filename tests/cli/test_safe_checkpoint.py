@@ -266,3 +266,17 @@ def test_export_of_a_checkpoint_whose_target_is_gone_is_one_line_before_torch(tm
     out, lines = cli_before_torch("export", "--checkpoint", ck, "--out", tmp_path / "exp")
     assert out == {"rc": 2, "torch": False} and len(lines) == 1, lines
     assert "its target: target" in lines[0] and "no such model directory" in lines[0], lines
+
+
+def test_resume_beside_init_from_says_the_checkpoint_wins(tmp_path):
+    """What `what_next` prints after a stop repeats the whole command, --init-from included: a
+    resume continues from OUT/checkpoint, and says the other source is ignored."""
+    import shutil
+
+    ck = _fake_run(tmp_path / "run")
+    other = shutil.copytree(ck, tmp_path / "published")
+    out, lines = cli_before_torch("train", "--out", tmp_path / "run", "--resume", "--target", "tiny-llama",
+                                  "--init-from", other, *TINY)
+    assert out["torch"] is False and out["rc"] == 2, lines  # then refused: this test process holds the run
+    said = [ln for ln in lines if "a resume continues from" in ln]
+    assert len(said) == 1 and f"--init-from {other}" in said[0] and said[0].endswith("ignored"), lines
