@@ -86,14 +86,23 @@ def recorded(run: Path) -> dict:
     seconds of requests, every engine once per prompt and round) a half-width of GOAL needs."""
     import math
 
-    from dflash.engine.pairing import interval
+    from dflash.engine.pairing import interval, steps_interval
+    from dflash.engine.verdict import our_steps
 
-    eng = json.loads((run / "summary.json").read_text())["engine"]
+    summary = json.loads((run / "summary.json").read_text())
+    eng, after = summary["engine"], summary.get("eval_after") or {}
     methods = eng["methods"]
     times = {k: m["per_request_s"] for k, m in methods.items()}
     prompts, rounds = len(times["none"]), len(times["none"][0])
     per_prompt_s = sum(sum(sum(t) for t in ts) for ts in times.values()) / prompts  # every engine, every round
     out = {"prompts": prompts, "rounds": rounds, "engines": len(times), "machine": eng.get("machine"), "ratios": {}}
+    held = after.get("per_prompt_steps") or []
+    wide = {}  # our steps on every held-out prompt (engine/verdict.our_steps), where there are more than the timed
+    if len(held) > prompts and eng.get("temperature") == 0:
+        wide = {"none": our_steps(held, "none"),
+                "ngram": our_steps(held, "ngram", (eng.get("ngram") or {}).get("num_speculative_tokens"))}
+        wide |= {k: our_steps(held, "drafter", m["k"], after["block_size"]) for k, m in methods.items()
+                 if k not in wide and m.get("k")}
     for label in times:
         if label in ("none", "ngram"):
             continue
@@ -107,6 +116,11 @@ def recorded(run: Path) -> dict:
                 "these_prompts": [fixed["low"], fixed["high"]] if fixed else None,
                 "half_width_these_prompts": fixed["half_width"] if fixed else None,
                 "prompts_for_goal": need, "request_s_for_goal": round(need * per_prompt_s)}
+            if wide:
+                two = steps_interval(times[base], times[label], wide[base], wide[label])
+                out["ratios"][f"{label} vs {base}"]["held_out"] = {
+                    "point": two["point"], "interval": [two["low"], two["high"]], "half_width": two["half_width"],
+                    "prompts": two["prompts"]}
     return out
 
 
@@ -154,6 +168,11 @@ def main() -> None:
             print(f"{name}: {x['point']:.3f}x; over prompts and rounds [{x['prompts_and_rounds'][0]:.3f}, "
                   f"{x['prompts_and_rounds'][1]:.3f}] (+-{x['half_width']:.3f}); these prompts alone {fixed}; "
                   f"+-{GOAL} needs ~{x['prompts_for_goal']} prompts (~{x['request_s_for_goal']} s of requests)")
+            if "held_out" in x:
+                h = x["held_out"]
+                print(f"  over all {h['prompts']} held-out prompts (time per step on the timed ones, our steps on "
+                      f"every one): {h['point']:.3f}x [{h['interval'][0]:.3f}, {h['interval'][1]:.3f}] "
+                      f"(+-{h['half_width']:.3f})")
         print(json.dumps(r))
         return
     if "eval_after" not in json.loads((run / "summary.json").read_text()):
@@ -186,7 +205,8 @@ def main() -> None:
         v = engine_verdict(target=target, dtype=after["dtype"], steps=steps,
                            drafters=[{"label": export, "export": export, "k": k, "steps": steps}],
                            ngram_k=k, batched=False, eager=cfg.eval.engine_eager, rounds=rounds, auto_k=True,
-                           record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed)
+                           record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed,
+                           held_out=after["per_prompt_steps"])
         print(table(v), file=sys.stderr, flush=True)
         rows.append({"arm": arm} | _row(v, export))
     frozen = ([r for r in rows if r["arm"] == "frozen"]  # the native repeats: what the checks are about

@@ -34,6 +34,8 @@ def _ratio(sp: dict | None) -> dict | None:
     out = {"point": sp["concurrency_1"], "interval": sp.get("concurrency_1_interval")}
     if sp.get("these_prompts"):  # the rounds of these prompts alone: the machine's jitter (engine/pairing.py)
         out["these_prompts"] = sp["these_prompts"]["interval"]
+    if sp.get("held_out"):  # over every held-out prompt, from the timed ones' time per step (engine/pairing.py)
+        out["held_out"] = {k: sp["held_out"][k] for k in ("point", "interval", "prompts")}
     return out
 
 

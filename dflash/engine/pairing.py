@@ -27,6 +27,18 @@ With ``these_prompts`` the first stage is skipped: every prompt is kept once and
 rounds are drawn, so the interval holds the machine's jitter alone. It answers "on these
 prompts, on this machine, which is faster?", which more rounds narrow; the full interval
 answers it for prompts like these, which only more prompts narrow (docs/serving.md).
+
+More prompts without more requests (`steps_interval`, two-phase sampling): the verdict times a
+few of the eval's held-out prompts, and our decoder has stepped through all of them. A
+method's time on a prompt is, to first order, its forward passes there times its cost per
+pass, and at T = 0 the passes follow from the greedy output alone (our decoder's steps agree
+with vLLM's within a token a prompt: tests/engine/test_engine_agreement.py). So each method's
+cost per pass is measured on the timed prompts, and its passes are counted on every held-out
+one; the ratio is that of cost times passes. The interval draws the timed prompts and their
+rounds (the cost: the machine's jitter, and what the first-order model leaves out, such as a
+long prompt's prefill) and, independently, all the held-out prompts (their passes: the
+prompts' spread over N prompts instead of P). It is as wide as the full interval when the
+machine's jitter dominates, and narrower when the prompts' spread does.
 """
 from __future__ import annotations
 
@@ -83,6 +95,61 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
     enough = prompts * rounds >= MIN_REQUESTS and prompts >= MIN_PROMPTS and (rounds >= MIN_ROUNDS or not these_prompts)
     return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": prompts, "rounds": rounds, "enough": enough}
+
+
+def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_steps: list[float],
+                   other_steps: list[float], *, level: float = LEVEL, resamples: int = RESAMPLES,
+                   seed: int = 0) -> dict:
+    """The ratio over all the prompts our decoder stepped through, from the timed few (the
+    module doc's two-phase estimate): ``base_steps`` / ``other_steps`` are each method's
+    verify steps per prompt as our decoder counts them, for every held-out prompt (N); the
+    first P of them are the timed ones (``base_s`` / ``other_s``, P prompts x R rounds).
+
+    Point: each method's seconds per step on the timed prompts (their seconds over their
+    steps), times its steps over all N prompts; the ratio of those. Interval: the timed
+    prompts (and their rounds) drawn as in `interval`, and, independently, the N prompts
+    drawn for the step sums. ``{"point", "low", "high", "level", "half_width", "prompts"
+    (N), "timed_prompts", "rounds", "enough"}``."""
+    P, N = len(base_s), len(base_steps)
+    if P == 0 or len(other_s) != P or any(len(a) != len(b) or not a for a, b in zip(base_s, other_s)):
+        raise ValueError("steps_interval: the same non-empty rounds of the same prompts for both methods")
+    if len(other_steps) != N or N < P or min(base_steps + other_steps) <= 0:
+        raise ValueError("steps_interval: positive steps for both methods on every prompt, the timed ones first")
+
+    def ratio(tb, to, xb_timed, xo_timed, xb_all, xo_all):
+        return (tb / xb_timed * xb_all) / (to / xo_timed * xo_all)
+
+    mb = [sum(r) / len(r) for r in base_s]
+    mo = [sum(r) / len(r) for r in other_s]
+    point = ratio(sum(mb), sum(mo), sum(base_steps[:P]), sum(other_steps[:P]), sum(base_steps), sum(other_steps))
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(resamples):
+        tb = to = xb = xo = 0.0
+        for _ in range(P):
+            i = rng.randrange(P)
+            n = len(base_s[i])
+            for _ in range(n):
+                r = rng.randrange(n)
+                tb += base_s[i][r] / n
+                to += other_s[i][r] / n
+            xb += base_steps[i]
+            xo += other_steps[i]
+        ab = ao = 0.0
+        for _ in range(N):
+            j = rng.randrange(N)
+            ab += base_steps[j]
+            ao += other_steps[j]
+        draws.append(ratio(tb, to, xb, xo, ab, ao))
+    draws.sort()
+    tail = (1 - level) / 2
+    lo = draws[int(tail * resamples)]
+    hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
+    rounds = min(len(r) for r in base_s)
+    enough = P >= MIN_PROMPTS and P * rounds >= MIN_REQUESTS
+    return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
+            "half_width": round((hi - lo) / 2, 4), "prompts": N, "timed_prompts": P, "rounds": rounds,
+            "enough": enough}
 
 
 def decided(iv: dict) -> str:

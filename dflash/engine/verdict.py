@@ -28,6 +28,9 @@ Figures per method (docs/serving.md):
   once, each engine once, unpaired), and the speedups over `none` and `ngram` (at concurrency 1
   the paired point and its interval);
 - per request, its seconds (`per_request_s[prompt][round]`): what the intervals are computed from;
+- with `held_out` (train --eval times the first `eval.engine_prompts` of its prompts), each
+  ratio over every held-out prompt too (`speedup_vs_*.held_out`): the timed prompts' time per
+  forward pass, times our count of passes on each (engine/pairing.steps_interval);
 - agreement with our decoder: per prompt, accepted drafts ours vs vLLM's.
 """
 from __future__ import annotations
@@ -69,6 +72,31 @@ def ours_figures(steps: list[dict]) -> dict:
             "accepted_per_prompt": [sum(a - 1 for a in s["acceptance_lengths"]) for s in steps]}
 
 
+def our_steps(held_out: list[dict], method: str, k: int | None = None, block_size: int | None = None) -> list[int]:
+    """Forward passes per prompt that a method takes to give our eval's output, as our side
+    counts them (the prompt's pass, which gives the first token, and then each verify step):
+    ``none`` one a token; ``ngram`` vLLM's n-gram rule (lookup 1-3, the earliest occurrence of
+    the longest match, k drafts) walked over the output, which decides its acceptance at T = 0;
+    a drafter at k from our decoder's steps at block_size - 1 (a step that kept a tokens takes
+    ceil(a / (k + 1)) at a smaller k: as if a fresh block drafted the rest alike). What the
+    two-phase interval (engine/pairing.steps_interval) counts time per step against."""
+    from ..model.prompt_lookup import accepted_on_output, propose
+
+    out = []
+    for s in held_out:
+        L = max(1, len(s["output_ids"]))
+        if method == "none":
+            out.append(L)
+        elif method == "ngram":
+            got = accepted_on_output(s["prompt_ids"], s["output_ids"], max_new_tokens=L, block_size=k + 1, eos=set(),
+                                     proposer=lambda ids, n: propose(ids, n, earliest=True))
+            out.append(1 + len(got))
+        else:
+            K = block_size - 1
+            out.append(1 + sum(-(-a // (k + 1)) if k < K else 1 for a in s["acceptance_lengths"]))
+    return out
+
+
 def _speed(res: dict) -> dict:
     out = {"concurrency_1": round(res["concurrency_1"]["tokens"] / res["concurrency_1"]["wall_s"], 2)}
     if "batched" in res:
@@ -106,7 +134,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                    batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None,
                    max_model_len: int | None = None, temperature: float = 0.0, seed: int = 0,
                    rounds: int = ROUNDS, auto_k: bool = False, record_k: bool = False, freeze_idle: bool = True,
-                   profile: bool = True) -> dict:
+                   profile: bool = True, held_out: list[dict] | None = None) -> dict:
     """`steps`: our eval's per_prompt_steps (prompt_ids, output_ids, acceptance_lengths) of the
     first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts, drafting
     block_size - 1 a step), "block_size" (else: the largest k given for that export, + 1)}].
@@ -117,7 +145,10 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     engine (PROFILE: the first prompt's first 32 tokens), the cost of a verify step split into the drafter, the target's
     verify and the rest. `auto_k`: the k those costs and our per-position acceptance say is
     fastest (engine/kchoice.py) served beside each drafter's k, and with `record_k` written
-    into the export (an export dflash wrote) for `serve --k auto`."""
+    into the export (an export dflash wrote) for `serve --k auto`. `held_out`: our eval's records
+    of the first drafter on all its prompts, `steps` first (a verdict on the first few): each
+    ratio then also comes over all of them, from each method's time per step on the timed ones
+    and our steps on every one (engine/pairing.steps_interval; at T = 0)."""
     import time
 
     from . import kchoice, machine, paired
@@ -224,7 +255,7 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         if not greedy:
             fig["lossless"] = None  # a property of the distribution at T > 0, not of one output
         methods[label] = fig
-    _speedups(methods, results)
+    _speedups(methods, results, _held_out_steps(held_out, steps, plan, drafters, ngram_k) if greedy else {})
     if costs:
         _cost_split(methods, costs, results)
         for label, c in costs.items():
@@ -257,7 +288,9 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                                          "count; vLLM's ngram counts only steps where it found a match)",
                          "tau_per_prompt": "that ratio per prompt, then the mean over prompts (z-lab's benchmark)",
                          "speedup": "tokens/s over the base's on the same requests, concurrency 1; the interval: "
-                                    "95%, bootstrap over prompts, then rounds within each (engine/pairing.py)"}}
+                                    "95%, bootstrap over prompts, then rounds within each (engine/pairing.py)",
+                         "held_out": "the same ratio over every held-out prompt: each method's time per forward pass "
+                                     "on the timed prompts times our count of its passes on each (engine/pairing.py)"}}
     if picks:
         v["k_auto"] = {e: {k: g[k] for k in ("k", "predicted_k", "block_k", "predicted_tokens_per_s", "tokens_per_step",
                                              "per_position_acceptance", "measured", "overruled", "drafter") if k in g}
@@ -268,10 +301,26 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     return v
 
 
-def _speedups(methods: dict, results: dict) -> None:
+def _held_out_steps(held_out: list[dict] | None, steps: list[dict], plan: list[dict], drafters: list[dict],
+                    ngram_k: int) -> dict[str, list[int]]:
+    """Our steps on every held-out prompt, per method that they predict (none, ngram, and the
+    first drafter at each k it is served at); {} when there are no prompts beyond the timed."""
+    if not held_out or len(held_out) <= len(steps):
+        return {}
+    if [s["prompt_ids"] for s in held_out[:len(steps)]] != [s["prompt_ids"] for s in steps]:
+        raise ValueError("engine_verdict: held_out must start with the timed prompts, in their order")
+    got = {"none": our_steps(held_out, "none"), "ngram": our_steps(held_out, "ngram", ngram_k)}
+    for p in plan:
+        if p.get("export") == drafters[0]["export"] and p["k"] <= p["block_size"] - 1:
+            got[p["label"]] = our_steps(held_out, "drafter", p["k"], p["block_size"])
+    return got
+
+
+def _speedups(methods: dict, results: dict, held_out: dict[str, list[int]]) -> None:
     """Each method against none and ngram: the paired point and its interval at concurrency 1
-    (over the same requests), the plain ratio of the batched runs."""
-    from .pairing import decided, interval
+    (over the same requests), the same over every held-out prompt where our steps are known
+    (``held_out``: pairing.steps_interval), the plain ratio of the batched runs."""
+    from .pairing import decided, interval, steps_interval
 
     for label, fig in methods.items():
         for base in ("none", "ngram"):
@@ -285,6 +334,11 @@ def _speedups(methods: dict, results: dict) -> None:
                 fixed = interval(results[base]["times"], results[label]["times"], these_prompts=True)
                 out["these_prompts"] = {"interval": [fixed["low"], fixed["high"]],
                                         "half_width": fixed["half_width"], "decided": decided(fixed)}
+            if label in held_out and base in held_out:
+                wide = steps_interval(results[base]["times"], results[label]["times"], held_out[base], held_out[label])
+                out["held_out"] = {"point": round(wide["point"], 3), "interval": [wide["low"], wide["high"]],
+                                   "half_width": wide["half_width"], "decided": decided(wide),
+                                   "prompts": wide["prompts"], "timed_prompts": wide["timed_prompts"]}
             b = methods[base]["tokens_per_s"].get("batched")
             if b and fig["tokens_per_s"].get("batched"):
                 out["batched"] = round(fig["tokens_per_s"]["batched"] / b, 3)
@@ -437,6 +491,14 @@ def table(v: dict) -> str:
                          + ", ".join(f"vs {b} [{f['interval'][0]:.2f}, {f['interval'][1]:.2f}]"
                                      for b, f in fixed.items() if f))
     for m_label, m in v["methods"].items():
+        wide = {b: (m.get(f"speedup_vs_{b}") or {}).get("held_out") for b in ("none", "ngram")}
+        if any(wide.values()) and m_label != "none":  # none's are ngram's, upside down
+            w = next(x for x in wide.values() if x)
+            notes.append(f"{m_label} over all {w['prompts']} held-out prompts (its time per step on the "
+                         f"{w['timed_prompts']} timed, our steps on every one): "
+                         + ", ".join(f"vs {b} {fmt(x | {'low': x['interval'][0], 'high': x['interval'][1]})}"
+                                     for b, x in wide.items() if x))
+    for m_label, m in v["methods"].items():
         need = m.get("break_even_tokens_per_step")
         if need:
             notes.append(f"{m_label}: level with none at {need['vs_none']:.2f} tokens per step"
@@ -483,7 +545,7 @@ def after_training(spec, summary: dict) -> dict | None:
                                                    "steps": steps}],
                            ngram_k=k, batched=cfg.eval.engine_batched, eager=cfg.eval.engine_eager,
                            log_dir=logs, rounds=cfg.eval.engine_rounds, auto_k=True, record_k=True,
-                           temperature=cfg.eval.temperature, seed=cfg.train.seed)
+                           temperature=cfg.eval.temperature, seed=cfg.train.seed, held_out=after["per_prompt_steps"])
     except (runner.EngineFailed, runner.EngineError) as e:  # the run's own results stand: reported, not fatal
         # (EngineError: the engines would not fit in memory together, said before any started)
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)

@@ -34,13 +34,15 @@ RULE = ("the tokens that followed the latest earlier occurrence of the context's
         f"n = {MAX_NGRAM} down to 1 (longest match first, then latest), known tokens only")
 
 
-def propose(ids: list[int], length: int, max_n: int = MAX_NGRAM) -> list[int]:
-    """Prompt lookup's proposal for the anchor ids[-1]: at most `length` tokens."""
+def propose(ids: list[int], length: int, max_n: int = MAX_NGRAM, *, earliest: bool = False) -> list[int]:
+    """Prompt lookup's proposal for the anchor ids[-1]: at most `length` tokens. ``earliest``:
+    vLLM's n-gram drafter's tie-break (the earliest occurrence of the longest match), which the
+    engine's verdict counts ngram's steps with (engine/verdict.py)."""
     p = len(ids) - 1
     if p < 1 or length < 1:
         return []
     best_n, best_j = 0, -1
-    for j in range(p - 1, -1, -1):  # latest first: the first j with the longest match wins
+    for j in (range(p) if earliest else range(p - 1, -1, -1)):  # the first j with the longest match wins
         n = 0
         while n < max_n and n <= j and ids[j - n] == ids[p - n]:
             n += 1
