@@ -30,7 +30,9 @@ per-request seconds) and prints each drafter ratio's interval both ways, over pr
 rounds and over the rounds of these prompts alone (the machine's jitter), and how many
 prompts the full interval would need for a half-width of 0.05 (the half-width shrinks as
 one over the square root of the prompts: it is their spread that widens it), with the
-seconds of requests that would take at the recorded speeds.
+seconds of requests that would take at the recorded speeds; and, where the eval held out more
+prompts than the verdict timed, the interval over all of them (engine/pairing.steps_interval:
+each method's time per forward pass on the timed prompts, our count of its passes on every one).
 
     .venv/bin/python bench/verdict_repeat.py --run runs/demo --recorded
 

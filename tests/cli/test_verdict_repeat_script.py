@@ -66,3 +66,42 @@ def test_verdict_design_prices_shorter_replies_from_a_runs_decoded_steps(tmp_pat
     bad = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
                           "--lengths", "0"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--lengths 0" in bad.stderr, bad.stderr
+
+
+def test_recorded_over_every_held_out_prompt_when_the_eval_held_out_more(tmp_path):
+    """The eval decoded 16 prompts, the verdict timed the first 6: the ratio also comes over all
+    16 (time per forward pass on the 6, our count of passes on each), and where the prompts'
+    spread sets the width it is narrower than the 6 prompts' own interval."""
+    import random
+
+    from dflash.engine.verdict import our_steps
+
+    rng = random.Random(5)
+    held = []
+    for _ in range(16):
+        out = [rng.randrange(50) for _ in range(40)]
+        lengths, left = [], 39
+        while left > 0:                                     # a drafter that keeps 1-4 tokens a step
+            a = min(left, rng.choice([1, 1, 2, 4]))
+            lengths.append(a)
+            left -= a
+        held.append({"prompt_ids": out[:8], "output_ids": out, "acceptance_lengths": lengths})
+    cost = {"none": 0.040, "ngram": 0.042, "export": 0.046}  # s per forward pass
+    passes = {"none": our_steps(held, "none"), "ngram": our_steps(held, "ngram", 3),
+              "export": our_steps(held, "drafter", 3, 4)}
+    methods = {k: {"per_request_s": [[passes[k][i] * c * (1 + rng.uniform(-0.01, 0.01)) for _ in range(2)]
+                                     for i in range(6)], **({"k": 3} if k != "none" else {})}
+               for k, c in cost.items()}
+    (tmp_path / "summary.json").write_text(json.dumps(
+        {"engine": {"methods": methods, "temperature": 0.0, "ngram": {"num_speculative_tokens": 3}},
+         "eval_after": {"block_size": 4, "per_prompt_steps": held}}))
+    (tmp_path / "export").mkdir()
+    p = run("--run", tmp_path, "--recorded")
+    assert p.returncode == 0, p.stderr
+    x = json.loads(p.stdout.strip().splitlines()[-1])["ratios"]["export vs none"]
+    truth = sum(passes["none"]) * cost["none"] / (sum(passes["export"]) * cost["export"])
+    h = x["held_out"]
+    assert h["prompts"] == 16 and abs(h["point"] - truth) < 0.01 * truth, (h, truth)
+    assert h["interval"][0] <= truth <= h["interval"][1]
+    assert h["half_width"] < x["half_width"], x
+    assert "over all 16 held-out prompts" in p.stdout
