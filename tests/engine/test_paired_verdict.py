@@ -17,11 +17,12 @@ def test_one_paired_verdict_on_tiny_qwen3_with_intervals(tmp_path, tiny_export):
 
     export = tmp_path / "export"  # the shared fixture stays as it is: the verdict writes its k here
     shutil.copytree(tiny_export, export)
-    p = run_dflash("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--prompts", 3, "--max-new-tokens", 24,
-                   "--engine", "vllm", "--engine-eager", "--engine-no-batched", "--engine-rounds", 2, "--json",
-                   timeout=1800)
+    p = run_dflash("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--prompts", 4, "--max-new-tokens", 24,
+                   "--engine", "vllm", "--engine-eager", "--engine-no-batched", "--engine-rounds", 2,
+                   "--engine-prompts", 3, "--json", timeout=1800)
     assert "paired and interleaved" in p.stdout and "machine: " in p.stdout, p.stdout
-    v = last_json(p.stdout)["engine"]
+    res = last_json(p.stdout)
+    v = res["engine"]
     assert v["paired"] and v["rounds"] == 2 and v["prompts"] == 3
     assert v["machine"]["vllm_kernels"] in ("_C", "_C_AVX512", "_C_AVX2") and v["machine"]["logical_cpus"] >= 1
     m = v["methods"]
@@ -44,6 +45,17 @@ def test_one_paired_verdict_on_tiny_qwen3_with_intervals(tmp_path, tiny_export):
     assert [iv["low"], iv["high"]] == m[label]["speedup_vs_none"]["concurrency_1_interval"]
     fixed = interval(m["none"]["per_request_s"], m[label]["per_request_s"], these_prompts=True)
     assert [fixed["low"], fixed["high"]] == m[label]["speedup_vs_none"]["these_prompts"]["interval"]
+    # 3 of the eval's 4 prompts timed: each ratio also over all 4, from the time per forward pass on the 3
+    # and our passes on each (engine/pairing.steps_interval), as the JSON's own numbers recompute it
+    from dflash.engine.pairing import steps_interval
+    from dflash.engine.verdict import our_steps
+    held = res["per_prompt_steps"]
+    assert len(held) == 4 and [h["prompt_ids"] for h in held[:3]] == [s["prompt_ids"] for s in held[:3]]
+    wide = m[label]["speedup_vs_none"]["held_out"]
+    again = steps_interval(m["none"]["per_request_s"], m[label]["per_request_s"], our_steps(held, "none"),
+                           our_steps(held, "drafter", m[label]["k"], 8))
+    assert (wide["prompts"], wide["timed_prompts"]) == (4, 3) and wide["interval"] == [again["low"], again["high"]]
+    assert "held_out" in m[label]["speedup_vs_ngram"] and "over all 4 held-out prompts" in p.stdout
     # idle engines frozen: the CPU they used while another served is a rounding error of the timed seconds
     idle = v["idle_engines"]
     assert idle["frozen"] and idle["timed_s"] > 0 and idle["cpu_s"] < 0.05 * idle["timed_s"], idle
