@@ -255,7 +255,16 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         if not greedy:
             fig["lossless"] = None  # a property of the distribution at T > 0, not of one output
         methods[label] = fig
-    _speedups(methods, results, _held_out_steps(held_out, steps, plan, drafters, ngram_k) if greedy else {})
+    passes = _held_out_steps(held_out, steps, plan, drafters, ngram_k) if greedy else {}
+    _speedups(methods, results, passes)
+    for label, ours in passes.items():  # what the held-out ratios rest on, checked where vLLM counted it
+        res = results[label]
+        if label != "none" and res["spec"]:
+            theirs = [len(o) - r["num_accepted_draft_tokens"] for o, r in zip(res["outputs"], res["spec"])]
+            diffs = [abs(a - b) for a, b in zip(ours, theirs)]
+            methods[label]["passes_vs_ours"] = {"equal": sum(d == 0 for d in diffs), "prompts": len(diffs),
+                                                "max_abs_diff": max(diffs, default=0),
+                                                "vllm": sum(theirs), "ours": sum(ours[:len(theirs)])}
     if costs:
         _cost_split(methods, costs, results)
         for label, c in costs.items():

@@ -28,6 +28,8 @@ def bench(script, *args):
     ("trace_coverage.py", ["--telemetry", "/etc/hostname", "--", "true"], "not a directory"),
     ("trace_coverage.py", ["--telemetry", "/tmp/x", "--", "/nonexistent-program"], "cannot run"),
     ("verdict_design.py", ["--budget-s", "inf"], "a budget > 0"),
+    ("verdict_coverage.py", ["--sims", "0"], "--sims=0"),
+    ("verdict_coverage.py", ["--regimes", "quiet,nope"], "--regimes='quiet,nope'"),
     ("otel/slow_collector.py", ["--delay", "-1"], "--delay=-1.0"),
     ("otel/slow_collector.py", ["--rate", "nan"], "--rate=nan"),
 ])
