@@ -56,6 +56,11 @@ def test_one_paired_verdict_on_tiny_qwen3_with_intervals(tmp_path, tiny_export):
                            our_steps(held, "drafter", m[label]["k"], 8))
     assert (wide["prompts"], wide["timed_prompts"]) == (4, 3) and wide["interval"] == [again["low"], again["high"]]
     assert "held_out" in m[label]["speedup_vs_ngram"] and "over all 4 held-out prompts" in p.stdout
+    # what that rests on, checked on the timed prompts: our passes against vLLM's (its tokens less its accepted)
+    for name in ("ngram", label):
+        check = m[name]["passes_vs_ours"]
+        assert check["prompts"] == 3 and check["ours"] > 0 and check["vllm"] > 0, (name, check)
+    assert m[label]["passes_vs_ours"]["max_abs_diff"] <= 1, m[label]["passes_vs_ours"]  # agreement: within 1 a prompt
     # idle engines frozen: the CPU they used while another served is a rounding error of the timed seconds
     idle = v["idle_engines"]
     assert idle["frozen"] and idle["timed_s"] > 0 and idle["cpu_s"] < 0.05 * idle["timed_s"], idle
