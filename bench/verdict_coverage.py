@@ -10,7 +10,7 @@ cost spread, a drift the pair of requests shares, and a cost per pass that moves
 (where the first-order model behind steps_interval is wrong). The truth is the ratio of the
 expected times over the prompts' population (2M prompts, no jitter).
 
-    .venv/bin/python bench/verdict_coverage.py                       # every regime, 1000 verdicts, ~4 min
+    .venv/bin/python bench/verdict_coverage.py                       # every regime, 1000 verdicts, ~1 min
     .venv/bin/python bench/verdict_coverage.py --sims 300 --regimes quiet,noisy
 
 Prints a row per regime and interval: coverage, mean half-width, mean bias; the last line is
