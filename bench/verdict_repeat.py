@@ -82,12 +82,29 @@ def _overlap(ivs: list[list[float]]) -> bool:
 GOAL = 0.05  # issue 55's half-width
 
 
+def prompts_for(half_width: float, prompts: int) -> int:
+    """The prompts a half-width of GOAL needs: the width falls as one over the square root of the
+    prompts, and the expanded percentiles' widening (engine/pairing.expanded_tail) eases as
+    they grow."""
+    import math
+    from statistics import NormalDist
+
+    from dflash.engine.pairing import expanded_tail
+
+    def spread(n):  # the interval's z at n prompts, over the square root of n
+        return NormalDist().inv_cdf(1 - expanded_tail(n)) / math.sqrt(n)
+    if half_width <= GOAL:
+        return prompts
+    n = prompts
+    while half_width * spread(n) / spread(prompts) > GOAL and n < 100_000:
+        n += 1
+    return n
+
+
 def recorded(run: Path) -> dict:
     """The run's own verdict, read back (no engine): per drafter and base, the interval over
     prompts and rounds, the one over these prompts' rounds alone, and the prompts (and
     seconds of requests, every engine once per prompt and round) a half-width of GOAL needs."""
-    import math
-
     from dflash.engine.pairing import interval, steps_interval
     from dflash.engine.verdict import our_steps
 
@@ -111,7 +128,7 @@ def recorded(run: Path) -> dict:
         for base in ("none", "ngram"):
             full = interval(times[base], times[label])
             fixed = interval(times[base], times[label], these_prompts=True) if rounds > 1 else None
-            need = math.ceil(prompts * (full["half_width"] / GOAL) ** 2)
+            need = prompts_for(full["half_width"], prompts)
             out["ratios"][f"{label} vs {base}"] = {
                 "point": full["point"], "prompts_and_rounds": [full["low"], full["high"]],
                 "half_width": full["half_width"],

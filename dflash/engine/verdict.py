@@ -297,7 +297,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                                          "count; vLLM's ngram counts only steps where it found a match)",
                          "tau_per_prompt": "that ratio per prompt, then the mean over prompts (z-lab's benchmark)",
                          "speedup": "tokens/s over the base's on the same requests, concurrency 1; the interval: "
-                                    "95%, bootstrap over prompts, then rounds within each (engine/pairing.py)",
+                                    "95%, bootstrap over prompts, then rounds within each, expanded percentiles "
+                                    "(engine/pairing.py)",
                          "held_out": "the same ratio over every held-out prompt: each method's time per forward pass "
                                      "on the timed prompts times our count of its passes on each (engine/pairing.py)"}}
     if picks:
@@ -490,7 +491,7 @@ def table(v: dict) -> str:
         idle = v.get("idle_engines") or {}
         if (why := too_few(v["prompts"], v["rounds"])) is not None:
             notes.append(f"{why}: the intervals are shown, no ratio is called faster or slower, no k recorded")
-        notes.append(f"intervals: 95%, bootstrap over prompts and rounds; idle engines "
+        notes.append(f"intervals: 95%, bootstrap over prompts and rounds (expanded percentiles); idle engines "
                      f"{'frozen' if idle.get('frozen') else 'left running'}, their CPU while another served: "
                      f"{idle.get('cpu_s', 0):.2f} s of {idle.get('timed_s', 0):.0f} s")
     for m_label, m in v["methods"].items():

@@ -34,7 +34,9 @@ def test_recorded_intervals_both_ways_and_the_prompts_the_goal_needs(tmp_path):
         flo, fhi = x["these_prompts"]
         assert lo < flo <= x["point"] <= fhi < hi, x  # the machine's jitter is inside the prompts' spread
         assert x["half_width_these_prompts"] < 0.05 < x["half_width"], x
-        assert x["prompts_for_goal"] == math.ceil(6 * (x["half_width"] / 0.05) ** 2) > 6
+        # the width falls as one over the root of the prompts, the expanded percentiles' widening eases too:
+        # fewer than the plain square law says, more than 6
+        assert 6 < x["prompts_for_goal"] <= math.ceil(6 * (x["half_width"] / 0.05) ** 2)
     assert "needs ~" in p.stdout
 
 
