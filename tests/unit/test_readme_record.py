@@ -54,13 +54,17 @@ def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
                               "runs/demo/export (k=2, auto)": {
                                   "k": 2, "tokens_per_s": {"concurrency_1": 27.0}, "tau_per_step": 1.28,
                                   "lossless": True, "predicted_speedup_vs_none": 1.33,
-                                  "speedup_vs_none": {"concurrency_1": 1.35, "concurrency_1_interval": [1.3, 1.4]},
+                                  "speedup_vs_none": {"concurrency_1": 1.35, "concurrency_1_interval": [1.3, 1.4],
+                                                      "held_out": {"point": 1.33, "interval": [1.31, 1.36],
+                                                                   "half_width": 0.025, "decided": "faster",
+                                                                   "prompts": 16, "timed_prompts": 8}},
                                   "speedup_vs_ngram": {"concurrency_1": 0.93,
                                                        "concurrency_1_interval": [0.9, 0.96],
                                                        "these_prompts": {"interval": [0.92, 0.94]}}}}}}
     rec = demo_record.from_summary(summary, name="demo", command="make demo", wall_s=519.2, date="2026-12-06")
     assert rec["verdict"]["k"] == 2 and rec["verdict"]["k_block"] == 3, "the served k is the picked one"
-    assert rec["verdict"]["drafter_vs_none"] == {"point": 1.35, "interval": [1.3, 1.4]}
+    assert rec["verdict"]["drafter_vs_none"] == {"point": 1.35, "interval": [1.3, 1.4], "held_out": {
+        "point": 1.33, "interval": [1.31, 1.36], "prompts": 16}}, "over every held-out prompt too"
     assert rec["verdict"]["drafter_vs_ngram"]["these_prompts"] == [0.92, 0.94], "the machine's own interval, kept"
     assert rec["cache"].startswith("empty") and rec["wall_s"] == 519 and rec["phases_s"]["verdict"] == 231.0
     records = tmp_path / "records"
@@ -71,7 +75,7 @@ def test_a_demo_run_writes_its_record_and_the_table_follows(tmp_path):
     row = readme.read_text().splitlines()[-4]
     assert row == ("| `make demo`, 2026-12-06 | **1.26 / 1.40** | 1.51 / 1.53 | 1.28 (k=2, 8 prompts) | "
                    "27.0 / 29.0 / 20.0 | "
-                   "1.35x [1.30, 1.40] | 0.93x [0.90, 0.96] | 8 min 39 s, cache empty | "
+                   "1.35x [1.30, 1.40]; all 16 prompts: 1.33x [1.31, 1.36] | 0.93x [0.90, 0.96] | 8 min 39 s, cache empty | "
                    "AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels |"), row
     assert json.loads((records / "demo.json").read_text())["machine"]["cpu"] == "AMD EPYC"
 
