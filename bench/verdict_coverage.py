@@ -12,6 +12,7 @@ expected times over the prompts' population (2M prompts, no jitter).
 
     .venv/bin/python bench/verdict_coverage.py                       # every regime, 1000 verdicts, ~1 min
     .venv/bin/python bench/verdict_coverage.py --sims 300 --regimes quiet,noisy
+    .venv/bin/python bench/verdict_coverage.py --held-out 32 --regimes quiet   # a larger held-out set
 
 Prints a row per regime and interval: coverage, mean half-width, mean bias; the last line is
 one JSON object.
@@ -99,21 +100,31 @@ def run(name: str, reg: dict, sims: int, resamples: int) -> dict:
 
 
 def main() -> int:
+    global N, P, R  # the verdict's shape, for verdict() below
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sims", type=int, default=1000, help="synthetic verdicts per regime (default 1000)")
     ap.add_argument("--resamples", type=int, default=400, help="bootstrap draws per interval (the verdict's: 2000)")
     ap.add_argument("--regimes", default=",".join(REGIMES), help=f"a comma list of {', '.join(REGIMES)}")
+    ap.add_argument("--held-out", type=int, default=N, help=f"held-out prompts (default {N}, the demo's)")
+    ap.add_argument("--timed", type=int, default=P, help=f"the first of them timed (default {P})")
+    ap.add_argument("--rounds", type=int, default=R, help=f"rounds per timed prompt (default {R})")
     a = ap.parse_args()
     names = [n.strip() for n in a.regimes.split(",")]
     for what, ok, want in (("--sims", a.sims >= 10, "an integer >= 10"),
                            ("--resamples", a.resamples >= 100, "an integer >= 100"),
+                           ("--timed", a.timed >= 2, "an integer >= 2"),
+                           ("--held-out", a.held_out >= a.timed, f"an integer >= --timed ({a.timed})"),
+                           ("--rounds", a.rounds >= 1, "an integer >= 1"),
                            ("--regimes", all(n in REGIMES for n in names) and names,
                             f"a comma list of {', '.join(REGIMES)}")):
         if not ok:
-            print(f"verdict_coverage.py: {what}={getattr(a, what[2:])!r}: expected {want}", file=sys.stderr)
+            print(f"verdict_coverage.py: {what}={getattr(a, what[2:].replace('-', '_'))!r}: expected {want}", file=sys.stderr)
             return 2
-    out = {"sims": a.sims, "resamples": a.resamples, "nominal": 0.95, "regimes": {}}
-    print(f"{'regime':18s} {'interval':15s} coverage  half-width  bias    ({a.sims} verdicts x {a.resamples} draws)")
+    N, P, R = a.held_out, a.timed, a.rounds
+    out = {"sims": a.sims, "resamples": a.resamples, "nominal": 0.95, "held_out": N, "timed": P, "rounds": R,
+           "regimes": {}}
+    print(f"{'regime':18s} {'interval':15s} coverage  half-width  bias    ({a.sims} verdicts x {a.resamples} draws; "
+          f"{N} held-out prompts, {P} timed x {R} rounds)")
     for name in names:
         t0 = time.monotonic()
         r = out["regimes"][name] = run(name, REGIMES[name], a.sims, a.resamples)
