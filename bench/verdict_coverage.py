@@ -35,6 +35,7 @@ REGIMES = {
     "noisy": {"jitter": 0.15},
     "quiet+cost3%": {"jitter": 0.01, "cost_sd": 0.03},
     "noisy+cost3%": {"jitter": 0.15, "cost_sd": 0.03},
+    "quiet+cost10%": {"jitter": 0.01, "cost_sd": 0.10},
     "drift20+jitter5": {"jitter": 0.05, "drift": 0.20, "cost_sd": 0.03},
     "cost+10%/tau": {"jitter": 0.01, "cost_sd": 0.03, "tau_cost": 0.10},
     "cost-10%/tau": {"jitter": 0.01, "cost_sd": 0.03, "tau_cost": -0.10},

@@ -83,20 +83,20 @@ GOAL = 0.05  # issue 55's half-width
 
 
 def prompts_for(half_width: float, prompts: int) -> int:
-    """The prompts a half-width of GOAL needs: the width falls as one over the square root of the
-    prompts, and the expanded percentiles' widening (engine/pairing.expanded_tail) eases as
-    they grow."""
+    """The prompts a half-width of GOAL needs: the expanded interval's width goes as
+    t_{n-1} / sqrt(n - 1) in the prompts n (engine/pairing.expanded_tail), the square-root
+    law with a widening that eases as they grow. From 3 prompts or fewer the interval is the
+    bootstrap's extreme draws, which this does not model: a guide there, not a figure."""
     import math
-    from statistics import NormalDist
 
-    from dflash.engine.pairing import expanded_tail
+    from scipy import stats
 
-    def spread(n):  # the interval's z at n prompts, over the square root of n
-        return NormalDist().inv_cdf(1 - expanded_tail(n)) / math.sqrt(n)
+    def spread(n):
+        return stats.t.ppf(0.975, n - 1) / math.sqrt(n - 1)
     if half_width <= GOAL:
         return prompts
-    n = prompts
-    while half_width * spread(n) / spread(prompts) > GOAL and n < 100_000:
+    n = start = max(prompts, 2)
+    while half_width * spread(n) / spread(start) > GOAL and n < 100_000:
         n += 1
     return n
 

@@ -74,9 +74,9 @@ def add_parser(sub) -> None:
                    help="with --engine: every prompt asked of every engine R times, interleaved (default: "
                         "eval.engine_rounds, 2); the intervals are over prompts and rounds")
     e.add_argument("--engine-prompts", type=int, metavar="N",
-                   help="with --engine: time the first N of the eval's prompts only (default: all); each ratio then "
-                        "also comes over all of them, from the timed ones' time per forward pass and our decoder's "
-                        "passes on every one (docs/serving.md)")
+                   help="with --engine: time the first N of the eval's prompts only (default: all; more than there "
+                        "are: all); at T = 0 the first drafter's ratios then also come over all of them, from the "
+                        "timed ones' time per forward pass and our decoder's passes on every one (docs/serving.md)")
     e.add_argument("--engine-no-batched", action="store_true",
                    help="with --engine: time concurrency 1 only (skip the batched run)")
     from ..phases import add_telemetry_flag

@@ -61,17 +61,27 @@ MIN_ROUNDS = 2     # rounds per prompt an interval over rounds alone (these_prom
 MIN_REQUESTS = 6   # paired requests (prompts x rounds) behind any decision
 
 
-def expanded_tail(units: int, level: float = LEVEL) -> float:
+def expanded_tail(units: float, level: float = LEVEL) -> float:
     """The share of bootstrap draws each end of the interval cuts, for `units` prompts drawn:
     Hesterberg's expanded percentile interval (the module doc): the percentiles at
     Phi(-sqrt(n / (n - 1)) t_{n-1}) instead of (1 - level) / 2, which a plain percentile
-    bootstrap of a few prompts needs to hold its level (6 prompts: 0.24% instead of 2.5%)."""
+    bootstrap of a few prompts needs to hold its level (6 prompts: 0.24% instead of 2.5%).
+    `units` may be fractional: an effective number (`steps_interval`)."""
     from scipy import stats
 
     plain = (1 - level) / 2
     if units < 2:
         return plain
     return float(stats.norm.sf(math.sqrt(units / (units - 1)) * stats.t.ppf(1 - plain, units - 1)))
+
+
+def _effective_units(var_a: float, units_a: int, var_b: float, units_b: int) -> float:
+    """Welch-Satterthwaite: the units behind a sum of two independent estimates, each of the
+    given variance drawn from its own units (its degrees of freedom units - 1)."""
+    if var_a + var_b <= 0:
+        return float(max(units_a, units_b))
+    parts = sum(v * v / (n - 1) for v, n in ((var_a, units_a), (var_b, units_b)) if n > 1 and v > 0)
+    return 1 + (var_a + var_b) ** 2 / parts if parts else float(max(units_a, units_b))
 
 
 def rotation(labels: list[str], prompts: int, rounds: int) -> list[tuple[int, int, list[str]]]:
@@ -147,7 +157,7 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     mo = [sum(r) / len(r) for r in other_s]
     point = ratio(sum(mb), sum(mo), sum(base_steps[:P]), sum(other_steps[:P]), sum(base_steps), sum(other_steps))
     rng = random.Random(seed)
-    draws = []
+    draws, log_cost, log_passes = [], [], []
     for _ in range(resamples):
         tb = to = xb = xo = 0.0
         for _ in range(P):
@@ -165,8 +175,13 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
             ab += base_steps[j]
             ao += other_steps[j]
         draws.append(ratio(tb, to, xb, xo, ab, ao))
+        log_cost.append(math.log((tb / xb) / (to / xo)))
+        log_passes.append(math.log(ab / ao))
     draws.sort()
-    tail = expanded_tail(N, level)
+    # the two stages' spreads come from P and from N prompts: the interval widens for the units
+    # behind their sum (Welch-Satterthwaite), P's when the cost stage dominates, N's when the passes do
+    units = _effective_units(_var(log_cost), P, _var(log_passes), N)
+    tail = expanded_tail(units, level)
     lo = draws[int(tail * resamples)]
     hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
     lo, hi = round(lo, 4), round(hi, 4)  # the half-width of the bounds as printed
@@ -174,7 +189,12 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     enough = P >= MIN_PROMPTS and P * rounds >= MIN_REQUESTS
     return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": N, "timed_prompts": P, "rounds": rounds,
-            "enough": enough}
+            "effective_prompts": round(units, 1), "enough": enough}
+
+
+def _var(xs: list[float]) -> float:
+    m = sum(xs) / len(xs)
+    return sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
 
 
 def decided(iv: dict) -> str:

@@ -107,3 +107,16 @@ def test_recorded_over_every_held_out_prompt_when_the_eval_held_out_more(tmp_pat
     assert h["interval"][0] <= truth <= h["interval"][1]
     assert h["half_width"] < x["half_width"], x
     assert "over all 16 held-out prompts" in p.stdout
+
+
+def test_prompts_for_the_goal_from_any_number_of_prompts():
+    """One or two timed prompts (a smoke test's verdict) give a guide, not a traceback; more
+    prompts than the square-root law says are never asked for, and a width already within the
+    goal asks for none more."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from verdict_repeat import GOAL, prompts_for
+
+    for prompts in (1, 2, 3, 6, 16):
+        need = prompts_for(0.2, prompts)
+        assert max(prompts, 2) <= need <= math.ceil(max(prompts, 2) * (0.2 / GOAL) ** 2), (prompts, need)
+    assert prompts_for(GOAL / 2, 6) == 6

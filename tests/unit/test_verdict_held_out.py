@@ -83,3 +83,21 @@ def test_our_steps_per_method():
     # ngram at k = 3: the prompt repeats, so every step after the first drafts the repeat
     got = our_steps([rec], "ngram", 3)[0]
     assert 1 < got < 9
+
+
+def test_passes_are_checked_exactly_for_a_drafter_and_within_k_for_ngram():
+    """A drafter drafts every step: vLLM's passes are 1 + its verify steps. ngram's plain steps
+    are not counted by vLLM, and its accepted drafts include those past max_tokens: its tokens
+    less accepted drafts fall short of the true passes by 0..k."""
+    from dflash.engine.verdict import _passes_check
+
+    outputs = [[1] * 10, [2] * 8]
+    drafter = {"outputs": outputs, "spec": [{"num_spec_steps": 6, "num_accepted_draft_tokens": 3},
+                                            {"num_spec_steps": 4, "num_accepted_draft_tokens": 3}]}
+    got = _passes_check(drafter, [7, 6, 99], 3, ngram=False)  # a third, untimed prompt is not compared
+    assert (got["equal"], got["max_abs_diff"], got["vllm"], got["ours"]) == (1, 1, 12, 13)
+    ngram = {"outputs": outputs, "spec": [{"num_spec_steps": 2, "num_accepted_draft_tokens": 5},
+                                          {"num_spec_steps": 1, "num_accepted_draft_tokens": 1}]}
+    got = _passes_check(ngram, [7, 9], 3, ngram=True)       # 10 - 5 = 5 (ours 2 more), 8 - 1 = 7 (ours 2 more)
+    assert got["within_bound"] == 2 and got["diffs"] == [2, 2]
+    assert _passes_check(ngram, [4, 12], 3, ngram=True)["within_bound"] == 0  # below vLLM's, or past the bound
