@@ -31,9 +31,10 @@ answers it for prompts like these, which only more prompts narrow (docs/serving.
 More prompts without more requests (`steps_interval`, two-phase sampling): the verdict times a
 few of the eval's held-out prompts, and our decoder has stepped through all of them. A
 method's time on a prompt is, to first order, its forward passes there times its cost per
-pass, and at T = 0 the passes follow from the greedy output alone (our decoder's steps agree
-with vLLM's within a token a prompt: tests/engine/test_engine_agreement.py; each verdict
-compares the counts on its timed prompts, `passes_vs_ours`). So each method's
+pass, and at T = 0 the passes follow from the greedy output alone (a drafter's from our
+decoder, whose accepted drafts agree with vLLM's within one a prompt:
+tests/engine/test_engine_agreement.py; ngram's from vLLM's own rule walked over the output;
+each verdict compares the counts on its timed prompts, `passes_vs_ours`). So each method's
 cost per pass is measured on the timed prompts, and its passes are counted on every held-out
 one; the ratio is that of cost times passes. The interval draws the timed prompts and their
 rounds (the cost: the machine's jitter, and what the first-order model leaves out, such as a
@@ -45,9 +46,11 @@ narrow at 6: simulated, the plain percentiles held the true ratio 87-95% (`inter
 91-98% (`steps_interval`) of the time at a nominal 95% (bench/verdict_coverage.py,
 docs/serving.md). So both cut the expanded percentiles (Hesterberg, "What teachers should know
 about the bootstrap", The American Statistician 69(4), 2015): for n units drawn, the draws
-beyond Phi(-sqrt(n / (n - 1)) t_{n-1, 0.975}) at each end, n the prompts for `interval` and
-all the held-out ones for `steps_interval`; simulated, 94-98% and 93-98%. The rounds of these
-prompts alone keep the plain percentiles (2 rounds as n would say nothing).
+beyond Phi(-sqrt(n / (n - 1)) t_{n-1, 0.975}) at each end; n is the prompts for `interval`,
+and for `steps_interval` the effective prompts behind its two stages (Welch-Satterthwaite over
+the spread each stage shows in the draws: P where the timed cost dominates, N where the
+passes do). Simulated at the demo's shape, 94-99% and 94-99%. The rounds of these prompts
+alone keep the plain percentiles (2 rounds as n would say nothing).
 """
 from __future__ import annotations
 
