@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -84,8 +85,24 @@ def write(rec: dict, records: Path = RECORDS) -> Path:
     return path
 
 
+class RecordError(ValueError):
+    """A record, README or argument that would not make a table: one line naming it."""
+
+
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a record is docs/records/NAME.json: no dots, no slashes
+
+
 def load(records: Path = RECORDS) -> list[dict]:
-    recs = {p.stem: json.loads(p.read_text()) for p in sorted(records.glob("*.json"))}
+    """Every record there, the demos first; one that is not a record (broken JSON, a figure of
+    the wrong type) is named, not a traceback that blocks every later table."""
+    recs = {}
+    for path in sorted(records.glob("*.json")):
+        try:
+            rec = json.loads(path.read_text())
+            table([rec])
+        except (ValueError, TypeError, KeyError, AttributeError, IndexError) as e:
+            raise RecordError(f"{path}: not a demo record ({type(e).__name__}: {e}); fix or remove it") from None
+        recs[path.stem] = rec
     return [recs[n] for n in ORDER if n in recs] + [r for n, r in recs.items() if n not in ORDER]
 
 
@@ -145,7 +162,10 @@ def table(recs: list[dict]) -> str:
         speeds = " / ".join("-" if tps.get(k) is None else f"{tps[k]:.1f}" for k in ("drafter", "ngram", "none"))
         vtau = v.get("tau_per_step_vllm")
         served = "-" if vtau is None else f"{vtau:.2f} (k={v.get('k')}, {v.get('prompts')} prompts)"
-        rows.append(f"| `{r['command']}`, {r['date']} | **{_tau(r['tau']['drafter'])}** | "
+        if v.get("lossless") is False:  # a served drafter that changed the output: said where the figure is
+            served += ", **NOT lossless**"
+        command = str(r["command"]).replace("|", "\\|").replace("`", "'")  # one cell, one code span
+        rows.append(f"| `{command}`, {r['date']} | **{_tau(r['tau']['drafter'])}** | "
                     f"{_tau(r['tau']['prompt_lookup'])} | {served} | {speeds} | {_x(v.get('drafter_vs_none'))} | "
                     f"{_x(v.get('drafter_vs_ngram'))} | {_wall(r)} | {_machine(r.get('machine'))} |")
     return "\n".join(rows)
@@ -156,10 +176,21 @@ def readme_block(recs: list[dict]) -> str:
             f"--readme-only`; edit the records, not this table -->\n{table(recs)}\n{END}")
 
 
+def _markers(readme: Path) -> tuple[str, int, int]:
+    """README's text and where its table starts and ends; one line if the markers are not one
+    begin before one end (a table regenerated between misplaced markers would eat the text)."""
+    try:
+        text = readme.read_text()
+    except OSError as e:
+        raise RecordError(f"{readme}: cannot read it ({e.strerror or e})") from None
+    if text.count(BEGIN) != 1 or text.count(END) != 1 or text.index(BEGIN) > text.index(END):
+        raise RecordError(f"{readme}: expected one {BEGIN} line before one {END} line around the demos' table")
+    return text, text.index(BEGIN), text.index(END) + len(END)
+
+
 def update_readme(readme: Path = README, records: Path = RECORDS) -> bool:
     """Rewrite README's table from the records; True if it changed."""
-    text = readme.read_text()
-    i, j = text.index(BEGIN), text.index(END) + len(END)
+    text, i, j = _markers(readme)
     new = text[:i] + readme_block(load(records)) + text[j:]
     if new != text:
         readme.write_text(new)
@@ -174,21 +205,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wall-s", type=float, help="the whole command's wall seconds")
     ap.add_argument("--readme-only", action="store_true", help="regenerate README's table from the records")
     a = ap.parse_args(argv)
-    if not a.readme_only:
-        if not (a.run and a.name and a.command):
-            print("demo_record: expected RUN --name NAME --command COMMAND (or --readme-only)", file=sys.stderr)
-            return 2
-        summary_path = Path(a.run) / "summary.json"
-        if not summary_path.is_file():
-            print(f"demo_record: {summary_path}: no summary.json (expected a finished `dflash train` run dir)",
-                  file=sys.stderr)
-            return 2
-        path = write(from_summary(json.loads(summary_path.read_text()), name=a.name, command=a.command,
-                                  wall_s=a.wall_s))
-        print(f"demo_record: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", file=sys.stderr)
-    if update_readme():
-        print("demo_record: README.md's table regenerated from docs/records/", file=sys.stderr)
+    try:
+        _markers(README)  # before anything is written: a README the table cannot go into is one line
+        if not a.readme_only:
+            rec = _checked_record(a)
+            if rec is None:
+                return 0
+            path = write(rec, RECORDS)
+            print(f"demo_record: {path.relative_to(ROOT) if path.is_relative_to(ROOT) else path}", file=sys.stderr)
+        if update_readme(README, RECORDS):
+            print("demo_record: README.md's table regenerated from docs/records/", file=sys.stderr)
+    except RecordError as e:
+        print(f"demo_record: {e}", file=sys.stderr)
+        return 2
     return 0
+
+
+def _checked_record(a) -> dict | None:
+    """The record of the run the arguments name, checked before anything is written; None when
+    the run has no verdict and the record it would replace has one (kept, and said)."""
+    if not (a.run and a.name and a.command):
+        raise RecordError("expected RUN --name NAME --command COMMAND (or --readme-only)")
+    if not NAME.fullmatch(a.name):
+        raise RecordError(f"--name {a.name!r}: expected a plain name (letters, digits, - and _): the record is "
+                          "docs/records/NAME.json")
+    if any(ord(c) < 32 or ord(c) == 127 for c in a.command):
+        raise RecordError(f"--command {a.command!r}: expected one line without control characters")
+    if a.wall_s is not None and not 0 <= a.wall_s <= 30 * 86400:  # nan fails both
+        raise RecordError(f"--wall-s {a.wall_s}: expected the command's seconds, >= 0 and finite")
+    summary_path = Path(a.run) / "summary.json"
+    if not summary_path.is_file():
+        raise RecordError(f"{summary_path}: no summary.json (expected a finished `dflash train` run dir)")
+    try:
+        summary = json.loads(summary_path.read_text())
+    except (OSError, ValueError) as e:
+        raise RecordError(f"{summary_path}: not a run's summary ({e})") from None
+    if not isinstance(summary, dict) or not isinstance(summary.get("eval_after"), dict):
+        raise RecordError(f"{summary_path}: no eval after training (expected a `dflash train --eval` run)")
+    engine = summary.get("engine")
+    if isinstance(engine, dict) and "error" in engine:
+        raise RecordError(f"{summary_path}: its engine verdict failed ({str(engine['error'])[:200]}): no record written")
+    try:
+        rec = from_summary(summary, name=a.name, command=a.command, wall_s=a.wall_s)
+        table([rec])
+    except (ValueError, TypeError, KeyError, AttributeError, IndexError, StopIteration) as e:
+        raise RecordError(f"{summary_path}: not a finished `train --eval` run's summary "
+                          f"({type(e).__name__}: {e})") from None
+    old = RECORDS / f"{a.name}.json"
+    if rec["verdict"] is None and old.is_file():
+        try:
+            had = json.loads(old.read_text()).get("verdict")
+        except (OSError, ValueError, AttributeError):
+            had = None
+        if had:
+            print(f"demo_record: {a.run} has no engine verdict (no .venv-vllm?): {old} keeps "
+                  "the earlier run, which has one", file=sys.stderr)
+            return None
+    return rec
 
 
 if __name__ == "__main__":

@@ -90,3 +90,79 @@ def test_a_run_that_regenerated_most_of_its_replies_is_not_called_warm():
     assert _cache({"regen_total": 282, "regenerated": 270}).startswith("empty")  # 12 dropped, none cached
     assert _cache({}).startswith("n/a")  # no regeneration: not "warm"
     assert _cache({"regen_total": 282, "regenerated": 282, "regen_cached": 0}).startswith("empty")
+
+
+def _scratch(tmp_path, monkeypatch):
+    records, readme = tmp_path / "records", tmp_path / "README.md"
+    records.mkdir()
+    readme.write_text(f"# x\n\n{demo_record.BEGIN}\n{demo_record.END}\n\nmore\n")
+    monkeypatch.setattr(demo_record, "RECORDS", records)
+    monkeypatch.setattr(demo_record, "README", readme)
+    return records, readme
+
+
+def _run(tmp_path, summary) -> Path:
+    run = tmp_path / "run"
+    run.mkdir(exist_ok=True)
+    (run / "summary.json").write_text(json.dumps(summary))
+    return run
+
+
+VERDICTLESS = {"eval_after": {"prompts": 16, "tau_per_step": 1.25, "acceptance_length": 1.4}, "data": {}}
+
+
+def test_bad_arguments_and_bad_input_are_one_line_and_write_nothing(tmp_path, monkeypatch, capsys):
+    """A record's name is a plain name (no path out of docs/records, no hidden file), the wall a
+    finite count of seconds, the command one line; a summary that is not a finished `train
+    --eval` run, or whose verdict failed, writes no record."""
+    records, readme = _scratch(tmp_path, monkeypatch)
+    before = readme.read_text()
+    run = _run(tmp_path, VERDICTLESS)
+    cases = [(["--name", "../../escaped"], "--name"), (["--name", "."], "--name"), (["--name", "a/b"], "--name"),
+             (["--name", "x.json"], "--name"), (["--wall-s", "nan"], "--wall-s"), (["--wall-s", "-5"], "--wall-s"),
+             (["--wall-s", "inf"], "--wall-s"), (["--command", "make a\nrm x"], "--command")]
+    for extra, needle in cases:
+        args = {"--name": "demo", "--command": "make demo", "--wall-s": "60"}
+        for k, v in zip(extra[::2], extra[1::2]):
+            args[k] = v
+        rc = demo_record.main([str(run), *[x for kv in args.items() for x in kv]])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and err.count("\n") == 0 and needle in err, (extra, err)
+    for summary, needle in (({}, "no eval after training"), ([1], "no eval after training"),
+                            (VERDICTLESS | {"engine": {"error": "vLLM (none) exited with 1"}}, "verdict failed"),
+                            (VERDICTLESS | {"eval_after": {"tau_per_step": "1.2"}}, "not a finished")):
+        rc = demo_record.main([str(_run(tmp_path, summary)), "--name", "demo", "--command", "make demo"])
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and needle in err and err.count("\n") == 0, (summary, err)
+    assert list(records.iterdir()) == [] and readme.read_text() == before
+    assert not (tmp_path.parent / "escaped.json").exists()
+
+
+def test_misplaced_markers_and_a_bad_record_are_named_and_readme_is_kept(tmp_path, monkeypatch, capsys):
+    records, readme = _scratch(tmp_path, monkeypatch)
+    swapped = f"# x\n{demo_record.END}\nkeep this\n{demo_record.BEGIN}\n"
+    readme.write_text(swapped)
+    assert demo_record.main(["--readme-only"]) == 2 and "expected one" in capsys.readouterr().err
+    assert readme.read_text() == swapped
+    readme.write_text(f"# x\n\n{demo_record.BEGIN}\n{demo_record.END}\n")
+    (records / "stray.json").write_text('{"not": "a record"}')
+    assert demo_record.main(["--readme-only"]) == 2
+    err = capsys.readouterr().err
+    assert "stray.json: not a demo record" in err and err.count("\n") == 1
+
+
+def test_a_run_without_a_verdict_keeps_the_record_that_has_one(tmp_path, monkeypatch, capsys):
+    """`make demo` on a machine where .venv-vllm did not build trains, but has no verdict: the
+    measured record stays, and it says so; with no record yet the verdict-less one is written."""
+    records, readme = _scratch(tmp_path, monkeypatch)
+    run = _run(tmp_path, VERDICTLESS)
+    assert demo_record.main([str(run), "--name", "demo", "--command", "make | demo"]) == 0
+    assert json.loads((records / "demo.json").read_text())["verdict"] is None
+    assert "`make \\| demo`" in readme.read_text(), "a | in the command stays inside its cell"
+    measured = {"name": "demo", "verdict": {"k": 3, "lossless": False, "tau_per_step_vllm": 1.3, "prompts": 6}}
+    (records / "demo.json").write_text(json.dumps(json.loads((records / "demo.json").read_text()) | measured))
+    kept = (records / "demo.json").read_text()
+    assert demo_record.main([str(run), "--name", "demo", "--command", "make demo"]) == 0
+    assert "keeps the earlier run" in capsys.readouterr().err and (records / "demo.json").read_text() == kept
+    assert demo_record.main(["--readme-only"]) == 0
+    assert "NOT lossless" in readme.read_text(), "a served drafter that changed the output is said in its row"
