@@ -98,11 +98,11 @@ def auto_k(export: str, block_size: int) -> int:
     from ..engine import kchoice, machine
 
     k, rec = kchoice.serve_k(export, block_size)
-    where = rec.get("machine") if isinstance(rec.get("machine"), dict) else {}  # hand-edited: not recorded
-    print(f"dflash serve: --k auto: k={k} (measured {rec.get('date', '?')} on {machine.describe(where)})",
-          file=sys.stderr)
+    where = rec.get("machine")  # hand-edited, it may hold anything: machine.py reads only well-typed fields
+    date = "".join(c if c.isprintable() else "?" for c in str(rec.get("date", "?")))[:40]
+    print(f"dflash serve: --k auto: k={k} (measured {date} on {machine.describe(where)})", file=sys.stderr)
     here = machine.host()
-    if where.get("vllm_kernels") and here.get("vllm_kernels") and where["vllm_kernels"] != here["vllm_kernels"]:
+    if "unknown kernels" not in (machine.kind(where), machine.kind(here)) and machine.kind(where) != machine.kind(here):
         print(f"dflash serve: notice: k was measured with vLLM's {machine.kind(where)} kernels, this machine runs its "
               f"{machine.kind(here)} ones: the fastest k may differ here (measure it: dflash eval --engine vllm)",
               file=sys.stderr)

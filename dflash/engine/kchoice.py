@@ -65,19 +65,28 @@ def pick(acceptance: list[float], costs: dict, K: int) -> dict:
     return {"k": best, "predicted_tokens_per_s": speeds, "tokens_per_step": per_step}
 
 
-def record(export: Path, info: dict) -> Path:
+def record(export: Path, info: dict) -> Path | None:
     """Write the pick beside the export's weights (`serving_k.json`), dated."""
     path = Path(export) / SERVING_K
     body = {"date": datetime.date.today().isoformat()} | info
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    tmp.replace(path)
+    try:  # after the engines ran: a place that cannot take the file (a dir by that name, a full disk) is said
+        tmp.write_text(json.dumps(body, indent=2) + "\n")
+        tmp.replace(path)
+    except OSError as e:
+        import sys
+        print(f"dflash engine: k auto: not recorded in {export}: {path.name}: {e.strerror or e}", file=sys.stderr)
+        if tmp.is_file():
+            tmp.unlink()
+        return None
     return path
 
 
 def read(export: Path) -> dict | None:
     path = Path(export) / SERVING_K
     if not path.is_file():
+        if path.exists() or path.is_symlink():  # a dir, a FIFO, a dangling link: not "never measured"
+            raise ConfigError(f"{path}: not a regular file (a measured k is a JSON file there); remove it")
         return None
     from ..preflight.inputs import read_json_object
     return read_json_object(path, str(path), ConfigError)

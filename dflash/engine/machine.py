@@ -90,14 +90,33 @@ def merged(engine: dict | None) -> dict:
     return out
 
 
+def _clean(m) -> dict:
+    """The fields `kind` and `describe` read, each of its type or dropped: a hand-edited record
+    (serving_k.json, a demo record) may hold anything there, and text goes to a terminal, so its
+    control characters are escaped."""
+    if not isinstance(m, dict):
+        return {}
+    out = {}
+    for key in ("cpu", "vllm_kernels", "isa_cap", "worker_cores"):
+        v = m.get(key)
+        if isinstance(v, (str, int)) and not isinstance(v, bool):
+            out[key] = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(v))
+    for key in ("logical_cpus", "worker_threads"):
+        v = m.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            out[key] = v
+    return out
+
+
 def kind(m: dict) -> str:
     """The kind of machine a verdict is filed under: its kernel library's extensions."""
-    return KERNELS.get(m.get("vllm_kernels") or "", "unknown kernels")
+    return KERNELS.get(_clean(m).get("vllm_kernels") or "", "unknown kernels")
 
 
 def describe(m: dict | None) -> str:
     """One line: ``AMD EPYC, 2 CPUs, AVX-512 with BF16 kernels (vllm._C), 1 worker thread``."""
-    if not m or not isinstance(m, dict):  # a hand-edited record may hold anything there
+    m = _clean(m)
+    if not m:  # a hand-edited record may hold anything there
         return "machine not recorded"
     parts = [m.get("cpu") or "unknown CPU"]
     if m.get("logical_cpus"):

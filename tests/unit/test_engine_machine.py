@@ -39,3 +39,16 @@ def test_an_isa_cap_sets_every_kernel_librarys_own_variable_and_is_named_in_the_
         assert str(e) == "DFLASH_VLLM_ISA='avx512': expected avx2 (run vLLM's AVX2 kernels on this CPU) or unset"
     line = machine.describe({"cpu": "Intel Xeon", "logical_cpus": 2, "vllm_kernels": "_C_AVX2", "isa_cap": "avx2"})
     assert line == "Intel Xeon, 2 CPUs, AVX2 kernels (vllm._C_AVX2), capped at AVX2 (DFLASH_VLLM_ISA)"
+
+
+def test_a_hand_edited_machine_is_described_without_a_traceback_or_a_terminal_escape():
+    """serving_k.json and the demos' records are files a user may edit: a field of the wrong
+    type is dropped, text reaches the terminal with its control characters escaped."""
+    from dflash.engine import machine
+
+    for odd in ({"vllm_kernels": ["_C"]}, {"worker_threads": "four"}, {"cpu": ["a"]}, {"logical_cpus": True},
+                None, [], "x"):
+        assert machine.describe(odd) == "machine not recorded", odd
+        assert machine.kind(odd if isinstance(odd, dict) else {}) == "unknown kernels"
+    line = machine.describe({"cpu": "Evil\x1b[31mCPU\n", "vllm_kernels": "_C", "worker_threads": 2})
+    assert "\x1b" not in line and "\n" not in line and "AVX-512 with BF16" in line and "2 worker threads" in line

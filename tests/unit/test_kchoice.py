@@ -103,3 +103,24 @@ def test_a_verdict_too_small_to_decide_or_smaller_than_the_recorded_one_records_
     assert verdict(3, 2, 3, {"cpu": "Y", "vllm_kernels": "_C_AVX2"}) == 3  # another kind of machine: its own
     verdict(6, 2, 2)
     assert verdict(3, 2, 1, version="0.33") == 1  # another vLLM: its own
+
+
+def test_a_serving_k_that_is_not_a_file_is_named_and_a_place_that_cannot_take_one_is_said(tmp_path, capsys):
+    """A dir, a FIFO or a dangling link named serving_k.json is not "never measured"; and a
+    verdict that cannot write its pick (a dir by that name) says so instead of a traceback
+    after its engines ran."""
+    import os
+
+    from dflash.engine import kchoice
+    from dflash.errors import ConfigError
+
+    for make in (lambda p: p.mkdir(), lambda p: os.mkfifo(p), lambda p: p.symlink_to(tmp_path / "gone")):
+        d = tmp_path / f"e{len(list(tmp_path.iterdir()))}"
+        d.mkdir()
+        make(d / kchoice.SERVING_K)
+        with pytest.raises(ConfigError, match="not a regular file"):
+            kchoice.serve_k(str(d), 4)
+    d = tmp_path / "dir"
+    (d / kchoice.SERVING_K).mkdir(parents=True)
+    assert kchoice.record(d, {"k": 2}) is None and "not recorded" in capsys.readouterr().err
+    assert not list(d.glob("*.tmp"))
