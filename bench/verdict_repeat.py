@@ -101,6 +101,39 @@ def prompts_for(half_width: float, prompts: int) -> int:
     return n
 
 
+def recorded_error(summary) -> str | None:
+    """Why a summary's verdict cannot be read back, in one line, or None: every method's
+    per-request seconds positive and finite, in the shape of none's; the held-out counts' inputs
+    of the types they need."""
+    import math
+
+    eng = summary.get("engine") if isinstance(summary, dict) else None
+    methods = eng.get("methods") if isinstance(eng, dict) else None
+    if not isinstance(methods, dict) or "none" not in methods:
+        return "no engine verdict with a `none` method"
+    shape = None
+    for label, m in methods.items():
+        t = m.get("per_request_s") if isinstance(m, dict) else None
+        ok = (isinstance(t, list) and t and all(isinstance(r, list) and r for r in t)
+              and all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                      for r in t for x in r))
+        if not ok:
+            return f"{label}: per_request_s is not prompts x rounds of positive seconds"
+        if shape is None:
+            shape = [len(r) for r in methods["none"]["per_request_s"]]
+        if [len(r) for r in t] != shape:
+            return f"{label}: per_request_s has another shape than none's ({len(t)} prompts, not {len(shape)})"
+    if len(methods) < 2:
+        return "no method beside none"
+    after = summary.get("eval_after") or {}
+    held = after.get("per_prompt_steps") if isinstance(after, dict) else None
+    if isinstance(held, list) and len(held) > len(shape):
+        k = (eng.get("ngram") or {}).get("num_speculative_tokens") if isinstance(eng.get("ngram"), dict) else None
+        if not isinstance(after.get("block_size"), int) or after["block_size"] < 2 or not isinstance(k, int) or k < 1:
+            return "eval_after.block_size or engine.ngram.num_speculative_tokens missing: no held-out counts"
+    return None
+
+
 def recorded(run: Path) -> dict:
     """The run's own verdict, read back (no engine): per drafter and base, the interval over
     prompts and rounds, the one over these prompts' rounds alone, and the prompts (and
@@ -126,16 +159,18 @@ def recorded(run: Path) -> dict:
         if label in ("none", "ngram"):
             continue
         for base in ("none", "ngram"):
+            if base not in times:
+                continue
             full = interval(times[base], times[label])
             fixed = interval(times[base], times[label], these_prompts=True) if rounds > 1 else None
-            need = prompts_for(full["half_width"], prompts)
+            need = prompts_for(full["half_width"], prompts) if full["enough"] else None  # from too few: no guide
             out["ratios"][f"{label} vs {base}"] = {
                 "point": full["point"], "prompts_and_rounds": [full["low"], full["high"]],
                 "half_width": full["half_width"],
                 "these_prompts": [fixed["low"], fixed["high"]] if fixed else None,
                 "half_width_these_prompts": fixed["half_width"] if fixed else None,
-                "prompts_for_goal": need, "request_s_for_goal": round(need * per_prompt_s)}
-            if wide:
+                "prompts_for_goal": need, "request_s_for_goal": None if need is None else round(need * per_prompt_s)}
+            if label in wide and base in wide:
                 two = steps_interval(times[base], times[label], wide[base], wide[label])
                 out["ratios"][f"{label} vs {base}"]["held_out"] = {
                     "point": two["point"], "interval": [two["low"], two["high"]], "half_width": two["half_width"],
@@ -172,12 +207,24 @@ def main() -> None:
         print("verdict_repeat: --recorded reads the run's own verdict: --rounds and --prompts do not apply; "
               "drop them", file=sys.stderr)
         sys.exit(2)
+    try:
+        summary = json.loads((run / "summary.json").read_text())
+    except (OSError, ValueError) as e:
+        print(f"verdict_repeat: --run {run}: summary.json is not readable JSON ({e})", file=sys.stderr)
+        sys.exit(2)
+    if not isinstance(summary, dict):
+        print(f"verdict_repeat: --run {run}: summary.json is not a run's summary (a JSON object)", file=sys.stderr)
+        sys.exit(2)
     if a.recorded:
-        eng = json.loads((run / "summary.json").read_text()).get("engine")
+        eng = summary.get("engine")
         if not isinstance(eng, dict) or not isinstance(eng.get("methods"), dict):  # none, or one that failed
             why = f" (it failed: {str(eng['error'])[:200]})" if isinstance(eng, dict) and "error" in eng else ""
             print(f"verdict_repeat: --run {run}: expected a run whose summary.json holds an engine verdict{why}",
                   file=sys.stderr)
+            sys.exit(2)
+        why = recorded_error(summary)
+        if why:
+            print(f"verdict_repeat: --run {run}: its verdict cannot be read back: {why}", file=sys.stderr)
             sys.exit(2)
         r = recorded(run)
         print(f"{r['prompts']} prompts x {r['rounds']} rounds, {r['engines']} engines; half-width goal {GOAL}")
@@ -186,7 +233,8 @@ def main() -> None:
                      if x["these_prompts"] else "- (one round)")
             print(f"{name}: {x['point']:.3f}x; over prompts and rounds [{x['prompts_and_rounds'][0]:.3f}, "
                   f"{x['prompts_and_rounds'][1]:.3f}] (+-{x['half_width']:.3f}); these prompts alone {fixed}; "
-                  f"+-{GOAL} needs ~{x['prompts_for_goal']} prompts (~{x['request_s_for_goal']} s of requests)")
+                  + (f"+-{GOAL} needs ~{x['prompts_for_goal']} prompts (~{x['request_s_for_goal']} s of requests)"
+                     if x["prompts_for_goal"] else "too few requests to decide anything, or to extrapolate from"))
             if "held_out" in x:
                 h = x["held_out"]
                 print(f"  over all {h['prompts']} held-out prompts (time per step on the timed ones, our steps on "

@@ -120,3 +120,31 @@ def test_prompts_for_the_goal_from_any_number_of_prompts():
         need = prompts_for(0.2, prompts)
         assert max(prompts, 2) <= need <= math.ceil(max(prompts, 2) * (0.2 / GOAL) ** 2), (prompts, need)
     assert prompts_for(GOAL / 2, 6) == 6
+
+
+def test_a_recorded_verdict_that_cannot_be_read_back_is_one_line(tmp_path):
+    """Hand-made or damaged summaries: one line naming what is wrong, exit 2, no traceback; one
+    timed prompt decides nothing and gives no guide."""
+    (tmp_path / "export").mkdir()
+    ok = {"none": NONE, "export": DRAFTER}
+    bad = [
+        "[1]", "{not json",
+        json.dumps({"engine": {"methods": {"none": {"per_request_s": []}, "export": {"per_request_s": []}}}}),
+        json.dumps({"engine": {"methods": {"none": {"per_request_s": NONE},
+                                           "export": {"per_request_s": [[0.0, 1.0]] * 6}}}}),
+        json.dumps({"engine": {"methods": {"none": {"per_request_s": NONE},
+                                           "export": {"per_request_s": [[float("nan"), 1.0]] * 6}}}}),
+        json.dumps({"engine": {"methods": {"none": {"per_request_s": NONE}, "export": {"per_request_s": DRAFTER[:3]}}}}),
+        json.dumps({"engine": {"methods": {"export": {"per_request_s": DRAFTER}}}}),
+        json.dumps({"engine": {"methods": {k: {"per_request_s": v, "k": 3} for k, v in ok.items()}, "temperature": 0},
+                    "eval_after": {"per_prompt_steps": [{}] * 8}}),  # held-out counts without block_size
+    ]
+    for text in bad:
+        (tmp_path / "summary.json").write_text(text)
+        p = run("--run", tmp_path, "--recorded")
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "Traceback" not in p.stderr, (text, p.stderr)
+    one = {"none": [[1.0, 1.1]], "export": [[0.9, 0.95]]}
+    (tmp_path / "summary.json").write_text(json.dumps({"engine": {"methods": {k: {"per_request_s": v}
+                                                                                  for k, v in one.items()}}}))
+    p = run("--run", tmp_path, "--recorded")
+    assert p.returncode == 0 and "too few requests" in p.stdout, p.stdout
