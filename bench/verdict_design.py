@@ -68,11 +68,19 @@ def main() -> None:
                 if "step" in (m.get("cost_per_step_ms") or {})}
         drafter = next(k for k in cost if k not in ("none", "ngram"))
         assert "none" in cost and "ngram" in cost and len(steps) >= 3
-    except (OSError, KeyError, ValueError, AssertionError, StopIteration):
+        assert all(isinstance(v, float) and math.isfinite(v) and v > 0 for v in cost.values())
+        assert isinstance(block, int) and not isinstance(block, bool) and block >= 2
+        for r in steps:  # each prompt's ids and our steps, whole: the drafter's steps cover its output
+            assert all(isinstance(r[f], list) and all(isinstance(x, int) for x in r[f])
+                       for f in ("prompt_ids", "output_ids", "acceptance_lengths"))
+            assert sum(r["acceptance_lengths"]) >= len(r["output_ids"]) - 1
+        assert max(lengths) <= max(len(r["output_ids"]) for r in steps)  # no row for tokens never decoded
+    except (OSError, KeyError, ValueError, TypeError, AttributeError, AssertionError, StopIteration):
         print(f"verdict_design: --run {a.run} --lengths {a.lengths} --budget-s {a.budget_s}: expected a train --eval "
-              "run with an engine verdict (summary.json), lengths >= 1 and a budget > 0", file=sys.stderr)
+              "run with an engine verdict (summary.json), lengths >= 1 and no longer than its outputs, and a "
+              "budget > 0", file=sys.stderr)
         sys.exit(2)
-    from dflash.model.prompt_lookup import accepted_on_output
+    from dflash.model.prompt_lookup import accepted_on_output, propose
 
     print(f"{len(steps)} prompts of {Path(a.run)}; cost per step (s): "
           + ", ".join(f"{k} {v:.4f}" for k, v in cost.items()) + f"; budget {a.budget_s:.0f} s of requests")
@@ -82,12 +90,17 @@ def main() -> None:
         for r in steps:
             out = r["output_ids"][:L]
             n = len(out)
-            lookup = accepted_on_output(r["prompt_ids"], out, max_new_tokens=n, block_size=block, eos=set())
+            lookup = accepted_on_output(r["prompt_ids"], out, max_new_tokens=n, block_size=block, eos=set(),
+                                        proposer=lambda ids, k: propose(ids, k, earliest=True))  # vLLM's ngram rule
             t["none"].append(PREFILL_S + n * cost["none"])
             t["ngram"].append(PREFILL_S + steps_for(lookup, n) * cost["ngram"])
             t["drafter"].append(PREFILL_S + steps_for(r["acceptance_lengths"], n) * cost[drafter])
         fit = a.budget_s / sum(statistics.mean(v) for v in t.values())
         row = {"tokens": L, "prompts_in_budget": round(fit)}
+        if fit < 3:  # a budget that fits fewer than 3 prompts decides nothing (engine/pairing.MIN_PROMPTS)
+            print(f"{L:4d} tokens: {fit:.1f} prompts fit: too few to decide anything")
+            rows.append(row)
+            continue
         for base in ("none", "ngram"):
             ratio, sd = spread(t[base], t["drafter"])
             row[f"vs_{base}"] = {"ratio": round(ratio, 3), "spread": round(sd, 3),

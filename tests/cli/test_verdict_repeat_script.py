@@ -148,3 +148,24 @@ def test_a_recorded_verdict_that_cannot_be_read_back_is_one_line(tmp_path):
                                                                                   for k, v in one.items()}}}))
     p = run("--run", tmp_path, "--recorded")
     assert p.returncode == 0 and "too few requests" in p.stdout, p.stdout
+
+
+def test_verdict_design_refuses_what_it_cannot_price_in_one_line(tmp_path):
+    good = {"prompt_ids": [1, 2], "output_ids": [3, 4, 5, 6], "acceptance_lengths": [2, 2]}
+    costs = {"none": 50.0, "ngram": 55.0, "drafter": 60.0}
+
+    def summary(steps=(good,) * 3, block=4, step_ms=costs):
+        return {"eval_after": {"per_prompt_steps": list(steps), "block_size": block},
+                "engine": {"methods": {k: {"cost_per_step_ms": {"step": v}} for k, v in step_ms.items()}}}
+    for s, lengths in ((summary(block=0), "4"), (summary(step_ms=costs | {"drafter": "x"}), "4"),
+                       (summary(step_ms=costs | {"none": -5.0}), "4"),
+                       (summary(steps=[good | {"acceptance_lengths": []}] * 3), "4"), (summary(), "100000000"),
+                       ({"eval_after": [], "engine": {}}, "4")):
+        (tmp_path / "summary.json").write_text(json.dumps(s))
+        p = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
+                            "--lengths", lengths], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 2 and p.stderr.count("\n") == 1 and "Traceback" not in p.stderr, (s, p.stderr)
+    (tmp_path / "summary.json").write_text(json.dumps(summary()))
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
+                        "--lengths", "4", "--budget-s", "1e-9"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "too few to decide anything" in p.stdout, p.stdout
