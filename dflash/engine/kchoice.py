@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import sys
 from pathlib import Path
 
 from ..errors import ConfigError
@@ -74,7 +75,6 @@ def record(export: Path, info: dict) -> Path | None:
         tmp.write_text(json.dumps(body, indent=2) + "\n")
         tmp.replace(path)
     except OSError as e:
-        import sys
         print(f"dflash engine: k auto: not recorded in {export}: {path.name}: {e.strerror or e}", file=sys.stderr)
         if tmp.is_file():
             tmp.unlink()
