@@ -12,6 +12,11 @@ engine's paired verdict with its intervals and machine, the phases' seconds), wr
 docs/records/NAME.json, and regenerates README's table from every record there (between its
 `demo-table` markers). tests/unit/test_readme_record.py fails when README and the records
 differ. `--readme-only` regenerates the table alone.
+
+Everything is checked before anything is written (the name is a plain name, the wall a finite
+count of seconds, README's markers in place, every record there a record), and a run without
+an engine verdict (a machine where .venv-vllm did not build) does not replace a record that
+has one: the figures README shows stay the last ones measured.
 """
 from __future__ import annotations
 
