@@ -321,6 +321,25 @@ def _held_out_steps(held_out: list[dict] | None, steps: list[dict], plan: list[d
     return got
 
 
+def _passes_off(m: dict) -> bool:
+    """Whether our pass counts did not hold on the timed prompts: a drafter's total more than 2%
+    from vLLM's (the ratios use totals; a k below block - 1 is counted approximately), ngram's
+    outside vLLM's bound on any prompt."""
+    c = m.get("passes_vs_ours")
+    if not c:
+        return False
+    if "within_bound" in c:
+        return c["within_bound"] < c["prompts"]
+    return abs(c["ours"] - c["vllm"]) > 0.02 * c["vllm"]
+
+
+def _passes_warning(methods: dict, labels: list[str]) -> str:
+    """A note for a held-out line whose methods' counts did not hold (`_passes_off`)."""
+    off = [label for label in labels if label in methods and _passes_off(methods[label])]
+    return (f" (NOTE: our pass counts for {', '.join(off)} differ from vLLM's on the timed prompts: these ratios "
+            "may be biased; passes_vs_ours in the JSON)") if off else ""
+
+
 def _passes_check(res: dict, ours: list[int], k: int, ngram: bool) -> dict:
     """Our count of a method's forward passes on the timed prompts against vLLM's. A drafter
     drafts at every step, so vLLM's passes are its prompt's and its verify steps, exactly. ngram
@@ -520,7 +539,8 @@ def table(v: dict) -> str:
             notes.append(f"{m_label} over all {w['prompts']} held-out prompts (its time per step on the "
                          f"{w['timed_prompts']} timed, our steps on every one): "
                          + ", ".join(f"vs {b} {fmt(x | {'low': x['interval'][0], 'high': x['interval'][1]})}"
-                                     for b, x in wide.items() if x))
+                                     for b, x in wide.items() if x)
+                         + _passes_warning(v["methods"], [m_label] + [b for b, x in wide.items() if x]))
     for m_label, m in v["methods"].items():
         need = m.get("break_even_tokens_per_step")
         if need:

@@ -101,3 +101,15 @@ def test_passes_are_checked_exactly_for_a_drafter_and_within_k_for_ngram():
     got = _passes_check(ngram, [7, 9], 3, ngram=True)       # 10 - 5 = 5 (ours 2 more), 8 - 1 = 7 (ours 2 more)
     assert got["within_bound"] == 2 and got["diffs"] == [2, 2]
     assert _passes_check(ngram, [4, 12], 3, ngram=True)["within_bound"] == 0  # below vLLM's, or past the bound
+
+
+def test_the_table_says_when_our_pass_counts_did_not_hold():
+    from dflash.engine.verdict import _passes_warning
+
+    fine = {"d": {"passes_vs_ours": {"prompts": 6, "ours": 391, "vllm": 387}},     # 1%: a k below block - 1
+            "ngram": {"passes_vs_ours": {"prompts": 6, "within_bound": 6}}, "none": {}}
+    assert _passes_warning(fine, ["d", "none", "ngram"]) == ""
+    off = {"d": {"passes_vs_ours": {"prompts": 6, "ours": 420, "vllm": 387}},
+           "ngram": {"passes_vs_ours": {"prompts": 6, "within_bound": 4}}, "none": {}}
+    assert "for d, ngram differ" in _passes_warning(off, ["d", "none", "ngram"])
+    assert _passes_warning(off, ["none"]) == "", "only the line whose methods are off"
