@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 
 LEVEL = 0.95
 RESAMPLES = 2000
@@ -106,8 +107,7 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
     """The point ratio (other's speed over base's) and its `level` bootstrap interval
     (the module doc): ``{"point", "low", "high", "level", "half_width"}``."""
     prompts = len(base_s)
-    if prompts == 0 or len(other_s) != prompts or any(len(a) != len(b) or not a for a, b in zip(base_s, other_s)):
-        raise ValueError("interval: the same non-empty rounds of the same prompts for both methods")
+    _check_times("interval", base_s, other_s)
     rng = random.Random(seed)
     draws = []
     for _ in range(resamples):
@@ -121,16 +121,13 @@ def interval(base_s: list[list[float]], other_s: list[list[float]], *, level: fl
                 to += ro[r]
         draws.append(tb / to)
     draws.sort()
-    tail = (1 - level) / 2 if these_prompts else expanded_tail(prompts, level)
-    lo = draws[int(tail * resamples)]
-    hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
-    lo, hi = round(lo, 4), round(hi, 4)  # the half-width of the bounds as printed
+    lo, hi = _cut(draws, (1 - level) / 2 if these_prompts else expanded_tail(prompts, level))
     point = sum(map(sum, base_s)) / sum(map(sum, other_s))
     rounds = min(len(r) for r in base_s)
     # these prompts alone (their rounds drawn) decide for these prompts only: still not from fewer than
     # MIN_PROMPTS of them (one prompt's rounds say nothing of a verdict)
     enough = prompts * rounds >= MIN_REQUESTS and prompts >= MIN_PROMPTS and (rounds >= MIN_ROUNDS or not these_prompts)
-    return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
+    return {"point": round(point, 4), "low": lo, "high": hi, "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": prompts, "rounds": rounds, "enough": enough}
 
 
@@ -148,8 +145,7 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     drawn for the step sums. ``{"point", "low", "high", "level", "half_width", "prompts"
     (N), "timed_prompts", "rounds", "enough"}``."""
     P, N = len(base_s), len(base_steps)
-    if P == 0 or len(other_s) != P or any(len(a) != len(b) or not a for a, b in zip(base_s, other_s)):
-        raise ValueError("steps_interval: the same non-empty rounds of the same prompts for both methods")
+    _check_times("steps_interval", base_s, other_s)
     if len(other_steps) != N or N < P or min(base_steps + other_steps) <= 0:
         raise ValueError("steps_interval: positive steps for both methods on every prompt, the timed ones first")
 
@@ -183,21 +179,25 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     draws.sort()
     # the two stages' spreads come from P and from N prompts: the interval widens for the units
     # behind their sum (Welch-Satterthwaite), P's when the cost stage dominates, N's when the passes do
-    units = _effective_units(_var(log_cost), P, _var(log_passes), N)
-    tail = expanded_tail(units, level)
-    lo = draws[int(tail * resamples)]
-    hi = draws[min(resamples - 1, int((1 - tail) * resamples))]
-    lo, hi = round(lo, 4), round(hi, 4)  # the half-width of the bounds as printed
+    units = _effective_units(statistics.variance(log_cost), P, statistics.variance(log_passes), N)
+    lo, hi = _cut(draws, expanded_tail(units, level))
     rounds = min(len(r) for r in base_s)
     enough = P >= MIN_PROMPTS and P * rounds >= MIN_REQUESTS
-    return {"point": round(point, 4), "low": round(lo, 4), "high": round(hi, 4), "level": level,
+    return {"point": round(point, 4), "low": lo, "high": hi, "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": N, "timed_prompts": P, "rounds": rounds,
             "effective_prompts": round(units, 1), "enough": enough}
 
 
-def _var(xs: list[float]) -> float:
-    m = sum(xs) / len(xs)
-    return sum((x - m) ** 2 for x in xs) / max(1, len(xs) - 1)
+def _check_times(who: str, base_s: list[list[float]], other_s: list[list[float]]) -> None:
+    if not base_s or len(other_s) != len(base_s) or any(len(a) != len(b) or not a for a, b in zip(base_s, other_s)):
+        raise ValueError(f"{who}: the same non-empty rounds of the same prompts for both methods")
+
+
+def _cut(draws: list[float], tail: float) -> tuple[float, float]:
+    """The sorted draws' bounds that leave `tail` of them at each end, rounded as printed (the
+    half-width is that of the printed bounds)."""
+    n = len(draws)
+    return round(draws[int(tail * n)], 4), round(draws[min(n - 1, int((1 - tail) * n))], 4)
 
 
 def decided(iv: dict) -> str:
