@@ -131,6 +131,8 @@ def recorded_error(summary) -> str | None:
         k = (eng.get("ngram") or {}).get("num_speculative_tokens") if isinstance(eng.get("ngram"), dict) else None
         if not isinstance(after.get("block_size"), int) or after["block_size"] < 2 or not isinstance(k, int) or k < 1:
             return "eval_after.block_size or engine.ngram.num_speculative_tokens missing: no held-out counts"
+        if any(not isinstance(m.get("k"), (int, type(None))) or m.get("k") == 0 for m in methods.values()):
+            return "a method's k is not a positive integer: no held-out counts"
     return None
 
 
@@ -139,7 +141,7 @@ def recorded(run: Path) -> dict:
     prompts and rounds, the one over these prompts' rounds alone, and the prompts (and
     seconds of requests, every engine once per prompt and round) a half-width of GOAL needs."""
     from dflash.engine.pairing import interval, steps_interval
-    from dflash.engine.verdict import our_steps
+    from dflash.engine.verdict import passes_per_method
 
     summary = json.loads((run / "summary.json").read_text())
     eng, after = summary["engine"], summary.get("eval_after") or {}
@@ -151,10 +153,9 @@ def recorded(run: Path) -> dict:
     held = after.get("per_prompt_steps") or []
     wide = {}  # our steps on every held-out prompt (engine/verdict.our_steps), where there are more than the timed
     if len(held) > prompts and eng.get("temperature") == 0:
-        wide = {"none": our_steps(held, "none"),
-                "ngram": our_steps(held, "ngram", (eng.get("ngram") or {}).get("num_speculative_tokens"))}
-        wide |= {k: our_steps(held, "drafter", m["k"], after["block_size"]) for k, m in methods.items()
-                 if k not in wide and m.get("k")}
+        wide = passes_per_method(held, eng["ngram"]["num_speculative_tokens"],
+                                 {k: (m["k"], after["block_size"]) for k, m in methods.items()
+                                  if k not in ("none", "ngram") and m.get("k")})
     for label in times:
         if label in ("none", "ngram"):
             continue

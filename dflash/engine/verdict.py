@@ -314,10 +314,17 @@ def _held_out_steps(held_out: list[dict] | None, steps: list[dict], plan: list[d
         return {}
     if [s["prompt_ids"] for s in held_out[:len(steps)]] != [s["prompt_ids"] for s in steps]:
         raise ValueError("engine_verdict: held_out must start with the timed prompts, in their order")
+    return passes_per_method(held_out, ngram_k, {p["label"]: (p["k"], p["block_size"]) for p in plan
+                                                 if p.get("export") == drafters[0]["export"]})
+
+
+def passes_per_method(held_out: list[dict], ngram_k: int, drafters: dict[str, tuple[int, int]]) -> dict[str, list[int]]:
+    """`our_steps` for none, ngram at `ngram_k`, and each drafter label at its (k, block_size)
+    (one whose k is past block_size - 1 has no count)."""
     got = {"none": our_steps(held_out, "none"), "ngram": our_steps(held_out, "ngram", ngram_k)}
-    for p in plan:
-        if p.get("export") == drafters[0]["export"] and p["k"] <= p["block_size"] - 1:
-            got[p["label"]] = our_steps(held_out, "drafter", p["k"], p["block_size"])
+    for label, (k, block_size) in drafters.items():
+        if k <= block_size - 1:
+            got[label] = our_steps(held_out, "drafter", k, block_size)
     return got
 
 
