@@ -25,6 +25,13 @@ side with the native one on the same machine and prompts.
 
     .venv/bin/python bench/verdict_repeat.py --run runs/demo --repeats 1 --isa native,avx2
 
+`--turn-ms 0,20` runs each repeat once per way of timing, alternating: 0 asks each engine in
+turn for a whole request; 20 asks every engine at once and runs them in turns of 20 ms
+(engine/paired.py `ask_in_turns`), so each way's jitter (the interval over these prompts'
+rounds alone) is measured side by side on the same machine and prompts.
+
+    .venv/bin/python bench/verdict_repeat.py --run runs/demo --repeats 2 --turn-ms 0,20 --rounds 3
+
 `--recorded` starts no engine: it reads the verdict the run already holds (summary.json's
 per-request seconds) and prints each drafter ratio's interval both ways, over prompts and
 rounds and over the rounds of these prompts alone (the machine's jitter), and how many
@@ -67,7 +74,22 @@ def _row(v: dict, drafter: str) -> dict:
             "predicted_vs_ngram": s.get("predicted_speedup_vs_ngram"),
             "break_even_tokens_per_step": s.get("break_even_tokens_per_step"),
             "cost_per_step_ms": {k: f.get("cost_per_step_ms") for k, f in m.items()},
-            "tau_per_step": s.get("tau_per_step"), "lossless": all(f["lossless"] for k, f in m.items() if k != "none")}
+            "tau_per_step": s.get("tau_per_step"), "lossless": all(f["lossless"] for k, f in m.items() if k != "none"),
+            "jitter": _jitter(m, served)}
+
+
+def _jitter(m: dict, served: str) -> dict:
+    """The served drafter's ratios over these prompts' rounds alone: the machine's jitter."""
+    from dflash.engine.pairing import interval
+
+    out = {}
+    for base in ("none", "ngram"):
+        t = m[base]["per_request_s"]
+        if len(t[0]) > 1:
+            iv = interval(t, m[served]["per_request_s"], these_prompts=True)
+            out[f"vs_{base}"] = {"point": iv["point"], "interval": [iv["low"], iv["high"]],
+                                 "half_width": iv["half_width"]}
+    return out
 
 
 def _iv(sp: dict) -> str:
@@ -189,23 +211,33 @@ def main() -> None:
                     help="both: one more verdict with the idle engines left running")
     ap.add_argument("--isa", default="native",
                     help="comma list of native and avx2: each repeat once per instruction set, alternating")
+    ap.add_argument("--turn-ms", default=None,
+                    help="comma list of turn lengths in ms (0: whole requests one engine after another): each "
+                         "repeat once per length, alternating (default: the run's eval.engine_turn_ms)")
     ap.add_argument("--recorded", action="store_true",
                     help="no engine: the run's own recorded verdict, its intervals both ways and the prompts a "
                          f"half-width of {GOAL} needs")
     a = ap.parse_args()
     run = Path(a.run)
     isas = a.isa.split(",")
+    try:
+        turns = None if a.turn_ms is None else [float(x) for x in a.turn_ms.split(",")]
+    except ValueError:
+        turns = []
     for what, ok in (("--isa", bool(isas) and set(isas) <= {"native", "avx2"} and len(set(isas)) == len(isas)),
                      ("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
                      ("--prompts", a.prompts is None or a.prompts >= 1),
+                     ("--turn-ms", turns is None or (bool(turns) and all(0 <= t <= 10_000 for t in turns)
+                                                     and len(set(turns)) == len(turns))),
                      ("--run", (run / "summary.json").is_file() and (run / "export").is_dir())):
         if not ok:
             want = {"--run": "a train --eval run dir (summary.json, export/)",
-                    "--isa": "a comma list of native and avx2, each once"}.get(what, "an integer >= 1")
-            print(f"verdict_repeat: {what}={getattr(a, what[2:])!r}: expected {want}", file=sys.stderr)
+                    "--isa": "a comma list of native and avx2, each once",
+                    "--turn-ms": "a comma list of distinct turn lengths in ms, 0..10000"}.get(what, "an integer >= 1")
+            print(f"verdict_repeat: {what}={getattr(a, what[2:].replace('-', '_'))!r}: expected {want}", file=sys.stderr)
             sys.exit(2)
-    if a.recorded and (a.rounds is not None or a.prompts is not None):  # a recorded verdict has its own
-        print("verdict_repeat: --recorded reads the run's own verdict: --rounds and --prompts do not apply; "
+    if a.recorded and (a.rounds is not None or a.prompts is not None or a.turn_ms is not None):  # it has its own
+        print("verdict_repeat: --recorded reads the run's own verdict: --rounds, --prompts and --turn-ms do not apply; "
               "drop them", file=sys.stderr)
         sys.exit(2)
     try:
@@ -260,10 +292,15 @@ def main() -> None:
     k = after["block_size"] - 1
     target = engine_target(cfg.model.target, cfg.model.target_seed)
     rounds = a.rounds or cfg.eval.engine_rounds
-    arms = [(f"frozen{'' if isa == 'native' else ', ' + isa}", True, isa) for _ in range(a.repeats) for isa in isas]
-    arms += [("spinning", False, "native")] if a.idle == "both" else []
+    turns = turns if turns is not None else [getattr(cfg.eval, "engine_turn_ms", 0)]
+
+    def name(isa, turn):
+        return ("frozen" + ("" if isa == "native" else ", " + isa)
+                + ("" if len(turns) == 1 else (", in turns of %g ms" % turn if turn else ", whole requests")))
+    arms = [(name(isa, turn), True, isa, turn) for _ in range(a.repeats) for isa in isas for turn in turns]
+    arms += [("spinning", False, "native", 0)] if a.idle == "both" else []
     rows = []
-    for n, (arm, freeze, isa) in enumerate(arms, 1):
+    for n, (arm, freeze, isa, turn) in enumerate(arms, 1):
         print(f"verdict_repeat: verdict {n} of {len(arms)} ({arm} idle engines, {len(steps)} prompts x {rounds} "
               "rounds)", file=sys.stderr, flush=True)
         if isa == "avx2":  # read by every engine the verdict starts (engine/runner.py engine_env)
@@ -274,7 +311,7 @@ def main() -> None:
                            drafters=[{"label": export, "export": export, "k": k, "steps": steps}],
                            ngram_k=k, batched=False, eager=cfg.eval.engine_eager, rounds=rounds, auto_k=True,
                            record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed,
-                           held_out=after["per_prompt_steps"])
+                           held_out=after["per_prompt_steps"], turn_ms=turn)
         print(table(v), file=sys.stderr, flush=True)
         rows.append({"arm": arm} | _row(v, export))
     frozen = ([r for r in rows if r["arm"] == "frozen"]  # the native repeats: what the checks are about

@@ -167,6 +167,10 @@ class _Eval:
                                          # engine starts ~100 s sooner, and decodes slower; every method alike
     engine_rounds: int = 2               # eval.engine: every prompt asked of every engine this many times, the
                                          # engines interleaved (the paired verdict: each ratio's 95% interval)
+    engine_turn_ms: float = 50.0         # eval.engine: every engine asked each prompt at once and run in turns of
+                                         # this many ms, the others stopped, so the host's sub-second swings in
+                                         # speed land on all of them alike (0: whole requests, one engine after
+                                         # another; engine/paired.py, docs/serving.md: bench/verdict_turns.py)
 
 
 @dataclass
@@ -527,6 +531,7 @@ RANGES: dict[str, Range] = {
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
     "eval.engine_rounds": Range(1, 100),
+    "eval.engine_turn_ms": Range(0, 10_000, note="0: whole requests, one engine after another"),
     "eval.max_prompt_len": Range(1, MAX_TOKENS),
     "eval.temperature": Range(0, 100, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),

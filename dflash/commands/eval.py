@@ -73,6 +73,9 @@ def add_parser(sub) -> None:
     e.add_argument("--engine-rounds", type=int, metavar="R",
                    help="with --engine: every prompt asked of every engine R times, interleaved (default: "
                         "eval.engine_rounds, 2); the intervals are over prompts and rounds")
+    e.add_argument("--engine-turn-ms", type=float, metavar="MS",
+                   help="with --engine: every engine asked each prompt at once and run in turns of MS ms, the others "
+                        "stopped (default: eval.engine_turn_ms, 50; 0: whole requests, one engine after another)")
     e.add_argument("--engine-prompts", type=int, metavar="N",
                    help="with --engine: time the first N of the eval's prompts only (default: all; more than there "
                         "are: all); at T = 0 the first drafter's ratios then also come over all of them, from the "
@@ -119,6 +122,7 @@ def _check_args(a) -> None:
     a.engine_ks = []
     for flag, given in (("--engine-k", getattr(a, "engine_k", None) is not None),
                         ("--engine-rounds", getattr(a, "engine_rounds", None) is not None),
+                        ("--engine-turn-ms", getattr(a, "engine_turn_ms", None) is not None),
                         ("--engine-prompts", getattr(a, "engine_prompts", None) is not None),
                         ("--engine-no-batched", getattr(a, "engine_no_batched", False)),
                         ("--engine-eager", getattr(a, "engine_eager", False))):
@@ -138,6 +142,9 @@ def _check_args(a) -> None:
             raise ConfigError(f"--engine-k={a.engine_k}: a k twice; give each once")
     if getattr(a, "engine_rounds", None) is not None and not 1 <= a.engine_rounds <= 100:
         raise ConfigError(f"--engine-rounds={a.engine_rounds}: expected an integer in 1..100")
+    turn = getattr(a, "engine_turn_ms", None)
+    if turn is not None and not 0 <= turn <= 10_000:  # nan fails both
+        raise ConfigError(f"--engine-turn-ms={turn}: expected a number of ms in 0..10000 (0: whole requests)")
     if getattr(a, "engine_prompts", None) is not None and a.engine_prompts < 1:
         raise ConfigError(f"--engine-prompts={a.engine_prompts}: expected an integer >= 1 (the prompts to time)")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):
@@ -553,7 +560,8 @@ def _engine(a, cfg, dirs, drafters, results, target_config, stop) -> dict | None
                               batched=not a.engine_no_batched, eager=a.engine_eager, stop=stop, temperature=cfg.eval.temperature,
                               seed=a.seed if a.seed is not None else cfg.train.seed,
                               rounds=a.engine_rounds or cfg.eval.engine_rounds, auto_k=a.engine_auto_k,
-                              record_k=True)
+                              record_k=True, turn_ms=cfg.eval.engine_turn_ms if getattr(a, "engine_turn_ms", None) is None
+                              else a.engine_turn_ms)
     finally:
         remove_scratch(tmp)
 

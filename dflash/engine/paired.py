@@ -15,6 +15,17 @@ took none. The OpenMP settings that would make idle OpenMP threads sleep at once
 in the worker it binds, and its one worker thread has no pool to spin: the worker's own
 settings are recorded with the machine (machine.py).
 
+Why in turns (`ask_in_turns`, `eval.engine_turn_ms`): a shared host runs the same work at
+speeds that swing by tens of percent from one moment to the next, and a swing lasts about a
+second (measured on a 2-CPU EPYC: a 7 ms loop's duration correlated 0.86 with the next one's,
+0.51 ten loops on, 0.16 a hundred on). A request takes seconds, so two engines asked one
+after the other meet different swings, and their ratio carries them. Asked at once and run in
+turns of a few tens of ms (each engine's processes continued for its turn, every other engine
+stopped), they meet the same swings, which cancel in the ratio; each request's time is the sum
+of its engine's turns until it answered (`active_s`), measured here, not by the engine (whose
+own clock runs on while it is stopped). An engine still runs alone on the machine while it
+runs, as it does when served.
+
 Memory is checked before any engine starts: each holds its target's weights, its drafter's,
 a KV cache (1 GiB here unless VLLM_CPU_KVCACHE_SPACE says otherwise; a verdict's prompts need
 a few MB of it) and three interpreters; what each really took (PSS) is recorded.
@@ -171,6 +182,7 @@ class Engine:
         self.conn = self.rfile = self.wfile = None
         self.ready: dict = {}
         self.frozen: list[int] = []
+        self.front = 0                  # the process that talks to us (stopped too when asked in turns)
         self.pids: list[int] = []
         self.failed = False
 
@@ -223,7 +235,31 @@ class Engine:
         for p in self.frozen:
             _signal(p, signal.SIGCONT)
 
+    def take_turn(self, stop, s: float, t_start: float) -> tuple[float, bool]:
+        """Continue every process of the engine for `s` seconds, or until it answers: (the
+        seconds it was continued, whether it answered). Stopped again before returning."""
+        t_on = time.perf_counter()
+        _signal(self.front, signal.SIGCONT)
+        self.thaw()
+        try:
+            r, _, _ = select.select([self.conn], [], [], s)
+            ran = time.perf_counter() - t_on
+            if not r:
+                if self.proc.poll() is not None:
+                    raise self.dead("")
+                if stop is not None and stop.is_set():
+                    raise EngineFailed(f"vLLM ({self.label}): stopped by a signal")
+                if time.monotonic() - t_start > REQUEST_TIMEOUT_S:
+                    self.failed = True
+                    raise EngineFailed(f"vLLM ({self.label}): no answer after {REQUEST_TIMEOUT_S:.0f} s; "
+                                       f"its log: {self.log}")
+            return ran, bool(r)
+        finally:
+            self.freeze()
+            _signal(self.front, signal.SIGSTOP)
+
     def close(self) -> None:
+        _signal(self.front, signal.SIGCONT)
         self.thaw()
         if self.wfile is not None and self.proc.poll() is None:
             try:
@@ -295,6 +331,7 @@ class Engines:
         for e in new:
             e.ready = e.recv(self.stop, READY_TIMEOUT_S)
             e.pids = tree(e.proc.pid)
+            e.front = int(e.ready["pid"])
             # all but the process that talks to us: it waits on the socket and must hear the next request
             e.frozen = [p for p in tree(int(e.ready["pid"])) if p != int(e.ready["pid"])] if self.do_freeze else []
             e.ready["memory_gib"] = pss_gib(e.pids)
@@ -320,4 +357,41 @@ class Engines:
             e.freeze()
         self.timed_s += time.perf_counter() - t0
         self.idle_cpu_s += cpu_s(others) - before
+        return got
+
+    def ask_in_turns(self, labels: list[str], msg: dict, turn_s: float) -> dict[str, dict]:
+        """One request to several engines at once, run in turns of `turn_s` in the order of
+        `labels` (each engine alone on the machine for its turn, the others stopped; see the
+        module doc): per label its answer, with `active_s`, the seconds of its turns until it
+        answered. The CPU any engine used outside its own turns is added to `idle_cpu_s`."""
+        es = [self.engines[label] for label in labels]
+        everyone = [p for e in self.engines.values() for p in e.pids]
+        before, in_turns = cpu_s(everyone), 0.0
+        active = {label: 0.0 for label in labels}
+        got: dict[str, dict] = {}
+        t_start = time.monotonic()
+        for e in es:  # the request waits in its socket until the engine's first turn
+            _signal(e.front, signal.SIGSTOP)
+        try:
+            for e in es:
+                e.send(msg)
+            waiting = list(es)
+            with phases.phase("engine_request", engine=",".join(labels), op=str(msg.get("op")),
+                              prompt=msg.get("i", -1), turn_ms=round(turn_s * 1000, 1)):
+                while waiting:
+                    for e in list(waiting):
+                        c0 = cpu_s(e.pids)
+                        ran, answered = e.take_turn(self.stop, turn_s, t_start)
+                        active[e.label] += ran
+                        if answered:  # the rest of its line is read with the engine continued
+                            _signal(e.front, signal.SIGCONT)
+                            got[e.label] = e.recv(self.stop, REQUEST_TIMEOUT_S) | {"active_s": active[e.label]}
+                            _signal(e.front, signal.SIGSTOP)
+                            waiting.remove(e)
+                        in_turns += cpu_s(e.pids) - c0
+        finally:
+            for e in es:
+                _signal(e.front, signal.SIGCONT)
+        self.timed_s += sum(active.values())
+        self.idle_cpu_s += max(0.0, cpu_s(everyone) - before - in_turns)
         return got

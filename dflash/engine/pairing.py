@@ -5,7 +5,9 @@ Why paired and interleaved: on a shared machine the speed drifts by tens of perc
 minute to minute (the same engine served ngram at 20.1 tokens/s in one run and 15.5 in the
 next). Engines run one after the other put that drift into their ratio; engines kept up at
 once and asked the same prompt back to back put it into both sides of the ratio, where it
-cancels. The order is rotated per prompt and per round, so that no engine always goes first
+cancels. Within a second the speed swings too, so the engines are asked at once and run in turns
+of tens of ms (engine/paired.py): the swings land on every engine of a prompt alike. The order
+(who goes first) is rotated per prompt and per round, so that no engine always goes first
 (after a cold start of the prompt). The rotation is cyclic: each engine follows the same
 neighbour throughout; the engines are separate processes that share no cache, so what one
 request leaves behind (caches warmed in the CPU) is the machine's, which the pairs share.

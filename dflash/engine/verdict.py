@@ -11,8 +11,8 @@ no-speculation outputs). One engine per method, all up at once:
   the same drafter at the k its measured costs say is fastest (engine/kchoice.py).
 
 Paired and interleaved (engine/pairing.py, engine/paired.py): each prompt goes to every engine
-back to back, in an order rotated per prompt and round, over R rounds, the idle engines
-frozen; every ratio comes with its 95% interval over prompts and rounds, and the verdict
+at once, the engines run in turns of `turn_ms` (each alone for its turn, in an order rotated
+per prompt and round; 0: whole requests back to back), over R rounds, the idle engines frozen; every ratio comes with its 95% interval over prompts and rounds, and the verdict
 names its machine (engine/machine.py). A profiler window per engine first splits a verify
 step into the drafter, the target's verify and the rest, and the ratio those costs predict
 stands beside the measured one.
@@ -134,14 +134,15 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
                    batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None,
                    max_model_len: int | None = None, temperature: float = 0.0, seed: int = 0,
                    rounds: int = ROUNDS, auto_k: bool = False, record_k: bool = False, freeze_idle: bool = True,
-                   profile: bool = True, held_out: list[dict] | None = None) -> dict:
+                   profile: bool = True, held_out: list[dict] | None = None, turn_ms: float = 0) -> dict:
     """`steps`: our eval's per_prompt_steps (prompt_ids, output_ids, acceptance_lengths) of the
     first drafter; `drafters`: [{"label", "export", "k", "steps" (ours, on the same prompts, drafting
     block_size - 1 a step), "block_size" (else: the largest k given for that export, + 1)}].
 
     Paired and interleaved (engine/pairing.py, engine/paired.py): every engine up at once, each
-    prompt asked of every engine back to back in an order rotated per prompt and round, over
-    `rounds` rounds; each ratio with its 95% interval. `profile`: first a profiler window per
+    prompt asked of every engine in an order rotated per prompt and round, over `rounds` rounds:
+    at once, run in turns of `turn_ms` (each request timed by its engine's turns), or with
+    `turn_ms` 0 whole, back to back; each ratio with its 95% interval. `profile`: first a profiler window per
     engine (PROFILE: the first prompt's first 32 tokens), the cost of a verify step split into the drafter, the target's
     verify and the rest. `auto_k`: the k those costs and our per-position acceptance say is
     fastest (engine/kchoice.py) served beside each drafter's k, and with `record_k` written
@@ -217,10 +218,15 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
         runner.note(f"{len(labels)} engines x {P} prompts x {rounds} rounds ({sum(max_tokens)} tokens a round), "
                     "paired and interleaved")
         for r, i, asked in order:
+            if turn_ms:  # at once, in turns (engine/paired.py): each request's time is its engine's turns
+                answers = pool.ask_in_turns(asked, {"op": "generate", "i": i}, turn_ms / 1000)
+            else:
+                answers = {label: pool.ask(label, {"op": "generate", "i": i}) for label in asked}
             for label in asked:
-                got = pool.ask(label, {"op": "generate", "i": i})
+                got = answers[label]
                 res = results[label]
-                res["times"][i][r] = round(got["wall_s"], 4)  # as recorded: the intervals are computed from these
+                # as recorded: the intervals are computed from these
+                res["times"][i][r] = round(got["active_s"] if turn_ms else got["wall_s"], 4)
                 if res["outputs"][i] is None:
                     res["outputs"][i], res["spec"][i] = got["output"], got["spec"]
                 elif got["output"] != res["outputs"][i]:
@@ -286,7 +292,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     where = machine.merged(first.get("machine"))
     v = {"name": "vllm", "version": first.get("vllm_version"), "target": target, "dtype": dtype,
          "temperature": temperature, "prompts": len(prompts), "tokens": sum(max_tokens), "rounds": rounds,
-         "paired": True, "order": "rotated per prompt and round (engine/pairing.py)", "machine": where,
+         "paired": True, "order": "rotated per prompt and round (engine/pairing.py)",
+         "turn_ms": turn_ms or None, "machine": where,
          "idle_engines": idle, "ngram": NGRAM | {"num_speculative_tokens": ngram_k}, "methods": methods,
          "conventions": {"tau_per_step": "1 + accepted drafts / verify steps, pooled over prompts (as engines "
                                          "count; vLLM's ngram counts only steps where it found a match)",
@@ -530,8 +537,10 @@ def table(v: dict) -> str:
         idle = v.get("idle_engines") or {}
         if (why := too_few(v["prompts"], v["rounds"])) is not None:
             notes.append(f"{why}: the intervals are shown, no ratio is called faster or slower, no k recorded")
-        notes.append(f"intervals: 95%, bootstrap over prompts and rounds (expanded percentiles); idle engines "
-                     f"{'frozen' if idle.get('frozen') else 'left running'}, their CPU while another served: "
+        turns = (f"every engine asked each prompt at once, run in turns of {v['turn_ms']:g} ms"
+                 if v.get("turn_ms") else "whole requests, one engine after another")
+        notes.append(f"intervals: 95%, bootstrap over prompts and rounds (expanded percentiles); {turns}; idle "
+                     f"engines {'frozen' if idle.get('frozen') else 'left running'}, their CPU while another served: "
                      f"{idle.get('cpu_s', 0):.2f} s of {idle.get('timed_s', 0):.0f} s")
     for m_label, m in v["methods"].items():
         fixed = {b: (m.get(f"speedup_vs_{b}") or {}).get("these_prompts") for b in ("none", "ngram")}
@@ -595,7 +604,8 @@ def after_training(spec, summary: dict) -> dict | None:
                                                    "steps": steps}],
                            ngram_k=k, batched=cfg.eval.engine_batched, eager=cfg.eval.engine_eager,
                            log_dir=logs, rounds=cfg.eval.engine_rounds, auto_k=True, record_k=True,
-                           temperature=cfg.eval.temperature, seed=cfg.train.seed, held_out=after["per_prompt_steps"])
+                           temperature=cfg.eval.temperature, seed=cfg.train.seed, held_out=after["per_prompt_steps"],
+                           turn_ms=cfg.eval.engine_turn_ms)
     except (runner.EngineFailed, runner.EngineError) as e:  # the run's own results stand: reported, not fatal
         # (EngineError: the engines would not fit in memory together, said before any started)
         print(f"dflash train: the engine's verdict failed: {e}", file=sys.stderr)

@@ -169,3 +169,38 @@ def test_verdict_design_refuses_what_it_cannot_price_in_one_line(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "bench" / "verdict_design.py"), "--run", str(tmp_path),
                         "--lengths", "4", "--budget-s", "1e-9"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "too few to decide anything" in p.stdout, p.stdout
+
+
+def test_turns_arguments_are_one_line_and_exit_2_before_any_engine(tmp_path):
+    """bench/verdict_turns.py and verdict_repeat.py --turn-ms: bad turn lengths are refused in
+    one line before any engine starts; verdict_turns' arithmetic on recorded seconds."""
+    (tmp_path / "summary.json").write_text(json.dumps({"engine": {"methods": {}}}))
+    (tmp_path / "export").mkdir()
+    turns = ROOT / "bench" / "verdict_turns.py"
+    for bad, why in ((["--turn-ms", "0"], "--turn-ms='0'"), (["--turn-ms", "20,20"], "--turn-ms='20,20'"),
+                     (["--turn-ms", "abc"], "--turn-ms='abc'"), (["--rounds", "0"], "--rounds=0")):
+        p = subprocess.run([sys.executable, str(turns), "--run", str(tmp_path), *bad], capture_output=True, text=True,
+                           timeout=120)
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and why in p.stderr, (bad, p.stderr)
+    p = subprocess.run([sys.executable, str(turns), "--run", str(tmp_path / "nowhere")], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "--run=" in p.stderr, p.stderr
+    for bad in ("-5", "1,1", "x"):
+        p = run("--run", tmp_path, "--turn-ms", bad)
+        assert p.returncode == 2 and p.stderr.strip().count("\n") == 0 and "--turn-ms" in p.stderr, (bad, p.stderr)
+    p = run("--run", tmp_path, "--recorded", "--turn-ms", "50")
+    assert p.returncode == 2 and "--turn-ms" in p.stderr, p.stderr
+
+
+def test_turns_analysis_prices_each_way_against_whole_requests():
+    sys.path.insert(0, str(ROOT / "bench"))
+    from verdict_turns import analyse
+
+    whole = {"none": NONE, "ngram": NGRAM, "drafter": DRAFTER}
+    slower = {k: [[x * 1.1 for x in r] for r in v] for k, v in whole.items()}  # 10% a request, every engine
+    res = analyse({"0": whole, "50": slower}, [96] * 6)
+    assert res["0"]["over_whole"] == {"none": 1.0, "ngram": 1.0, "drafter": 1.0}
+    assert all(abs(v - 1.1) < 1e-3 for v in res["50"]["over_whole"].values())
+    for name, x in res["50"]["ratios"].items():  # the same slowdown on every engine: the same ratios
+        assert abs(x["point"] - res["0"]["ratios"][name]["point"]) < 1e-3, name
+        assert x["interval"][0] <= x["point"] <= x["interval"][1]
