@@ -71,7 +71,7 @@ def from_summary(summary: dict, *, name: str, command: str, wall_s: float | None
         rec["phases_s"]["verdict"] = v.get("wall_s")
         rec["verdict"] = {
             "engine": f"vLLM {v.get('version')}", "prompts": v.get("prompts"), "rounds": v.get("rounds"),
-            "paired": bool(v.get("paired")), "k": m[served].get("k"), "k_block": m[label].get("k"),
+            "paired": bool(v.get("paired")), "turn_ms": v.get("turn_ms"), "k": m[served].get("k"), "k_block": m[label].get("k"),
             "tokens_per_s": {"none": m["none"]["tokens_per_s"].get("concurrency_1"),
                              "ngram": m["ngram"]["tokens_per_s"].get("concurrency_1"),
                              "drafter": m[served]["tokens_per_s"].get("concurrency_1")},
