@@ -1,5 +1,5 @@
 """The paired verdict (issue 55) through the command line users run: every engine up at once,
-the prompts asked of each in a rotated order over 2 rounds, each ratio with its 95% interval
+the prompts asked of all at once and run in turns, in a rotated order over 2 rounds, each ratio with its 95% interval
 in the JSON, the machine named, the idle engines frozen (measured: no CPU while another
 serves), the cost of a verify step split, and the k picked from it recorded in the export
 for `serve --k auto`. Correctness only: the figures' values are the machine's."""
@@ -24,6 +24,8 @@ def test_one_paired_verdict_on_tiny_qwen3_with_intervals(tmp_path, tiny_export):
     res = last_json(p.stdout)
     v = res["engine"]
     assert v["paired"] and v["rounds"] == 2 and v["prompts"] == 3
+    # asked at once, run in turns of eval.engine_turn_ms (50 by default), each request timed by its engine's turns
+    assert v["turn_ms"] == 50 and "run in turns of 50 ms" in p.stdout, p.stdout
     assert v["machine"]["vllm_kernels"] in ("_C", "_C_AVX512", "_C_AVX2") and v["machine"]["logical_cpus"] >= 1
     m = v["methods"]
     label = str(export)
