@@ -215,13 +215,17 @@ class Engine:
                     self.failed = True
                     raise EngineFailed(f"vLLM ({self.label}): {msg['error']} (its log: {self.log})")
                 return msg
-            if self.proc.poll() is not None:
-                raise self.dead("")
-            if stop is not None and stop.is_set():
-                raise EngineFailed(f"vLLM ({self.label}): stopped by a signal")
-            if time.monotonic() - t0 > timeout_s:
-                self.failed = True
-                raise EngineFailed(f"vLLM ({self.label}): no answer after {timeout_s:.0f} s; its log: {self.log}")
+            self.check_waiting(stop, t0, timeout_s)
+
+    def check_waiting(self, stop, t0: float, timeout_s: float) -> None:
+        """Raise if the engine died, a signal stopped us, or it has not answered in `timeout_s`."""
+        if self.proc.poll() is not None:
+            raise self.dead("")
+        if stop is not None and stop.is_set():
+            raise EngineFailed(f"vLLM ({self.label}): stopped by a signal")
+        if time.monotonic() - t0 > timeout_s:
+            self.failed = True
+            raise EngineFailed(f"vLLM ({self.label}): no answer after {timeout_s:.0f} s; its log: {self.log}")
 
     def send(self, msg: dict) -> None:
         self.wfile.write(json.dumps(msg).encode() + b"\n")
@@ -245,14 +249,7 @@ class Engine:
             r, _, _ = select.select([self.conn], [], [], s)
             ran = time.perf_counter() - t_on
             if not r:
-                if self.proc.poll() is not None:
-                    raise self.dead("")
-                if stop is not None and stop.is_set():
-                    raise EngineFailed(f"vLLM ({self.label}): stopped by a signal")
-                if time.monotonic() - t_start > REQUEST_TIMEOUT_S:
-                    self.failed = True
-                    raise EngineFailed(f"vLLM ({self.label}): no answer after {REQUEST_TIMEOUT_S:.0f} s; "
-                                       f"its log: {self.log}")
+                self.check_waiting(stop, t_start, REQUEST_TIMEOUT_S)
             return ran, bool(r)
         finally:
             self.freeze()
