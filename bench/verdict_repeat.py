@@ -219,6 +219,8 @@ def main() -> None:
                          f"half-width of {GOAL} needs")
     a = ap.parse_args()
     run = Path(a.run)
+    from dflash.config import turn_error
+
     isas = a.isa.split(",")
     try:
         turns = None if a.turn_ms is None else [float(x) for x in a.turn_ms.split(",")]
@@ -227,13 +229,14 @@ def main() -> None:
     for what, ok in (("--isa", bool(isas) and set(isas) <= {"native", "avx2"} and len(set(isas)) == len(isas)),
                      ("--repeats", a.repeats >= 1), ("--rounds", a.rounds is None or a.rounds >= 1),
                      ("--prompts", a.prompts is None or a.prompts >= 1),
-                     ("--turn-ms", turns is None or (bool(turns) and all(0 <= t <= 10_000 for t in turns)
-                                                     and len(set(turns)) == len(turns))),
+                     ("--turn-ms", turns is None or (bool(turns) and not any(turn_error(t, "") for t in turns)
+                                                     and len({f"{t:g}" for t in turns}) == len(turns))),
                      ("--run", (run / "summary.json").is_file() and (run / "export").is_dir())):
         if not ok:
             want = {"--run": "a train --eval run dir (summary.json, export/)",
                     "--isa": "a comma list of native and avx2, each once",
-                    "--turn-ms": "a comma list of distinct turn lengths in ms, 0..10000"}.get(what, "an integer >= 1")
+                    "--turn-ms": "a comma list of distinct turn lengths: 0 (whole requests) or 5..10000 ms"
+                    }.get(what, "an integer >= 1")
             print(f"verdict_repeat: {what}={getattr(a, what[2:].replace('-', '_'))!r}: expected {want}", file=sys.stderr)
             sys.exit(2)
     if a.recorded and (a.rounds is not None or a.prompts is not None or a.turn_ms is not None):  # it has its own
@@ -298,7 +301,8 @@ def main() -> None:
         return ("frozen" + ("" if isa == "native" else ", " + isa)
                 + ("" if len(turns) == 1 else (", in turns of %g ms" % turn if turn else ", whole requests")))
     arms = [(name(isa, turn), True, isa, turn) for _ in range(a.repeats) for isa in isas for turn in turns]
-    arms += [("spinning", False, "native", 0)] if a.idle == "both" else []
+    # the idle engines left running: whole requests (a turn is an engine alone, the others stopped)
+    arms += [("spinning, whole requests", False, "native", 0)] if a.idle == "both" else []
     rows = []
     for n, (arm, freeze, isa, turn) in enumerate(arms, 1):
         print(f"verdict_repeat: verdict {n} of {len(arms)} ({arm} idle engines, {len(steps)} prompts x {rounds} "
@@ -313,14 +317,20 @@ def main() -> None:
                            record_k=False, freeze_idle=freeze, temperature=cfg.eval.temperature, seed=cfg.train.seed,
                            held_out=after["per_prompt_steps"], turn_ms=turn)
         print(table(v), file=sys.stderr, flush=True)
-        rows.append({"arm": arm} | _row(v, export))
-    frozen = ([r for r in rows if r["arm"] == "frozen"]  # the native repeats: what the checks are about
-              or [r for r in rows if r["arm"].startswith("frozen")])
-    checks = {}
-    for key in ("vs_none", "vs_ngram"):
-        ivs = [r[key]["concurrency_1_interval"] for r in frozen]
-        checks[key] = {"overlap": _overlap(ivs), "max_half_width": max(r[key]["half_width"] for r in frozen),
-                       "decided": [r[key]["decided"] for r in frozen]}
+        rows.append({"arm": arm, "isa": isa, "turn_ms": turn, "frozen": freeze} | _row(v, export))
+    # what the checks are about: the native repeats, one way of timing at a time (the first given;
+    # the others' checks under checks_by_turn), never mixed with another instruction set
+    native = [r for r in rows if r["frozen"] and r["isa"] == "native"] or [r for r in rows if r["frozen"]]
+    by_turn = {}
+    for turn in turns:
+        same = [r for r in native if r["turn_ms"] == turn]
+        if same:
+            by_turn[f"{turn:g}"] = {key: {"overlap": _overlap([r[key]["concurrency_1_interval"] for r in same]),
+                                          "max_half_width": max(r[key]["half_width"] for r in same),
+                                          "decided": [r[key]["decided"] for r in same]}
+                                    for key in ("vs_none", "vs_ngram")}
+    frozen = [r for r in native if r["turn_ms"] == turns[0]] or native
+    checks = by_turn.get(f"{turns[0]:g}") or next(iter(by_turn.values()))
     print(f"\nmachine: {describe(frozen[0]['machine'])}; {len(steps)} prompts x {rounds} rounds, "
           f"{cfg.eval.engine_eager and 'eager' or 'compiled'} engines", file=sys.stderr)
     print("| verdict | wall | tok/s none / ngram / drafter (k) | drafter vs none [95%] | drafter vs ngram [95%] | "
@@ -338,10 +348,13 @@ def main() -> None:
               f"{t[r['served']]:.1f} (k={r['k_auto']}) | {_iv(r['vs_none'])} | {_iv(r['vs_ngram'])} | "
               f"{r['predicted_vs_none'] or 0:.2f}x | {split} | {none_step or 0:.1f} | {kcmp} | {r['idle_engines']['cpu_s']:.2f} s of "
               f"{r['idle_engines']['timed_s']:.0f} s |", file=sys.stderr)
-    for key, c in checks.items():
-        print(f"{key}: intervals overlap: {c['overlap']}; largest half-width {c['max_half_width']:.3f} "
-              f"(goal <= 0.05); decided: {', '.join(c['decided'])}", file=sys.stderr)
-    print(json.dumps({"run": str(run), "prompts": len(steps), "rounds": rounds, "verdicts": rows, "checks": checks}))
+    for turn, cs in by_turn.items():
+        for key, c in cs.items():
+            print(f"{'whole requests' if turn == '0' else 'turns of ' + turn + ' ms'}, {key}: intervals overlap: "
+                  f"{c['overlap']}; largest half-width {c['max_half_width']:.3f} (goal <= 0.05); decided: "
+                  f"{', '.join(c['decided'])}", file=sys.stderr)
+    print(json.dumps({"run": str(run), "prompts": len(steps), "rounds": rounds, "verdicts": rows, "checks": checks,
+                      "checks_by_turn": by_turn}))
 
 
 if __name__ == "__main__":

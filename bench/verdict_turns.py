@@ -4,8 +4,10 @@ and to the speeds it measures.
 
 One set of engines (none, vLLM's ngram, the run's drafter at block_size - 1) is kept up, and
 every prompt of the run's verdict is asked of all of them once per way of timing, the ways
-rotated per prompt and round: `0` (whole requests, one engine after another, as the verdict
-did before turns) and each turn length given. Printed per way: each engine's tokens/s, its
+rotated per prompt and round (which way goes first passes from way to way; the ways still run
+one after another, seconds each): `0` (whole requests, one engine after another, as the verdict
+did before turns) and each turn length given. Every request is timed by this process's clock
+(a whole request from its send to its answer, a turned one by its turns). Printed per way: each engine's tokens/s, its
 time over the same requests asked whole (paired by prompt and round: what the turns cost an
 engine), and each ratio (drafter vs none, vs ngram, ngram vs none) with its interval over these
 prompts' rounds alone (engine/pairing.interval, `these_prompts`: the machine's jitter).
@@ -37,12 +39,16 @@ def check_args(a) -> str | None:
     run = Path(a.run)
     if not (run / "summary.json").is_file() or not (run / "export").is_dir():
         return f"--run={a.run!r}: expected a train --eval run dir (summary.json, export/)"
+    from dflash.config import MAX_TURN_MS, MIN_TURN_MS, turn_error
+
     try:
         turns = [float(x) for x in a.turn_ms.split(",")]
     except ValueError:
         turns = []
-    if not turns or any(not 0 < t <= 10_000 for t in turns) or len(set(turns)) < len(turns):
-        return f"--turn-ms={a.turn_ms!r}: expected a comma list of distinct turn lengths in ms, each in (0, 10000]"
+    keys = [f"{t:g}" for t in turns]  # as the ways are named: two that print alike would share one
+    if not turns or any(t == 0 or turn_error(t, "") for t in turns) or len(set(keys)) < len(keys):
+        return (f"--turn-ms={a.turn_ms!r}: expected a comma list of distinct turn lengths, each "
+                f"{MIN_TURN_MS:g}..{MAX_TURN_MS:g} ms (whole requests are always measured beside them)")
     for name in ("rounds", "prompts"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -135,7 +141,8 @@ def main() -> None:
                 else:
                     got = pool.ask_in_turns(asked, msg, float(way) / 1000)
                 for label, g in got.items():
-                    times[way][label][i][r] = g["active_s"] if "active_s" in g else g["wall_s"]
+                    # both ways by our clock (a turn's active_s, a whole request's asked_s)
+                    times[way][label][i][r] = g["active_s"] if "active_s" in g else g["asked_s"]
                     if outputs[label][i] is None:
                         outputs[label][i] = g["output"]
                     elif g["output"] != outputs[label][i]:

@@ -450,6 +450,20 @@ def parse_layout(text: str) -> tuple[int, int]:
     return counts[TARGET], counts[DRAFTER]
 
 
+# the paired verdict's turn (engine/paired.py): long enough that the signals and /proc reads around a
+# turn are a rounding error of it (tens of microseconds), and that what a resumed engine finds cold in
+# the CPU costs nothing measurable (from 50 ms: docs/serving.md); 0 asks whole requests
+MIN_TURN_MS, MAX_TURN_MS = 5.0, 10_000.0
+
+
+def turn_error(ms, name: str) -> str | None:
+    """Why `ms` is not a turn length for the paired verdict, in one line naming `name`, or None."""
+    if ms == 0 or (isinstance(ms, (int, float)) and MIN_TURN_MS <= ms <= MAX_TURN_MS):  # nan fails both
+        return None
+    return (f"{name}={ms}: expected 0 (whole requests, one engine after another) or "
+            f"{MIN_TURN_MS:g}..{MAX_TURN_MS:g} ms (engines in turns)")
+
+
 # -- ranges ---------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Range:
@@ -531,7 +545,7 @@ RANGES: dict[str, Range] = {
     "eval.max_new_tokens": Range(1, MAX_NEW_TOKENS),
     "eval.engine_prompts": Range(0, note="0: all the eval's prompts"),
     "eval.engine_rounds": Range(1, 100),
-    "eval.engine_turn_ms": Range(0, 10_000, note="0: whole requests, one engine after another"),
+    "eval.engine_turn_ms": Range(0, MAX_TURN_MS, note="0: whole requests, one engine after another; else >= 5"),
     "eval.max_prompt_len": Range(1, MAX_TOKENS),
     "eval.temperature": Range(0, 100, note="0: greedy"),
     "eval.top_p": Range(0, 1, lo_open=True),
@@ -643,6 +657,8 @@ def validate(cfg: Config) -> None:
     if cfg.eval.engine not in ("none", "auto", "vllm"):
         raise ConfigError(f"eval.engine={cfg.eval.engine!r}: expected none, auto or vllm")
     _check_ranges(cfg)
+    if err := turn_error(cfg.eval.engine_turn_ms, "eval.engine_turn_ms"):
+        raise ConfigError(err)
     check_sampling(cfg.eval.temperature, cfg.eval.top_p, cfg.eval.top_k, prefix="eval.")
     check_layer_types(m)
     if m.drafter_init not in ("random", "target"):

@@ -1,7 +1,8 @@
 """A stand-in for engine/vllm_worker.py's "paired" job, for tests of engine/paired.py where
 no vLLM runs: the same socket protocol, and, like vLLM's engine, the work done in a second
 process below the one that talks to the parent (a "burner" that spends the CPU seconds the job
-asks per request and says how many it spent, by its own process clock).
+asks per request and says how many it spent, by its own process clock). With "die_on": i in the
+job it dies on request i, mid-request, leaving its burner running.
 
     python -P engine_standin.py JOB.json RESULT.json
 """
@@ -42,6 +43,9 @@ def main(job_path: str) -> int:
             t = time.perf_counter()
             burner.stdin.write(f"{job['work_s']}\n")
             burner.stdin.flush()
+            if int(msg["i"]) == job.get("die_on", -1):  # an engine that dies mid-request, its worker left behind
+                time.sleep(0.05)
+                os._exit(3)
             spent = float(burner.stdout.readline())
             send({"wall_s": time.perf_counter() - t, "cpu_s": spent, "tokens": 1, "output": [int(msg["i"])],
                   "spec": None})

@@ -91,6 +91,7 @@ def add_parser(sub) -> None:
 
 def _check_args(a) -> None:
     from .. import trackers
+    from ..config import turn_error
     named = trackers.parse(getattr(a, "tracker", None))
     trackers.check_installed(named)  # --wandb alone: as before, a missing wandb warns and falls back
     a.trackers = (["wandb"] if getattr(a, "wandb", False) and "wandb" not in named else []) + named
@@ -143,8 +144,8 @@ def _check_args(a) -> None:
     if getattr(a, "engine_rounds", None) is not None and not 1 <= a.engine_rounds <= 100:
         raise ConfigError(f"--engine-rounds={a.engine_rounds}: expected an integer in 1..100")
     turn = getattr(a, "engine_turn_ms", None)
-    if turn is not None and not 0 <= turn <= 10_000:  # nan fails both
-        raise ConfigError(f"--engine-turn-ms={turn}: expected a number of ms in 0..10000 (0: whole requests)")
+    if turn is not None and (err := turn_error(turn, "--engine-turn-ms")):
+        raise ConfigError(err)
     if getattr(a, "engine_prompts", None) is not None and a.engine_prompts < 1:
         raise ConfigError(f"--engine-prompts={a.engine_prompts}: expected an integer >= 1 (the prompts to time)")
     if getattr(a, "engine", None) and (a.top_p is not None or a.top_k is not None):

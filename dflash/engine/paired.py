@@ -16,15 +16,16 @@ in the worker it binds, and its one worker thread has no pool to spin: the worke
 settings are recorded with the machine (machine.py).
 
 Why in turns (`ask_in_turns`, `eval.engine_turn_ms`): a shared host runs the same work at
-speeds that swing by tens of percent from one moment to the next, and a swing lasts about a
+speeds that swing by tens of percent from one moment to the next, and a swing lasts a fraction of a
 second (measured on a 2-CPU EPYC: a 7 ms loop's duration correlated 0.86 with the next one's,
 0.51 ten loops on, 0.16 a hundred on). A request takes seconds, so two engines asked one
 after the other meet different swings, and their ratio carries them. Asked at once and run in
 turns of a few tens of ms (each engine's processes continued for its turn, every other engine
 stopped), they meet the same swings, which cancel in the ratio; each request's time is the sum
 of its engine's turns until it answered (`active_s`), measured here, not by the engine (whose
-own clock runs on while it is stopped). An engine still runs alone on the machine while it
-runs, as it does when served.
+own clock runs on while it is stopped). An engine runs alone on the machine in its turn, but
+resumes into caches the others used; from 50 ms turns that costs nothing measurable
+(bench/verdict_turns.py, docs/serving.md), at 10 ms +8-12%: a turn is 5 ms or longer (config.turn_error).
 
 Memory is checked before any engine starts: each holds its target's weights, its drafter's,
 a KV cache (1 GiB here unless VLLM_CPU_KVCACHE_SPACE says otherwise; a verdict's prompts need
@@ -37,6 +38,7 @@ import os
 import select
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 
@@ -47,6 +49,7 @@ from . import runner
 from .runner import EngineError, EngineFailed
 
 KV_CACHE_GIB = 1
+
 # three interpreters per engine with torch and vLLM imported (ours, EngineCore, the model
 # worker), beside the weights and the KV cache: a tiny-qwen3 engine (65 MB of weights, a 1 GiB
 # KV cache) measured 3.07 GiB of PSS in the engine tier (its JSON's memory_gib)
@@ -207,8 +210,13 @@ class Engine:
             r, _, _ = select.select([self.conn], [], [], 0.2)
             if r:
                 line = self.rfile.readline()
-                if not line:
-                    self.proc.wait(timeout=30)
+                if not line:  # it closed the socket: dead or dying, perhaps with its children stopped
+                    _signal(self.front, signal.SIGCONT)
+                    self.thaw()
+                    try:
+                        self.proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        pass
                     raise self.dead("")
                 msg = json.loads(line)
                 if "error" in msg:
@@ -242,18 +250,19 @@ class Engine:
     def take_turn(self, stop, s: float, t_start: float) -> tuple[float, bool]:
         """Continue every process of the engine for `s` seconds, or until it answers: (the
         seconds it was continued, whether it answered). Stopped again before returning."""
+        r: list = []
         t_on = time.perf_counter()
-        _signal(self.front, signal.SIGCONT)
-        self.thaw()
         try:
+            self.thaw()
+            _signal(self.front, signal.SIGCONT)
             r, _, _ = select.select([self.conn], [], [], s)
-            ran = time.perf_counter() - t_on
-            if not r:
-                self.check_waiting(stop, t_start, REQUEST_TIMEOUT_S)
-            return ran, bool(r)
         finally:
-            self.freeze()
             _signal(self.front, signal.SIGSTOP)
+            self.freeze()
+            ran = time.perf_counter() - t_on  # to the last stop signal: every moment it may have run
+        if not r:
+            self.check_waiting(stop, t_start, REQUEST_TIMEOUT_S)
+        return ran, bool(r)
 
     def close(self) -> None:
         _signal(self.front, signal.SIGCONT)
@@ -279,6 +288,8 @@ class Engine:
 
 
 def _signal(pid: int, sig) -> None:
+    if pid <= 0:  # no such process yet (kill(0) would signal our own process group)
+        return
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
@@ -352,9 +363,10 @@ class Engines:
                 got = e.recv(self.stop, REQUEST_TIMEOUT_S)
         finally:
             e.freeze()
-        self.timed_s += time.perf_counter() - t0
+        asked = time.perf_counter() - t0
+        self.timed_s += asked
         self.idle_cpu_s += cpu_s(others) - before
-        return got
+        return got | {"asked_s": asked}  # by our clock, as a turn's: the engine's own wall_s leaves out the socket
 
     def ask_in_turns(self, labels: list[str], msg: dict, turn_s: float) -> dict[str, dict]:
         """One request to several engines at once, run in turns of `turn_s` in the order of
@@ -367,9 +379,9 @@ class Engines:
         active = {label: 0.0 for label in labels}
         got: dict[str, dict] = {}
         t_start = time.monotonic()
-        for e in es:  # the request waits in its socket until the engine's first turn
-            _signal(e.front, signal.SIGSTOP)
         try:
+            for e in es:  # the request waits in its socket until the engine's first turn
+                _signal(e.front, signal.SIGSTOP)
             for e in es:
                 e.send(msg)
             waiting = list(es)

@@ -155,6 +155,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     from . import kchoice, machine, paired
     from .pairing import rotation
 
+    if turn_ms and not freeze_idle:  # a turn is an engine alone: the others must be stopped
+        raise ValueError("engine_verdict: turns (turn_ms) need the idle engines frozen (freeze_idle)")
     t_start = time.monotonic()
     prompts = [s["prompt_ids"] for s in steps]
     max_tokens = [max(1, len(s["output_ids"])) for s in steps]

@@ -151,12 +151,17 @@ def test_eval_engine_k_auto_and_rounds_are_checked(tmp_path, export):
     env, record = _standin(tmp_path)
     for args, needle in ((["--engine-k", "auto,x"], "--engine-k=auto,x: expected integers in 1..64 or auto"),
                          (["--engine-rounds", "0"], "--engine-rounds=0: expected an integer in 1..100"),
-                         (["--engine-prompts", "0"], "--engine-prompts=0: expected an integer >= 1")):
+                         (["--engine-prompts", "0"], "--engine-prompts=0: expected an integer >= 1"),
+                         (["--engine-turn-ms", "2"], "--engine-turn-ms=2.0: expected 0 (whole requests"),
+                         (["--engine-turn-ms", "nan"], "--engine-turn-ms=nan: expected 0 (whole requests"),
+                         (["--engine-turn-ms", "20000"], "or 5..10000 ms (engines in turns)")):
         out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine", "vllm",
                                     *args, env=env, heavy=True)
         assert out == {"rc": 2, "heavy": []} and len(err) == 1 and needle in err[0], (out, err)
     out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine-rounds", "3")
     assert out["rc"] == 2 and "--engine-rounds without --engine vllm" in err[0], (out, err)
+    out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine-turn-ms", "50")
+    assert out["rc"] == 2 and "--engine-turn-ms without --engine vllm" in err[0], (out, err)
     out, err = cli_before_torch("eval", "--checkpoint", export, "--target", "tiny-qwen3", "--engine-prompts", "3")
     assert out["rc"] == 2 and "--engine-prompts without --engine vllm" in err[0], (out, err)
     # one drafter twice (or one k twice) would start an engine whose row the verdict drops

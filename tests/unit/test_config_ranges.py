@@ -81,6 +81,15 @@ def test_the_message_names_value_and_expectation():
     assert math.isclose(load_config(None, ["train.lr=1e-3"]).train.lr, 1e-3)
 
 
+def test_a_turn_is_zero_or_long_enough():
+    """eval.engine_turn_ms: 0 asks whole requests; a turn shorter than 5 ms would be mostly the
+    signals and /proc reads around it (engine/paired.py), so it is refused, not run."""
+    assert load_config(None, ["eval.engine_turn_ms=0"]).eval.engine_turn_ms == 0
+    assert load_config(None, ["eval.engine_turn_ms=5"]).eval.engine_turn_ms == 5
+    with pytest.raises(ConfigError, match=r"eval.engine_turn_ms=0.001: expected 0 \(whole requests"):
+        load_config(None, ["eval.engine_turn_ms=0.001"])
+
+
 def test_layer_ids_beyond_the_target_are_refused_before_loading_it():
     with pytest.raises(ConfigError, match=r"model.target_layer_ids=\[1, 6\]: expected ids < 6"):
         load_config(None, ["model.target=tiny-qwen3", "model.target_layer_ids=1,6"])
