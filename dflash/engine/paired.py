@@ -49,7 +49,6 @@ from . import runner
 from .runner import EngineError, EngineFailed
 
 KV_CACHE_GIB = 1
-
 # three interpreters per engine with torch and vLLM imported (ours, EngineCore, the model
 # worker), beside the weights and the KV cache: a tiny-qwen3 engine (65 MB of weights, a 1 GiB
 # KV cache) measured 3.07 GiB of PSS in the engine tier (its JSON's memory_gib)
@@ -341,7 +340,7 @@ class Engines:
             e.pids = tree(e.proc.pid)
             e.front = int(e.ready["pid"])
             # all but the process that talks to us: it waits on the socket and must hear the next request
-            e.frozen = [p for p in tree(int(e.ready["pid"])) if p != int(e.ready["pid"])] if self.do_freeze else []
+            e.frozen = [p for p in tree(e.front) if p != e.front] if self.do_freeze else []
             e.ready["memory_gib"] = pss_gib(e.pids)
             e.freeze()
             # its start in the run's trace: from the spawn to the ready it stamped (epoch -> our clock)

@@ -12,7 +12,8 @@ no-speculation outputs). One engine per method, all up at once:
 
 Paired and interleaved (engine/pairing.py, engine/paired.py): each prompt goes to every engine
 at once, the engines run in turns of `turn_ms` (each alone for its turn, in an order rotated
-per prompt and round; 0: whole requests back to back), over R rounds, the idle engines frozen; every ratio comes with its 95% interval over prompts and rounds, and the verdict
+per prompt and round; 0: whole requests back to back), over R rounds, the idle engines
+frozen; every ratio comes with its 95% interval over prompts and rounds, and the verdict
 names its machine (engine/machine.py). A profiler window per engine first splits a verify
 step into the drafter, the target's verify and the rest, and the ratio those costs predict
 stands beside the measured one.
@@ -142,8 +143,8 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     Paired and interleaved (engine/pairing.py, engine/paired.py): every engine up at once, each
     prompt asked of every engine in an order rotated per prompt and round, over `rounds` rounds:
     at once, run in turns of `turn_ms` (each request timed by its engine's turns), or with
-    `turn_ms` 0 whole, back to back; each ratio with its 95% interval. `profile`: first a profiler window per
-    engine (PROFILE: the first prompt's first 32 tokens), the cost of a verify step split into the drafter, the target's
+    `turn_ms` 0 whole, back to back; each ratio with its 95% interval. `profile`: first a
+    profiler window per engine (PROFILE: the first prompt's first 32 tokens), the cost of a verify step split into the drafter, the target's
     verify and the rest. `auto_k`: the k those costs and our per-position acceptance say is
     fastest (engine/kchoice.py) served beside each drafter's k, and with `record_k` written
     into the export (an export dflash wrote) for `serve --k auto`. `held_out`: our eval's records
