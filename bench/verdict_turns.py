@@ -97,7 +97,7 @@ def main() -> None:
     from dflash.engine.machine import describe, merged
     from dflash.engine.pairing import rotation
     from dflash.engine.targets import engine_target
-    from dflash.engine.verdict import NGRAM
+    from dflash.engine.verdict import NGRAM, engine_job
 
     run = Path(a.run)
     summary = json.loads((run / "summary.json").read_text())
@@ -106,12 +106,9 @@ def main() -> None:
     steps = after["per_prompt_steps"][:a.prompts or cfg.eval.engine_prompts or None]
     rounds = a.rounds or cfg.eval.engine_rounds
     k = after["block_size"] - 1
-    prompts = [s["prompt_ids"] for s in steps]
-    tokens = [max(1, len(s["output_ids"])) for s in steps]
-    job = {"target": engine_target(cfg.model.target, cfg.model.target_seed), "dtype": after["dtype"],
-           "max_model_len": max(len(p) + n for p, n in zip(prompts, tokens)) + 32, "prompts": prompts,
-           "max_tokens": tokens, "ignore_eos": True, "temperature": 0.0, "seed": cfg.train.seed,
-           "enforce_eager": cfg.eval.engine_eager, "profile_dir": None}
+    job = engine_job(target=engine_target(cfg.model.target, cfg.model.target_seed), dtype=after["dtype"],
+                     steps=steps, temperature=0.0, seed=cfg.train.seed, eager=cfg.eval.engine_eager)
+    prompts, tokens = job["prompts"], job["max_tokens"]
     plan = [("none", None), ("ngram", NGRAM | {"num_speculative_tokens": k}),
             ("drafter", {"method": "dflash", "model": str((run / "export").resolve()), "num_speculative_tokens": k})]
     ways = ["0"] + (["whole-reversed", "whole-settled"] if a.whole_variants else []) \
@@ -119,6 +116,11 @@ def main() -> None:
     labels = [label for label, _ in plan]
     times = {w: {label: [[None] * rounds for _ in prompts] for label in labels} for w in ways}
     outputs: dict[str, list] = {label: [None] * len(prompts) for label in labels}
+    try:  # the three engines together, before any starts
+        paired.check_memory(job["target"], [None, None, str((run / "export").resolve())])
+    except paired.EngineError as e:
+        print(f"verdict_turns: {e}", file=sys.stderr)
+        sys.exit(2)
     t0 = time.monotonic()
     with paired.Engines(job) as pool:
         pool.start(plan)

@@ -131,6 +131,19 @@ ROUNDS = 2  # eval.engine_rounds' default (docs/serving.md: prompts x rounds wit
 PROFILE = {"op": "profile", "prompts": [0], "max_tokens": 32}
 
 
+def engine_job(*, target: str, dtype: str, steps: list[dict], temperature: float, seed: int, eager: bool,
+               profile=None, max_model_len: int | None = None) -> dict:
+    """The job every engine of a verdict starts with (engine/vllm_worker.py's "paired"): our eval's
+    prompts (`steps`' prompt ids), each to our output's length, EOS ignored, so every method
+    generates the same tokens at T = 0."""
+    prompts = [s["prompt_ids"] for s in steps]
+    max_tokens = [max(1, len(s["output_ids"])) for s in steps]
+    need = max(len(p) + n for p, n in zip(prompts, max_tokens)) + 32   # + a block of drafts past the end
+    return {"target": target, "dtype": dtype, "max_model_len": max_model_len or need, "prompts": prompts,
+            "max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
+            "seed": seed, "enforce_eager": eager, "profile_dir": profile}  # at T > 0 the engine's own generator
+
+
 def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list[dict], ngram_k: int,
                    batched: bool = True, eager: bool = False, log_dir: Path | None = None, stop=None,
                    max_model_len: int | None = None, temperature: float = 0.0, seed: int = 0,
@@ -159,12 +172,9 @@ def engine_verdict(*, target: str, dtype: str, steps: list[dict], drafters: list
     if turn_ms and not freeze_idle:  # a turn is an engine alone: the others must be stopped
         raise ValueError("engine_verdict: turns (turn_ms) need the idle engines frozen (freeze_idle)")
     t_start = time.monotonic()
-    prompts = [s["prompt_ids"] for s in steps]
-    max_tokens = [max(1, len(s["output_ids"])) for s in steps]
-    need = max(len(p) + n for p, n in zip(prompts, max_tokens)) + 32   # + a block of drafts past the end
-    job = {"target": target, "dtype": dtype, "max_model_len": max_model_len or need, "prompts": prompts,
-           "max_tokens": max_tokens, "ignore_eos": True, "temperature": temperature,
-           "seed": seed, "enforce_eager": eager, "profile_dir": profile}  # at T > 0 the engine's own generator
+    job = engine_job(target=target, dtype=dtype, steps=steps, temperature=temperature, seed=seed, eager=eager,
+                     profile=profile, max_model_len=max_model_len)
+    prompts, max_tokens = job["prompts"], job["max_tokens"]
     plan = [{"label": "none", "spec": None, "k": None},
             {"label": "ngram", "spec": NGRAM | {"num_speculative_tokens": ngram_k}, "k": ngram_k}]
     labels = [d["label"] for d in drafters]
