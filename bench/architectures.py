@@ -44,7 +44,7 @@ BASES = {
                       "--set", "train.estimate_every=50",
                       "--set", "train.estimate_samples=8"],
              "steps": 200, "window": 16, "target": "tiny-qwen3"},
-    # `make demo`: SmolLM2-135M, its regenerated ShareGPT replies, 600 steps, 16 held-out prompts
+    # `make demo`: SmolLM2-135M, its regenerated ShareGPT replies, 600 steps, its held-out prompts (64 since 2026-12-08; the recorded tables: 16)
     "demo": {"args": ["--config", "configs/demo.yaml", "--set", "telemetry.console_interval_s=0"],
              "steps": 600, "window": 64, "target": "smollm2"},
 }

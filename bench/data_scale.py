@@ -12,8 +12,9 @@ conversation that repeats a scored prompt left out; a size-N arm trains on the f
 samples of one capture of the pool's first conversations (`data.max_samples`), so the sizes
 are nested, and regeneration's cache (one reply per prompt) serves every size at once.
 
-Scored on fixed prompts, the same for every cell: the demo's 16 held-out ShareGPT prompts
-(`make demo`'s split) and MT-Bench's 80 first turns, cut to 64 tokens, 96 new tokens, T=0.
+Scored on fixed prompts, the same for every cell: the 16 ShareGPT prompts `make demo` held out
+until 2026-12-08 (its split of 304 conversations, pinned here so the tables stay reproducible;
+the demo holds out 64 of 352 since) and MT-Bench's 80 first turns, cut to 64 tokens, 96 new tokens, T=0.
 tau is per verify step (engines' convention), walked from one drafter pass over the target's
 greedy continuation (run/acceptance_estimate.py: equal to decoding up to near-ties), per
 prompt, so arms compare prompt by prompt (paired differences +- their SE over prompts).
@@ -35,6 +36,7 @@ Everything lives under --work (default runs/data-scale) and is reused: a stopped
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -104,6 +106,8 @@ def prep(work: Path) -> None:
 
     work.mkdir(parents=True, exist_ok=True)
     demo = load_config(str(ROOT / "configs/demo.yaml"))
+    # the split these tables were scored on (the demo's until 2026-12-08): 16 of 304 conversations
+    demo.data = dataclasses.replace(demo.data, num_conversations=304, eval_fraction=0.0525)
     _, held = split(demo)
     sharegpt = prompt_sets.first_turns(held)
     prompt_sets.write_jsonl(sharegpt, work / "sharegpt16.jsonl")

@@ -110,7 +110,7 @@ def probe_accuracy(model, samples, held_out: int, layer_ids, steps: int = 300, s
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="configs/demo.yaml")
-    ap.add_argument("--held-out", type=int, default=16, help="samples scored (the last ones, as the estimate's)")
+    ap.add_argument("--held-out", type=int, default=16, help="samples scored (the last ones of the demo's training samples)")
     ap.add_argument("--probe", action="store_true", help="also train the direct probe (~3 min on 2 cores)")
     a = ap.parse_args()
 

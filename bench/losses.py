@@ -9,7 +9,7 @@ the machine alike); the served drafter is scored, never a copy head. Two budgets
   buys at its own measured step cost (wall_s of the equal-steps runs), so a dearer loss
   pays for its cost in steps.
 
-    .venv/bin/python bench/losses.py --base demo --seeds 0                 # SmolLM2, 16 held-out prompts
+    .venv/bin/python bench/losses.py --base demo --seeds 0                 # SmolLM2, the demo's held-out prompts
     .venv/bin/python bench/losses.py --base tiny --seeds 0,1,2             # tiny-qwen3, 3 seeds
 A run dir already in --out with its eval is kept (an interrupted bench resumes where it
 stopped). Prints a table; the last line is one JSON object.
@@ -32,9 +32,9 @@ RUNS = {"ce": ("ce", "decay"), "kl": ("kl", "decay"), "dpace": ("ce", "dpace"),
         "kl+dpace": ("kl", "dpace"), "lk": ("lk", "decay")}
 
 # The two bases: the demo's recipe without the copy head (what `make demo` serves), scored on
-# all 16 held-out prompts; and tiny-qwen3 (random weights, so seeds carry the noise).
+# all its held-out prompts (64 since 2026-12-08; docs/losses.md's tables were on the 16 before); and tiny-qwen3 (random weights, so seeds carry the noise).
 BASES = {
-    "demo": ["--config", "configs/demo.yaml", "--set", "model.copy_head=false", "--set", "eval.prompts=16"],
+    "demo": ["--config", "configs/demo.yaml", "--set", "model.copy_head=false"],
     "tiny": ["--target", "tiny-qwen3", "--set", "data.num_conversations=96", "--set", "model.block_size=4",
              "--set", "data.max_len=96", "--set", "eval.prompts=8", "--set", "eval.max_new_tokens=32",
              "--set", "eval.before=false", "--set", "train.batch_size=4", "--set", "train.lr=3e-3",

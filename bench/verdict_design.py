@@ -16,7 +16,7 @@ ratio noisier. This puts numbers on that trade-off without an engine: from RUN/s
 it prices each prompt cut to L tokens for none, ngram and the drafter, and gives per L the
 per-prompt spread of each ratio (its influence on the ratio of totals), the prompts that fit
 in the budget (every engine once per prompt), and the half-width they would give
-(1.96 x spread / sqrt(prompts)). The spread is estimated from the run's 16 prompts: a guide
+(1.96 x spread / sqrt(prompts)). The spread is estimated from the run's held-out prompts: a guide
 to the design, not a measured interval.
 
     .venv/bin/python bench/verdict_design.py --run runs/demo [--budget-s 256] [--lengths 16,24,32,48,64,96]

@@ -197,7 +197,7 @@ def recorded(run: Path) -> dict:
                 two = steps_interval(times[base], times[label], wide[base], wide[label])
                 out["ratios"][f"{label} vs {base}"]["held_out"] = {
                     "point": two["point"], "interval": [two["low"], two["high"]], "half_width": two["half_width"],
-                    "prompts": two["prompts"]}
+                    "prompts": two["prompts"], "cost_share": two["cost_share"]}
     return out
 
 
@@ -275,7 +275,8 @@ def main() -> None:
                 h = x["held_out"]
                 print(f"  over all {h['prompts']} held-out prompts (time per step on the timed ones, our steps on "
                       f"every one): {h['point']:.3f}x [{h['interval'][0]:.3f}, {h['interval'][1]:.3f}] "
-                      f"(+-{h['half_width']:.3f})")
+                      f"(+-{h['half_width']:.3f}); of its variance the timed prompts' cost per step carries "
+                      f"{h['cost_share'] or 0:.0%}, the {h['prompts']} prompts' passes the rest")
         print(json.dumps(r))
         return
     if "eval_after" not in json.loads((run / "summary.json").read_text()):

@@ -145,7 +145,7 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     steps), times its steps over all N prompts; the ratio of those. Interval: the timed
     prompts (and their rounds) drawn as in `interval`, and, independently, the N prompts
     drawn for the step sums. ``{"point", "low", "high", "level", "half_width", "prompts"
-    (N), "timed_prompts", "rounds", "enough"}``."""
+    (N), "timed_prompts", "rounds", "effective_prompts", "enough", "cost_share"}``."""
     P, N = len(base_s), len(base_steps)
     _check_times("steps_interval", base_s, other_s)
     if len(other_steps) != N or N < P or min(base_steps + other_steps) <= 0:
@@ -181,13 +181,17 @@ def steps_interval(base_s: list[list[float]], other_s: list[list[float]], base_s
     draws.sort()
     # the two stages' spreads come from P and from N prompts: the interval widens for the units
     # behind their sum (Welch-Satterthwaite), P's when the cost stage dominates, N's when the passes do
-    units = _effective_units(statistics.variance(log_cost), P, statistics.variance(log_passes), N)
+    var_cost, var_passes = statistics.variance(log_cost), statistics.variance(log_passes)
+    units = _effective_units(var_cost, P, var_passes, N)
     lo, hi = _cut(draws, expanded_tail(units, level))
     rounds = min(len(r) for r in base_s)
     enough = P >= MIN_PROMPTS and P * rounds >= MIN_REQUESTS
     return {"point": round(point, 4), "low": lo, "high": hi, "level": level,
             "half_width": round((hi - lo) / 2, 4), "prompts": N, "timed_prompts": P, "rounds": rounds,
-            "effective_prompts": round(units, 1), "enough": enough}
+            "effective_prompts": round(units, 1), "enough": enough,
+            # the share of the log ratio's variance the timed prompts' cost per pass carries (the
+            # rest: the held-out prompts' passes): which of the two more prompts would narrow
+            "cost_share": round(var_cost / (var_cost + var_passes), 3) if var_cost + var_passes > 0 else None}
 
 
 def _check_times(who: str, base_s: list[list[float]], other_s: list[list[float]]) -> None:

@@ -60,6 +60,16 @@ class RegenCache:
             tag = hashlib.sha256(fkey.encode()).hexdigest()[:12]
         return cls(Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24], tag)
 
+    @classmethod
+    def for_continuations(cls, root: Path, cfg, target, tokens: int) -> "RegenCache":
+        """The held-out estimate's rows (run/acceptance_estimate.eval_prompt_rows): exactly
+        ``tokens`` greedy tokens after each eval prompt, past an end-of-turn token too, so a
+        cache of their own beside the replies' (keyed like theirs, by the target and the length)."""
+        key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed,
+                          "arch": arch_hash(target.config), "dtype": str(getattr(target, "dtype", None)),
+                          "continuation": tokens, "v": FORMAT}, sort_keys=True)
+        return cls(Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24])
+
     # -- reading -----------------------------------------------------------------------
     def _batch_files(self) -> list[Path]:
         if not self.dir.is_dir():

@@ -91,10 +91,17 @@ def test_a_copy_head_drafter_trains_estimates_both_ways_and_decodes_losslessly(t
 
 def test_eval_before_off_measures_only_after_training(tmp_path):
     # the demo's setting: the untrained drafter's tau (1.0) is the curve's step 0, not a decode
-    p = run_dflash("train", "--out", tmp_path, "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,
-                   "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--set", "eval.before=false",
-                   "--set", "train.estimate_every=2", "--set", "train.estimate_samples=1", "--eval")
-    s = _summary(tmp_path)
+    args = ["train", "--out", tmp_path / "run", "--target", "tiny-qwen3", "--steps", 2, "--no-telemetry", *TINY,
+            "--set", "eval.prompts=1", "--set", "eval.max_new_tokens=8", "--set", "eval.before=false",
+            "--set", "train.estimate_every=2", "--set", "train.estimate_samples=1", "--eval"]
+    cache = {"DFLASH_CACHE": str(tmp_path / "cache")}
+    p = run_dflash(*args, env=cache)
+    s = _summary(tmp_path / "run")
+    # the estimate's continuation of the held-out prompt: generated once, read from its cache after
+    assert s["acceptance_estimate"]["continuations_cached"] == 0
+    again = run_dflash(*args, "--overwrite", env=cache)
+    assert _summary(tmp_path / "run")["acceptance_estimate"]["continuations_cached"] == 1
+    assert _summary(tmp_path / "run")["eval_after"]["histogram"] == s["eval_after"]["histogram"], again.stderr[-2000:]
     assert "eval_before" not in s and s["eval_after"]["prompts"] == 1
     assert "tau before training" not in p.stderr and "tau after training" in p.stderr
     # the estimate walked the eval's own prompt, cut and continued as the eval decodes it: the

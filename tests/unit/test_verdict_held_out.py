@@ -43,6 +43,8 @@ def test_the_cost_per_step_carries_the_machines_jitter():
     quiet = steps_interval(_times(none[:6], 0.07, 0.0, 2, rng), _times(drafter[:6], 0.08, 0.0, 2, rng), none, drafter)
     noisy = steps_interval(_times(none[:6], 0.07, 0.3, 2, rng), _times(drafter[:6], 0.08, 0.3, 2, rng), none, drafter)
     assert noisy["half_width"] > quiet["half_width"]
+    # a cost per step without jitter adds nothing: the prompts' passes carry the whole width
+    assert quiet["cost_share"] < 0.01 < 0.5 < noisy["cost_share"]
     assert steps_interval(_times(none[:6], 0.07, 0.3, 2, random.Random(3)), _times(drafter[:6], 0.08, 0.3, 2,
                           random.Random(3)), none, drafter) == steps_interval(
         _times(none[:6], 0.07, 0.3, 2, random.Random(3)), _times(drafter[:6], 0.08, 0.3, 2, random.Random(3)),
