@@ -48,7 +48,7 @@ demo: setup
 	  $(PY) -m dflash.analysis.demo_record runs/demo --name demo --command "make demo" --wall-s $$(( $$(date +%s) - t0 ))  # a new demo replaces the last one (runs/demo)
 	@echo "make demo: tau is given per verify step (as engines count it) and as the per-prompt mean; on ~270" \
 	      "replies the served drafter stays below prompt lookup (docs/demo-recipe.md); 'make demo-long'" \
-	      "(~25 min on 2 cores from an empty cache, its verdict included) trains one on 5.5x the replies that beats it (docs/serving.md: vLLM's verdict)."
+	      "(~28 min on 2 cores from an empty cache, its verdict included) trains one on 5.3x the replies that beats it (docs/serving.md: vLLM's verdict)."
 
 # The demo's recipe with 5.5x the regenerated replies and 5x the steps: its served drafter
 # beats prompt lookup on its held-out prompts (configs/demo-long.yaml, docs/demo-recipe.md)

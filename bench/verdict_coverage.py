@@ -2,8 +2,8 @@
 engine/pairing.interval (over the timed prompts and their rounds) and pairing.steps_interval
 (over every held-out prompt, from the timed ones' time per forward pass), at a nominal 95%.
 
-Synthetic verdicts shaped like the demo's: 16 held-out prompts, the first 6 timed over 2
-rounds; replies of 96 tokens (a fifth shorter); the drafter's tau per prompt skewed over
+Synthetic verdicts shaped like the demo's: 16 held-out prompts (the demo's until 2026-12-08;
+`--held-out 64` for its 64 since), the first 6 timed over 2 rounds; replies of 96 tokens (a fifth shorter); the drafter's tau per prompt skewed over
 1.0-1.8; 40 ms a pass without speculation, 46 with the drafter; a prefill overhead of 50-200
 ms a request. Regimes: a quiet host (1% jitter a request) and a noisy one (15%), a per-prompt
 cost spread, a drift the pair of requests shares, and a cost per pass that moves with tau
@@ -12,7 +12,7 @@ expected times over the prompts' population (2M prompts, no jitter).
 
     .venv/bin/python bench/verdict_coverage.py                       # every regime, 1000 verdicts, ~1 min
     .venv/bin/python bench/verdict_coverage.py --sims 300 --regimes quiet,noisy
-    .venv/bin/python bench/verdict_coverage.py --held-out 32 --regimes quiet   # a larger held-out set
+    .venv/bin/python bench/verdict_coverage.py --held-out 64                # the demos' held-out set since 2026-12-08
 
 Prints a row per regime and interval: coverage, mean half-width, mean bias; the last line is
 one JSON object.
@@ -106,7 +106,7 @@ def main() -> int:
     ap.add_argument("--sims", type=int, default=1000, help="synthetic verdicts per regime (default 1000)")
     ap.add_argument("--resamples", type=int, default=400, help="bootstrap draws per interval (the verdict's: 2000)")
     ap.add_argument("--regimes", default=",".join(REGIMES), help=f"a comma list of {', '.join(REGIMES)}")
-    ap.add_argument("--held-out", type=int, default=N, help=f"held-out prompts (default {N}, the demo's)")
+    ap.add_argument("--held-out", type=int, default=N, help=f"held-out prompts (default {N}, the demo's until 2026-12-08; 64 since)")
     ap.add_argument("--timed", type=int, default=P, help=f"the first of them timed (default {P})")
     ap.add_argument("--rounds", type=int, default=R, help=f"rounds per timed prompt (default {R})")
     a = ap.parse_args()

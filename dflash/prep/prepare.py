@@ -18,7 +18,7 @@ from ..data.prompt_sets import user_turn_keys
 from ..preflight.inputs import cache_dir
 from .regen_cache import RegenCache
 from .regen_shard import SOLO, Shard
-from .regenerate import regenerate, worker_count
+from .regenerate import regenerate
 
 
 @dataclass
@@ -68,7 +68,9 @@ def _regen_cached(cfg: Config, target, tokenizer, convs, device, layer_ids=None,
     cache = RegenCache.for_target(cache_dir() / "regenerated", cfg, target, layer_ids)
     # a GPU wants wide batches (one generate() step costs about the same for 1 or 64 rows)
     bs = cfg.data.regen_batch_size or (64 if str(device).startswith("cuda") else 16)
-    workers = worker_count(cfg.data.regen_workers, device)
+    import torch  # loaded by now (the target is)
+    # auto: on a CPU one worker per compute thread, at most 8 (each holds a batch's KV cache)
+    workers = cfg.data.regen_workers or (min(8, torch.get_num_threads()) if str(device) == "cpu" else 1)
     engine = vllm_regenerator(cfg, target) if cfg.data.regen_engine == "vllm" else None
     feats = {} if layer_ids and engine is None else None
     out = regenerate(target, tokenizer, convs, max_new_tokens=cfg.data.regen_max_new_tokens,

@@ -184,29 +184,14 @@ def _stopping(event: threading.Event):
     return StoppingCriteriaList([Stopped()])
 
 
-def worker_count(setting: int, device) -> int:
-    """`data.regen_workers` as set, or for auto (0) on a CPU one worker per compute thread, at
-    most 8 (each holds a batch's KV cache), on a GPU one."""
-    return setting or (min(8, torch.get_num_threads()) if str(device) == "cpu" else 1)
-
-
 def greedy_continuations(model, prompts: list[list[int]], n: int, *, pad: int, device,
-                         batch_size: int = 16, workers: int = 1) -> list[list[int]]:
+                         batch_size: int = 16) -> list[list[int]]:
     """Exactly ``n`` greedy tokens after each prompt, an end-of-turn token no stop (the held-out
     estimate reads the target's tokens past it: run/acceptance_estimate.py); batched and
-    left-padded as regeneration is. ``workers``: batches generated at once, as regeneration's
-    (`data.regen_workers`); prompts that fit one batch are split so that each worker has one."""
-    if not prompts:
-        return []
-    workers = max(1, workers)
-    size = max(1, min(batch_size, -(-len(prompts) // workers)))
-    groups = [prompts[b:b + size] for b in range(0, len(prompts), size)]
-    stop = threading.Event()  # set when this thread stops early: the workers' generate() calls end too
-    out: list[list[int]] = []
-    with _workers(workers, len(groups), stop) as run:
-        for gens in run(lambda g: _generate_left_padded(model, g, pad, set(), n, device,
-                                                        stop=stop if workers > 1 else None)[0], groups):
-            out += gens
+    left-padded as regeneration is."""
+    out = []
+    for b in range(0, len(prompts), batch_size):
+        out += _generate_left_padded(model, prompts[b:b + batch_size], pad, set(), n, device)[0]
     return out
 
 

@@ -156,17 +156,14 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
                 if walk_prompts:
                     from ..preflight.inputs import cache_dir
                     from ..prep.regen_cache import RegenCache
-                    from ..prep.regenerate import worker_count
 
-                    device = targets[0].device
-                    gen_batch = cfg.data.regen_batch_size or (64 if str(device).startswith("cuda") else 16)
+                    gen_batch = cfg.data.regen_batch_size or (64 if str(targets[0].device).startswith("cuda") else 16)
                     length = max(1, cfg.eval.max_new_tokens + cfg.model.block_size - 2)
                     rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
                                                     max_prompt_len=cfg.eval.max_prompt_len,
                                                     max_new_tokens=cfg.eval.max_new_tokens,
                                                     block_size=cfg.model.block_size, pad_id=tok.pad_token_id,
                                                     batch_size=gen_batch,
-                                                    workers=worker_count(cfg.data.regen_workers, device),
                                                     cache=RegenCache.for_continuations(
                                                         cache_dir() / "continuations", cfg, targets[0], length))
                     ph.set(continuations_cached=rows.source.get("continuations_cached", 0))
