@@ -275,8 +275,9 @@ def main() -> None:
                 h = x["held_out"]
                 print(f"  over all {h['prompts']} held-out prompts (time per step on the timed ones, our steps on "
                       f"every one): {h['point']:.3f}x [{h['interval'][0]:.3f}, {h['interval'][1]:.3f}] "
-                      f"(+-{h['half_width']:.3f}); of its variance the timed prompts' cost per step carries "
-                      f"{h['cost_share'] or 0:.0%}, the {h['prompts']} prompts' passes the rest")
+                      f"(+-{h['half_width']:.3f})" + ("" if h["cost_share"] is None else
+                      f"; of its variance the timed prompts' cost per step carries {h['cost_share']:.0%}, "
+                      f"the {h['prompts']} prompts' passes the rest"))
         print(json.dumps(r))
         return
     if "eval_after" not in json.loads((run / "summary.json").read_text()):

@@ -51,6 +51,7 @@ the lengths; the figures do not depend on the chunking.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -89,6 +90,12 @@ class WalkRows:
     source: dict = field(default_factory=dict)
 
 
+def continuation_length(max_new_tokens: int, block_size: int) -> int:
+    """The target's tokens after each eval prompt that the walk reads: `eval.max_new_tokens` and
+    B - 2 more, so the last verify step's every slot has its label (the module docstring)."""
+    return max(1, max_new_tokens + block_size - 2)
+
+
 def eval_prompt_rows(target: PreTrainedModel, tokenizer, convs: list, *, n: int, max_prompt_len: int,
                      max_new_tokens: int, block_size: int, pad_id: int, batch_size: int = 16,
                      cache=None) -> WalkRows:
@@ -104,7 +111,7 @@ def eval_prompt_rows(target: PreTrainedModel, tokenizer, convs: list, *, n: int,
     from ..prep.regenerate import greedy_continuations
 
     prompts = prompts_for_eval(tokenizer, convs[:n], max_prompt_len=max_prompt_len)
-    length = max(1, max_new_tokens + block_size - 2)
+    length = continuation_length(max_new_tokens, block_size)
     keys = [prompt_key(p) for p in prompts]
     have = {}
     if cache is not None:
@@ -115,7 +122,11 @@ def eval_prompt_rows(target: PreTrainedModel, tokenizer, convs: list, *, n: int,
     made = greedy_continuations(target, [prompts[i] for i in todo], length, pad=pad_id, device=target.device,
                                 batch_size=batch_size)
     if cache is not None and todo:
-        cache.write_batch({keys[i]: g for i, g in zip(todo, made)})
+        try:
+            cache.write_batch({keys[i]: g for i, g in zip(todo, made)})
+        except OSError as e:  # the cache only saves the next run time: a full or read-only disk is no failure
+            print(f"held-out estimate: its continuations were not cached ({cache.dir}: {e.strerror or e}); "
+                  f"the next run generates them again", file=sys.stderr)
     have.update({keys[i]: g for i, g in zip(todo, made)})
     gens = [have[k] for k in keys]
     eos = stop_token_ids(target, tokenizer)

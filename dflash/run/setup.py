@@ -158,7 +158,7 @@ def _setup_rest(cfg, place, out, run_id, groups, target, tok, store, features_dt
                     from ..prep.regen_cache import RegenCache
 
                     gen_batch = cfg.data.regen_batch_size or (64 if str(targets[0].device).startswith("cuda") else 16)
-                    length = max(1, cfg.eval.max_new_tokens + cfg.model.block_size - 2)
+                    length = est_mod.continuation_length(cfg.eval.max_new_tokens, cfg.model.block_size)
                     rows = est_mod.eval_prompt_rows(targets[0], tok, prep.eval_convs, n=cfg.train.estimate_samples,
                                                     max_prompt_len=cfg.eval.max_prompt_len,
                                                     max_new_tokens=cfg.eval.max_new_tokens,

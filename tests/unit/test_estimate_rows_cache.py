@@ -52,6 +52,15 @@ def test_an_entry_of_another_length_is_generated_again(tiny, tmp_path):
     assert _rows(model, tok, convs, cache=cache).source["continuations_cached"] == 3
 
 
+def test_a_cache_that_cannot_be_written_costs_a_warning_not_the_run(tiny, tmp_path, capsys):
+    model, tok = tiny
+    convs = _convs(2)
+    (tmp_path / "a-file").write_text("")
+    got = _rows(model, tok, convs, cache=RegenCache(tmp_path / "a-file" / "continuations"))
+    assert torch.equal(got.batch.input_ids, _rows(model, tok, convs).batch.input_ids)
+    assert "continuations were not cached" in capsys.readouterr().err
+
+
 def test_the_cache_is_keyed_by_the_target_and_the_length(tiny, tmp_path):
     model, _ = tiny
     cfg = load_config(None, [])
