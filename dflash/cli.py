@@ -78,27 +78,51 @@ def main(argv=None) -> int:
     # and returns its code is not an OK run either
     if failure is None and rc:
         failure = ("KeyboardInterrupt" if rc == 130 else "ExitStatus", f"dflash {a.cmd} exited {rc}", "")
+    import time
+    ended_at = time.monotonic()  # from here to the exit nothing is traced: _exit_now says what took long
     phases.finish(failure)
     said_how_it_ended()  # the watch for a second signal (errors.py) has nothing more to say
     if program:
-        _exit_now(rc)
+        _exit_now(rc, ended_at)
     return rc
 
 
-def _exit_now(rc: int) -> None:
+# an exit longer than this after the run's end is said, with what took it (the telemetry's
+# shutdown alone may take its 2 s bound; a usual exit takes 0.2-0.8 s)
+SLOW_EXIT_S = 3.0
+
+
+def _exit_now(rc: int, ended_at: float | None = None) -> None:
     """End the process as Python's own exit would (non-daemon threads joined, then the atexit
     handlers, the output flushed), minus the interpreter's teardown of its modules: with torch
     and transformers loaded that took 1.3-2.2 s here after the run had finished, time nobody
     can trace or use. Everything this program owns is closed before (telemetry, files,
-    children)."""
+    children). The root span has ended by then (the telemetry is shut down with it), so an
+    exit that takes longer than SLOW_EXIT_S is one line on stderr naming what it waited for:
+    the telemetry's shutdown, a thread, the exit handlers (a demo run once spent 8.5 s here;
+    bad input, exit 2, stays one line)."""
     import atexit
     import os
     import threading
+    import time
 
+    now = time.monotonic()
+    took = [("the run's end and the telemetry's shutdown", now - ended_at)] if ended_at is not None else []
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
+            t0 = time.monotonic()
             t.join()
+            took.append((f"thread {t.name}", time.monotonic() - t0))
+    t0 = time.monotonic()
     atexit._run_exitfuncs()
+    took.append(("the exit handlers", time.monotonic() - t0))
+    total = time.monotonic() - (ended_at if ended_at is not None else now)
+    if total > SLOW_EXIT_S and rc != 2:  # bad input stays its one line
+        parts = "; ".join(f"{what} {s:.1f} s" for what, s in took if s >= 0.1) or "none over 0.1 s"
+        try:
+            print(f"dflash: the exit took {total:.1f} s after the run ended, untraced ({parts})", file=sys.stderr)
+        except (OSError, ValueError):
+            pass
     for f in (sys.stdout, sys.stderr):
         try:
             f.flush()
