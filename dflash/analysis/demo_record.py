@@ -111,13 +111,20 @@ def load(records: Path = RECORDS) -> list[dict]:
     return [recs[n] for n in ORDER if n in recs] + [r for n, r in recs.items() if n not in ORDER]
 
 
+def _bound(x: float) -> str:
+    """An interval's end to 2 decimals, or 3 where 2 would print 1.00 for an end that is not 1:
+    [1.0027, 1.11] decides (it excludes 1), and must not read as [1.00, 1.11]."""
+    return f"{x:.3f}" if f"{x:.2f}" == "1.00" and x != 1 else f"{x:.2f}"
+
+
 def _x(r: dict | None) -> str:
     if not r:
         return "-"
     iv, wide = r.get("interval"), r.get("held_out")
-    out = f"{r['point']:.2f}x [{iv[0]:.2f}, {iv[1]:.2f}]" if iv else f"{r['point']:.2f}x (one unpaired run)"
+    out = f"{r['point']:.2f}x [{_bound(iv[0])}, {_bound(iv[1])}]" if iv else f"{r['point']:.2f}x (one unpaired run)"
     if wide:  # over every held-out prompt: the timed ones' cost per pass, our passes on each (docs/serving.md)
-        out += f"; all {wide['prompts']} prompts: {wide['point']:.2f}x [{wide['interval'][0]:.2f}, {wide['interval'][1]:.2f}]"
+        lo, hi = wide["interval"]
+        out += f"; all {wide['prompts']} prompts: {wide['point']:.2f}x [{_bound(lo)}, {_bound(hi)}]"
     return out
 
 

@@ -166,3 +166,9 @@ def test_a_run_without_a_verdict_keeps_the_record_that_has_one(tmp_path, monkeyp
     assert "keeps the earlier run" in capsys.readouterr().err and (records / "demo.json").read_text() == kept
     assert demo_record.main(["--readme-only"]) == 0
     assert "NOT lossless" in readme.read_text(), "a served drafter that changed the output is said in its row"
+
+
+def test_an_interval_end_that_rounds_to_one_keeps_a_third_decimal():
+    """[1.0027, 1.115] excludes 1 (decided): the table must not print it as [1.00, 1.11]."""
+    assert [demo_record._bound(x) for x in (1.0027, 0.9981, 1.0, 1.234, 0.9951)] == [
+        "1.003", "0.998", "1.00", "1.23", "0.995"]
