@@ -48,11 +48,9 @@ class RegenCache:
 
     @classmethod
     def for_target(cls, root: Path, cfg, target, layer_ids=None) -> "RegenCache":
-        arch = arch_hash(target.config)
         # regen_max_prompt_len is not here: the cut is part of the prompt ids, hence of each record's key
-        key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch,
-                          "dtype": str(getattr(target, "dtype", None)), "new": cfg.data.regen_max_new_tokens,
-                          "v": FORMAT} | _engine_key(cfg), sort_keys=True)
+        key = json.dumps(_target_key(cfg, target) | {"new": cfg.data.regen_max_new_tokens} | _engine_key(cfg),
+                         sort_keys=True)
         tag = None
         if layer_ids:
             fkey = json.dumps({"layers": list(layer_ids),
@@ -65,9 +63,7 @@ class RegenCache:
         """The held-out estimate's rows (run/acceptance_estimate.eval_prompt_rows): exactly
         ``tokens`` greedy tokens after each eval prompt, past an end-of-turn token too, so a
         cache of their own beside the replies' (keyed like theirs, by the target and the length)."""
-        key = json.dumps({"target": cfg.model.target, "target_seed": cfg.model.target_seed,
-                          "arch": arch_hash(target.config), "dtype": str(getattr(target, "dtype", None)),
-                          "continuation": tokens, "v": FORMAT}, sort_keys=True)
+        key = json.dumps(_target_key(cfg, target) | {"continuation": tokens}, sort_keys=True)
         return cls(Path(root) / hashlib.sha256(key.encode()).hexdigest()[:24])
 
     # -- reading -----------------------------------------------------------------------
@@ -167,6 +163,13 @@ class RegenCache:
                         p.unlink(missing_ok=True)
                 except (ValueError, IndexError):
                     continue
+
+
+def _target_key(cfg, target) -> dict:
+    """What decides a target's greedy tokens, apart from the prompt and their number: the target
+    (spec, tiny-target seed, a hash of its config), its dtype, and this cache's format."""
+    return {"target": cfg.model.target, "target_seed": cfg.model.target_seed, "arch": arch_hash(target.config),
+            "dtype": str(getattr(target, "dtype", None)), "v": FORMAT}
 
 
 def _engine_key(cfg) -> dict:
